@@ -1,0 +1,111 @@
+"""Reading a ParallelTrainJob: YAML file or dict → typed job, with every problem named by its field path."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .spec import ParallelTrainJob, cross_field_problems
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # e.g. "spec.parallelism.data"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A job that must not start. `problems` lists every bad field, not just the first."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("invalid ParallelTrainJob:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).startswith(("function-", "literal[", "int", "str", "list[", "dict[")):
+            continue  # pydantic's internal union/validator step names are not field names
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def parse_job(doc: Any) -> ParallelTrainJob:
+    """Validate a job document; raise SpecError listing every problem (field errors, then cross-field rules)."""
+    if not isinstance(doc, dict):
+        raise SpecError([Problem("<root>", f"expected a mapping (a ParallelTrainJob object), got {type(doc).__name__}")])
+    try:
+        job = ParallelTrainJob.model_validate(doc, context={"defer_cross_field": True})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field (misspelt?)"
+            problems.append(Problem(_loc_to_path(err["loc"]), msg))
+        raise SpecError(problems) from None
+    problems = [Problem(path, msg) for path, msg in cross_field_problems(job.spec)]
+    if problems:
+        raise SpecError(problems)
+    return job
+
+
+def parse_scalar(text: str) -> Any:
+    """A `--set` value, read as a YAML scalar: `2` → 2, `true` → True, `1e-3` → 0.001, `bf16` → "bf16"."""
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str) and _NUMBER.fullmatch(text.strip()):
+        return float(text)  # PyYAML (YAML 1.1) reads `1e-3` as a string; users mean a number
+    return value
+
+
+def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `path.to.field=value` overrides (e.g. `spec.parallelism.data=2`) to a copy of `doc`."""
+    out = copy.deepcopy(doc)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError([Problem("--set", f"expected PATH=VALUE, got {item!r}")])
+        parts = key.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise SpecError([Problem(key, f"cannot set a field inside {part!r}: it is not a mapping")])
+            node = child
+        node[parts[-1]] = parse_scalar(raw)
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SpecError([Problem(str(path), f"cannot read: {exc.strerror}")]) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError([Problem(str(path), f"not valid YAML: {exc}")]) from None
+    if len(docs) != 1:
+        raise SpecError([Problem(str(path), f"expected one YAML document, found {len(docs)}")])
+    return docs[0]
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> ParallelTrainJob:
+    return parse_job(apply_overrides(read_yaml(path), overrides or []))

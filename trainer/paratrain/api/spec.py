@@ -1,0 +1,297 @@
+"""The typed ParallelTrainJob spec: the single source of truth for the CLI, trainer, operator and CRD schema.
+
+Field names are the user-facing camelCase names (aliases); Python code uses snake_case attributes.
+Per-field bounds live on the fields (they become OpenAPI constraints in the CRD); cross-field rules live in
+`Spec._cross_field_rules`, each mirrored by a CEL rule in `paratrain.api.crd`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "paratrain.dev"
+API_VERSION = "v1alpha1"
+KIND = "ParallelTrainJob"
+PLURAL = "paralleltrainjobs"
+SHORT_NAME = "ptj"
+
+# A job name becomes the Service name and the prefix of pod names (`<name>-<rank>`) and of DNS labels,
+# so it must be an RFC 1123 label with room for the suffix.
+MAX_NAME_LENGTH = 50
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Env names the renderer and torchrun own; a user env var with one of these names would break rendezvous.
+RESERVED_ENV_NAMES = frozenset(
+    {
+        "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+        "ROLE_RANK", "NODE_RANK", "POD_IP", "POD_NAME",
+    }
+)
+RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_", "NCCL_", "TORCH_")
+QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$"
+ABS_PATH = r"^/[^\x00\n\r]*$"
+LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class _Model(BaseModel):
+    """Strict camelCase model: unknown fields are errors (a misspelt field must not be silently ignored)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, validate_default=True
+    )
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+class Parallelism(_Model):
+    data: int = Field(1, ge=1, le=4096, description="Data-parallel degree (model replicas).")
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree (attention heads and MLP split).")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree (stages of consecutive layers).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="0: plain DDP; 1: shard optimizer state; 2: also gradients; 3: also parameters."
+    )
+    pipeline_schedule: Literal["GPipe", "1F1B"] = Field("1F1B", description="Pipeline schedule.")
+    microbatches: int = Field(1, ge=1, le=1024, description="Microbatches per step on each pipeline.")
+
+
+class ModelSpec(_Model):
+    layers: int = Field(4, ge=1, le=512)
+    heads: int = Field(4, ge=1, le=512)
+    embed_dim: int = Field(128, ge=8, le=65536)
+    block_size: int = Field(64, ge=2, le=131072, description="Context length in tokens.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    vocab_size: int = Field(256, ge=2, le=1_000_000, description="Vocabulary of the synthetic source only.")
+
+
+class DataSpec(_Model):
+    source: Literal["synthetic", "text"] = "synthetic"
+    path: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description="Text file (source: text).")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+
+
+class TrainingSpec(_Model):
+    steps: int = Field(100, ge=1, le=100_000_000)
+    batch_size: int = Field(8, ge=1, le=1_000_000, description="Sequences per optimizer step, over all DP ranks.")
+    learning_rate: float = Field(1e-3, gt=0.0, le=10.0)
+    min_learning_rate: float = Field(1e-4, ge=0.0, le=10.0)
+    warmup_steps: int = Field(10, ge=0, le=100_000_000)
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Max global gradient norm; 0 disables clipping.")
+    eval_interval: int = Field(50, ge=1, le=100_000_000)
+    eval_steps: int = Field(10, ge=1, le=100_000)
+    seed: int = Field(1337, ge=0, le=2**31 - 1)
+
+
+class CheckpointSpec(_Model):
+    path: str | None = Field(None, max_length=4096, pattern=ABS_PATH,
+                             description="Directory for checkpoints; resume picks the latest complete one.")
+    interval: int = Field(0, ge=0, le=100_000_000, description="Steps between checkpoints; 0: only at the end.")
+    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class ResourcesSpec(_Model):
+    gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 trains on CPU with gloo.")
+    cpu: str = Field("1", pattern=QUANTITY, max_length=32)
+    memory: str = Field("2Gi", pattern=QUANTITY, max_length=32)
+    shm_size: str = Field("1Gi", pattern=QUANTITY, max_length=32, description="Size of the /dev/shm emptyDir.")
+
+
+class RunPolicy(_Model):
+    backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
+    active_deadline_seconds: int | None = Field(None, ge=1, le=10 * 365 * 86400)
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=10 * 365 * 86400)
+    suspend: bool = False
+    stall_timeout_seconds: int = Field(
+        900, ge=10, le=7 * 86400, description="Progress silent this long sets the Stalled condition."
+    )
+    collective_timeout_seconds: int = Field(
+        600, ge=5, le=86400, description="A collective that waits longer fails the job instead of hanging."
+    )
+
+
+class Toleration(_Model):
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(_Model):
+    gang: Literal["none", "volcano", "coscheduling"] = "none"
+    queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description="Volcano queue.")
+    priority_class_name: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    # Affinity is Kubernetes' own structure; it is passed through as data (never as text) and
+    # validated by the API server's pod schema.
+    affinity: dict[str, Any] | None = None
+
+
+class EnvVar(_Model):
+    name: str = Field(pattern=ENV_NAME, max_length=128)
+    value: str = Field("", max_length=32768)
+
+
+class Volume(_Model):
+    """A volume mounted into every pod: a PVC (data, checkpoints), a ConfigMap, a Secret or an emptyDir."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    mount_path: str = Field(pattern=ABS_PATH, max_length=4096)
+    read_only: bool = False
+    persistent_volume_claim: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    config_map: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    secret: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    empty_dir: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Volume:
+        sources = [self.persistent_volume_claim, self.config_map, self.secret, self.empty_dir or None]
+        if sum(s is not None for s in sources) != 1:
+            raise ValueError("exactly one of persistentVolumeClaim, configMap, secret, emptyDir must be set")
+        return self
+
+
+class PodSpec(_Model):
+    """What real clusters need from the user, merged into every pod as data."""
+
+    env: list[EnvVar] = Field(default_factory=list, max_length=256)
+    volumes: list[Volume] = Field(default_factory=list, max_length=64)
+    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_LABEL, max_length=253)]] = Field(
+        default_factory=list, max_length=16
+    )
+    labels: dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=316)], Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]] = Field(default_factory=dict)
+    annotations: dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=316)], Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict)
+
+
+class Spec(_Model):
+    image: str = Field("ghcr.io/paratrain/trainer:0.1.0", pattern=IMAGE, max_length=512)
+    nodes: int = Field(1, ge=1, le=4096, description="Pods in the gang.")
+    procs_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per pod.")
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    pod: PodSpec = Field(default_factory=PodSpec)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> Spec:
+        # `paratrain.api.load.parse_job` runs these itself to report each problem under its own field path.
+        if info.context and info.context.get("defer_cross_field"):
+            return self
+        problems = cross_field_problems(self)
+        if problems:
+            raise ValueError("; ".join(f"{path}: {msg}" for path, msg in problems))
+        return self
+
+
+def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
+    """Constraints between fields, as (field path, message). Each has a CEL twin in the CRD (see crd.py)."""
+    p, m, t = spec.parallelism, spec.model, spec.training
+    out: list[tuple[str, str]] = []
+    product = p.data * p.tensor * p.pipeline
+    if product != spec.world_size:
+        out.append(("spec.parallelism", f"data({p.data}) x tensor({p.tensor}) x pipeline({p.pipeline}) = {product} "
+                    f"must equal nodes({spec.nodes}) x procsPerNode({spec.procs_per_node}) = {spec.world_size}"))
+    if m.embed_dim % m.heads:
+        out.append(("spec.model.embedDim", f"embedDim({m.embed_dim}) must be divisible by heads({m.heads})"))
+    if m.heads % p.tensor:
+        out.append(("spec.model.heads", f"heads({m.heads}) must be divisible by parallelism.tensor({p.tensor})"))
+    if (4 * m.embed_dim) % p.tensor:
+        out.append(("spec.model.embedDim", f"MLP width 4*embedDim({4 * m.embed_dim}) must be divisible by "
+                    f"parallelism.tensor({p.tensor})"))
+    if m.layers < p.pipeline:
+        out.append(("spec.model.layers", f"layers({m.layers}) must be >= parallelism.pipeline({p.pipeline}): "
+                    "every stage needs at least one layer"))
+    if t.batch_size % p.data:
+        out.append(("spec.training.batchSize", f"batchSize({t.batch_size}) must be divisible by "
+                    f"parallelism.data({p.data})"))
+    elif (t.batch_size // p.data) % p.microbatches:
+        out.append(("spec.parallelism.microbatches", f"per-rank batch batchSize/data = {t.batch_size // p.data} "
+                    f"must be divisible by microbatches({p.microbatches})"))
+    if p.microbatches > 1 and p.pipeline == 1:
+        out.append(("spec.parallelism.microbatches", "microbatches > 1 needs parallelism.pipeline > 1"))
+    if p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":
+        out.append(("spec.parallelism.microbatches", f"1F1B needs microbatches({p.microbatches}) >= "
+                    f"pipeline({p.pipeline})"))
+    if p.zero_stage > 0 and p.data == 1:
+        out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} shards over data-parallel ranks and "
+                    "needs parallelism.data >= 2"))
+    if p.zero_stage in (2, 3) and p.pipeline > 1:
+        out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} with pipeline > 1 is not supported "
+                    "(gradient sharding conflicts with per-microbatch accumulation); use zeroStage 0 or 1"))
+    if t.min_learning_rate > t.learning_rate:
+        out.append(("spec.training.minLearningRate", f"minLearningRate({t.min_learning_rate}) must be <= "
+                    f"learningRate({t.learning_rate})"))
+    if t.warmup_steps > t.steps:
+        out.append(("spec.training.warmupSteps", f"warmupSteps({t.warmup_steps}) must be <= steps({t.steps})"))
+    if spec.data.source == "text" and not spec.data.path:
+        out.append(("spec.data.path", "data.source 'text' needs data.path"))
+    if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
+        out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
+                    f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
+    if spec.scheduling.queue and spec.scheduling.gang != "volcano":
+        out.append(("spec.scheduling.queue", "queue is a Volcano setting and needs scheduling.gang 'volcano'"))
+    names = [v.name for v in spec.pod.volumes]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
+    mounts = [v.mount_path for v in spec.pod.volumes]
+    for reserved in ("/dev/shm", "/etc/paratrain"):
+        if reserved in mounts:
+            out.append(("spec.pod.volumes", f"mountPath {reserved} is reserved by paratrain"))
+    for i, env in enumerate(spec.pod.env):
+        if is_reserved_env(env.name):
+            out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: paratrain and torchrun set it "
+                        "(set NCCL_/TORCH_ tuning through the operator's defaults)"))
+    env_names = [e.name for e in spec.pod.env]
+    for dup in sorted({n for n in env_names if env_names.count(n) > 1}):
+        out.append(("spec.pod.env", f"env name {dup!r} is set more than once"))
+    return out
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=DNS_LABEL, max_length=MAX_NAME_LENGTH)
+    namespace: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
+
+
+class ParallelTrainJob(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["paratrain.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["ParallelTrainJob"]
+    metadata: ObjectMeta
+    spec: Spec = Field(default_factory=Spec)
+    status: dict[str, Any] | None = None
+
+    def dump(self) -> dict[str, Any]:
+        out = {"apiVersion": self.api_version, "kind": self.kind,
+               "metadata": self.metadata.model_dump(mode="json", exclude_none=True), "spec": self.spec.dump()}
+        return out
+
+
+def layout_label(spec: Spec) -> str:
+    """Short layout string for printer columns and logs, e.g. `dp2·tp2·pp2 z1 bf16`."""
+    p = spec.parallelism
+    return f"dp{p.data}·tp{p.tensor}·pp{p.pipeline} z{p.zero_stage} {spec.precision}"
+
+
+def is_reserved_env(name: str) -> bool:
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+

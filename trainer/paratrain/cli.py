@@ -1,0 +1,85 @@
+"""`paratrain` command line.
+
+    paratrain run JOB.yaml [--set spec.parallelism.data=2 ...] [--metrics-out m.json]   # local gang of processes
+    paratrain validate JOB.yaml [--set ...]                                             # every problem, exit 1
+    paratrain render JOB.yaml [--set ...] [--namespace NS]                              # the gang's k8s objects
+    paratrain crd                                                                       # the CRD manifest
+    paratrain train --spec JOB.yaml                                                     # what each process runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .api import SpecError, load_job
+from .contract import EXIT_INVALID_SPEC
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="ParallelTrainJob YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field, value read as a YAML scalar (e.g. spec.parallelism.data=2); repeatable")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a job locally as processes (no cluster needed)")
+    _add_job_args(run)
+    run.add_argument("--metrics-out", help="write losses, val loss, tokens/s and per-rank state bytes as JSON")
+    run.add_argument("--workdir", help="where logs and relative checkpoint paths go (default: ./runs/<name>)")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live progress bar")
+
+    validate = sub.add_parser("validate", help="check a job and print every problem")
+    _add_job_args(validate)
+
+    render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for a job")
+    _add_job_args(render)
+    render.add_argument("--namespace", default="default")
+    render.add_argument("--attempt", type=int, default=0, help="gang restart attempt to render")
+
+    sub.add_parser("crd", help="print the ParallelTrainJob CustomResourceDefinition")
+
+    train = sub.add_parser("train", help="the trainer entrypoint every process runs (reads torchrun's env)")
+    train.add_argument("--spec", required=True, help="ParallelTrainJob YAML")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "crd":
+            import yaml
+
+            from .api.crd import crd_manifest
+
+            sys.stdout.write(yaml.safe_dump(crd_manifest(), sort_keys=False))
+            return 0
+        if args.command == "train":
+            from .train.entrypoint import train_main
+
+            return train_main(args.spec)
+        job = load_job(args.job, args.overrides)
+        if args.command == "validate":
+            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")
+            return 0
+        if args.command == "render":
+            import yaml
+
+            from paratrain_operator.render import render_job
+
+            objects = render_job(job, namespace=args.namespace, attempt=args.attempt)
+            sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+            return 0
+        from .launch import run_local
+
+        return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress)
+    except SpecError as exc:
+        print(f"paratrain: {exc}", file=sys.stderr)
+        return 1 if args.command != "train" else EXIT_INVALID_SPEC
+
+
+if __name__ == "__main__":
+    sys.exit(main())

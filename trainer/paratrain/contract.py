@@ -1,0 +1,83 @@
+"""torchrun's env contract, shared by the operator's renderer (pods) and the local launcher (processes).
+
+A pod gets the *node* env: torchrun reads `PET_*` variables as defaults for its flags, so the pod command is
+just `torchrun --no-python paratrain train`. torchrun then gives each worker process the *worker* env
+(RANK, LOCAL_RANK, WORLD_SIZE, ...). The local launcher skips torchrun and gives each process the worker env
+directly, so a trainer process cannot tell a laptop from a cluster.
+"""
+
+from __future__ import annotations
+
+SPEC_MOUNT_DIR = "/etc/paratrain"
+SPEC_FILE_NAME = "job.yaml"
+SPEC_PATH_IN_POD = f"{SPEC_MOUNT_DIR}/{SPEC_FILE_NAME}"
+MASTER_PORT = 29500
+PROGRESS_PORT = 29400
+
+# Variables the trainer reads (besides torchrun's worker env).
+ENV_SPEC = "PARATRAIN_SPEC"  # path of the job YAML
+ENV_JOB_NAME = "PARATRAIN_JOB_NAME"
+ENV_RESTART_ATTEMPT = "PARATRAIN_RESTART_ATTEMPT"  # gang restarts so far; logged, and part of pod names
+ENV_PROGRESS_PORT = "PARATRAIN_PROGRESS_PORT"  # rank 0 serves GET /progress here when set
+ENV_PROGRESS_HOST = "POD_IP"  # where the progress server binds (the downward API's status.podIP in pods)
+ENV_EVENTS_FILE = "PARATRAIN_EVENTS_FILE"  # rank 0 appends one JSON line per event (local launcher reads it)
+ENV_METRICS_OUT = "PARATRAIN_METRICS_OUT"  # rank 0 writes the run's metrics JSON here at the end
+ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is present
+
+# Exit codes the trainer uses so the operator can classify failures without reading logs.
+EXIT_OK = 0
+EXIT_INVALID_SPEC = 2  # permanent: the spec can never train
+EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a gang restart may succeed
+PERMANENT_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, 126, 127})  # 126/127: the image cannot run the command
+
+
+def service_name(job_name: str) -> str:
+    """The headless Service giving every pod of the job a DNS name."""
+    return job_name
+
+
+def pod_name(job_name: str, node_rank: int) -> str:
+    return f"{job_name}-{node_rank}"
+
+
+def pod_dns_name(job_name: str, namespace: str, node_rank: int) -> str:
+    """`<pod hostname>.<service>.<namespace>.svc`: resolvable once the pod exists (publishNotReadyAddresses)."""
+    return f"{pod_name(job_name, node_rank)}.{service_name(job_name)}.{namespace}.svc"
+
+
+def node_env(*, nnodes: int, nproc_per_node: int, node_rank: int, master_addr: str,
+             master_port: int = MASTER_PORT) -> dict[str, str]:
+    """What a pod gets: torchrun's PET_* flags (static rendezvous on rank 0's stable DNS name)."""
+    return {
+        "PET_NNODES": str(nnodes),
+        "PET_NPROC_PER_NODE": str(nproc_per_node),
+        "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": master_addr,
+        "PET_MASTER_PORT": str(master_port),
+        # One attempt inside the pod: restarts are the operator's, for the whole gang at once.
+        "PET_MAX_RESTARTS": "0",
+    }
+
+
+def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """What torchrun gives each worker process; the local launcher sets exactly this."""
+    node_rank, local_rank = divmod(rank, nproc_per_node)
+    world = nnodes * nproc_per_node
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": str(node_rank),
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def train_command() -> list[str]:
+    """The pod's container command: torchrun (flags from PET_*) starting `paratrain train` per GPU."""
+    return ["torchrun", "--no-python", "paratrain", "train", "--spec", SPEC_PATH_IN_POD]
