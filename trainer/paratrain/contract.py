@@ -24,6 +24,11 @@ ENV_EVENTS_FILE = "PARATRAIN_EVENTS_FILE"  # rank 0 appends one JSON line per ev
 ENV_METRICS_OUT = "PARATRAIN_METRICS_OUT"  # rank 0 writes the run's metrics JSON here at the end
 ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is present
 
+# Labels on every object of a job's gang (the operator selects by them).
+LABEL_JOB = "paratrain.dev/job-name"
+LABEL_ATTEMPT = "paratrain.dev/attempt"
+LABEL_NODE_RANK = "paratrain.dev/node-rank"
+
 # Exit codes the trainer uses so the operator can classify failures without reading logs.
 EXIT_OK = 0
 EXIT_INVALID_SPEC = 2  # permanent: the spec can never train
@@ -36,13 +41,19 @@ def service_name(job_name: str) -> str:
     return job_name
 
 
-def pod_name(job_name: str, node_rank: int) -> str:
+def pod_hostname(job_name: str, node_rank: int) -> str:
+    """Stable across gang restarts, so rank 0's DNS name (the rendezvous address) never changes."""
     return f"{job_name}-{node_rank}"
 
 
+def pod_name(job_name: str, attempt: int, node_rank: int) -> str:
+    """Unique per gang attempt: a restarted gang never collides with, or is mistaken for, the old one."""
+    return f"{job_name}-{attempt}-{node_rank}"
+
+
 def pod_dns_name(job_name: str, namespace: str, node_rank: int) -> str:
-    """`<pod hostname>.<service>.<namespace>.svc`: resolvable once the pod exists (publishNotReadyAddresses)."""
-    return f"{pod_name(job_name, node_rank)}.{service_name(job_name)}.{namespace}.svc"
+    """`<hostname>.<service>.<namespace>.svc`: resolvable once the pod exists (publishNotReadyAddresses)."""
+    return f"{pod_hostname(job_name, node_rank)}.{service_name(job_name)}.{namespace}.svc"
 
 
 def node_env(*, nnodes: int, nproc_per_node: int, node_rank: int, master_addr: str,
