@@ -91,7 +91,8 @@ class TrainingSpec(_Model):
 
 
 class CheckpointSpec(_Model):
-    path: str | None = Field(None, max_length=4096, pattern=ABS_PATH,
+    # Relative paths are relative to the working directory (local runs); pods want a shared volume's path.
+    path: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$",
                              description="Directory for checkpoints; resume picks the latest complete one.")
     interval: int = Field(0, ge=0, le=100_000_000, description="Steps between checkpoints; 0: only at the end.")
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")

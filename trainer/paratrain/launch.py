@@ -1,0 +1,200 @@
+"""`paratrain run`: a job's whole gang as local processes, each with the worker env torchrun gives pods' workers.
+
+Shows a live progress line read from rank 0's event file, prints a summary, and if any rank fails stops the
+others and exits with that rank's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from . import contract
+from .api import ParallelTrainJob, layout_label
+
+STOP_GRACE_SECONDS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(world: int) -> str:
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+
+
+def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None) -> list[subprocess.Popen]:
+    spec = job.spec
+    spec_file = workdir / contract.SPEC_FILE_NAME
+    spec_file.write_text(yaml.safe_dump(job.dump(), sort_keys=False))
+    port = free_port()
+    (workdir / "logs").mkdir(exist_ok=True)
+    events = workdir / "events.jsonl"
+    events.unlink(missing_ok=True)
+    procs = []
+    for rank in range(spec.world_size):
+        env = {**os.environ, **contract.worker_env(rank=rank, nnodes=spec.nodes, nproc_per_node=spec.procs_per_node,
+                                                  master_addr="127.0.0.1", master_port=port)}
+        env["OMP_NUM_THREADS"] = _threads_per_rank(spec.world_size)
+        env[contract.ENV_JOB_NAME] = job.metadata.name
+        if rank == 0:
+            env[contract.ENV_EVENTS_FILE] = str(events)
+            if metrics_out:
+                env[contract.ENV_METRICS_OUT] = str(Path(metrics_out).resolve())
+        out = open(workdir / "logs" / f"rank-{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--spec", str(spec_file)],
+                                      env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def stop_gang(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after a grace period: nothing is left behind."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class ProgressView:
+    """Follows rank 0's events file; draws one updating line on a terminal, plain lines elsewhere."""
+
+    def __init__(self, events: Path, live: bool):
+        self.events, self.live, self.offset = events, live, 0
+        self.last: dict = {}
+        self.val_loss: float | None = None
+        self._last_plain = 0.0
+
+    def poll(self) -> None:
+        if not self.events.exists():
+            return
+        with open(self.events) as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # a line still being written: read it next time
+                self.offset += len(line)
+                self._handle(json.loads(line))
+
+    def _handle(self, ev: dict) -> None:
+        kind = ev["event"]
+        if kind == "step":
+            self.last = ev
+            self._draw()
+        elif kind == "eval":
+            self.val_loss = ev["valLoss"]
+            self._print(f"step {ev['step']}: val loss {ev['valLoss']:.4f}")
+        elif kind in ("resume", "checkpoint"):
+            self._print(f"{kind} at step {ev['step']}")
+
+    def _print(self, text: str) -> None:
+        if self.live:
+            sys.stderr.write("\r\033[K")
+        sys.stderr.write(text + "\n")
+        self._draw()
+
+    def _draw(self) -> None:
+        ev = self.last
+        if not ev:
+            return
+        step, total = ev["step"], ev["totalSteps"]
+        width = 24
+        filled = int(width * step / total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {ev['loss']:.4f}  "
+                f"{ev['tokensPerSecond']:,.0f} tok/s  ETA {_duration(ev['etaSeconds'])}")
+        if self.live:
+            sys.stderr.write("\r\033[K" + line)
+            sys.stderr.flush()
+        elif time.monotonic() - self._last_plain > 10 or step == total:
+            self._last_plain = time.monotonic()
+            sys.stderr.write(line + "\n")
+
+    def finish(self) -> None:
+        self.poll()
+        if self.live and self.last:
+            sys.stderr.write("\n")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
+              progress: bool = True) -> int:
+    spec = job.spec
+    work = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
+          f"{spec.training.steps} steps; logs in {work / 'logs'}", file=sys.stderr)
+    started = time.monotonic()
+    procs = start_gang(job, work, metrics_out)
+    view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
+    failed: tuple[int, int] | None = None
+    try:
+        while True:
+            view.poll()
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        failed = (-1, 130)
+    finally:
+        stop_gang(procs)
+    view.finish()
+    if failed:
+        rank, code = failed
+        who = "interrupted" if rank < 0 else f"rank {rank} exited with code {code}"
+        log_tail = "" if rank < 0 else _tail(work / "logs" / f"rank-{rank}.log")
+        print(f"paratrain: {job.metadata.name} failed: {who}; stopped the other ranks.\n{log_tail}", file=sys.stderr)
+        return code if code > 0 else 1
+    last = view.last
+    summary = [f"paratrain: {job.metadata.name} finished {spec.training.steps} steps in "
+               f"{_duration(time.monotonic() - started)}"]
+    if last:
+        summary.append(f"final train loss {last['loss']:.4f}, {last['tokensPerSecond']:,.0f} tokens/s")
+    if view.val_loss is not None or last:
+        final_val = _final_val(work / "events.jsonl")
+        if final_val is not None:
+            summary.append(f"val loss {final_val:.4f}")
+    if spec.checkpoint.path:
+        summary.append(f"checkpoints in {Path(spec.checkpoint.path).resolve()}")
+    if metrics_out:
+        summary.append(f"metrics in {metrics_out}")
+    print("; ".join(summary), file=sys.stderr)
+    return 0
+
+
+def _final_val(events: Path) -> float | None:
+    done = [json.loads(line) for line in events.read_text().splitlines() if '"done"' in line]
+    return done[-1].get("valLoss") if done else None
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "".join(f"  | {line}\n" for line in path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,179 @@
+"""Checkpoints that a crash can never leave looking complete, loaded without unpickling arbitrary objects.
+
+Layout: `<path>/step-00000100/{rank-00000.pt, ..., manifest.json}`. Every rank writes its own state under a
+hidden `.tmp-step-*` directory (file written, fsynced, renamed); rank 0 then writes the manifest (with each file's
+SHA-256) and renames the directory into place — one atomic rename is what makes a checkpoint exist. On start,
+every rank checks its own file of the newest candidate against the manifest; the newest checkpoint that every
+rank accepts wins, and a corrupt or truncated one is reported and skipped. Files are read with
+`torch.load(weights_only=True)`: tensors and plain containers only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("paratrain.checkpoint")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _to_local(obj: Any) -> Any:
+    """DTensors become the shard this rank holds; the layout check on load makes that sufficient."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Checkpointer:
+    root: Path
+    rank: int
+    world_size: int
+    layout: str  # a checkpoint only loads into the layout that wrote it (per-rank shards)
+    keep: int = 2
+
+    def save(self, step: int, state: dict, meta: dict) -> Path:
+        """Collective: every rank calls it. `meta` (rank 0's) goes into the manifest."""
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash mid-write
+            tmp.mkdir()
+        dist.barrier()
+        target = tmp / rank_file_name(self.rank)
+        partial = target.with_suffix(".partial")
+        with open(partial, "wb") as f:
+            torch.save(_to_local(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        partial.rename(target)
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, (rank_file_name(self.rank), _sha256(target)))
+        if self.rank == 0:
+            manifest = {"format": FORMAT_VERSION, "step": step, "worldSize": self.world_size, "layout": self.layout,
+                        "files": dict(digests), **meta}
+            (tmp / MANIFEST).write_text(json.dumps(manifest))
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        for old in self.candidates()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def candidates(self) -> list[Path]:
+        """Directories that look like finished checkpoints, newest first (not yet verified)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
+
+    def _check_own_file(self, ckpt: Path) -> str | None:
+        """None if this rank's file of `ckpt` is sound, else the reason it is not."""
+        try:
+            manifest = json.loads((ckpt / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            return f"unreadable manifest ({exc})"
+        if manifest.get("worldSize") != self.world_size or manifest.get("layout") != self.layout:
+            return (f"written by layout {manifest.get('layout')} on {manifest.get('worldSize')} ranks; this run is "
+                    f"{self.layout} on {self.world_size} ranks")
+        name = rank_file_name(self.rank)
+        expected = manifest.get("files", {}).get(name)
+        path = ckpt / name
+        if expected is None or not path.is_file():
+            return f"{name} missing"
+        if _sha256(path) != expected:
+            return f"{name} is corrupt or truncated (checksum mismatch)"
+        return None
+
+    def load_latest(self, device: torch.device) -> tuple[dict, dict] | None:
+        """Collective: (this rank's state, manifest) of the newest checkpoint every rank accepts, or None."""
+        for ckpt in self.candidates():
+            problem = self._check_own_file(ckpt)
+            ok = torch.tensor([0 if problem else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if ok.item() == 1:
+                state = torch.load(ckpt / rank_file_name(self.rank), map_location=device, weights_only=True)
+                return state, json.loads((ckpt / MANIFEST).read_text())
+            if problem:
+                log.warning("skipping checkpoint %s: %s", ckpt, problem)
+            elif self.rank == 0:
+                log.warning("skipping checkpoint %s: rejected by another rank", ckpt)
+        return None
+
+
+def restore_into(module: torch.nn.Module, optimizer: Any, state_model: dict, state_optim: dict) -> None:
+    """Load per-rank local tensors back into (possibly DTensor) parameters and optimizer state."""
+    with torch.no_grad():
+        own = module.state_dict()
+        missing = set(own) - set(state_model)
+        if missing:
+            raise ValueError(f"checkpoint lacks {sorted(missing)[:3]}")
+        for name, value in own.items():
+            target = value.to_local() if isinstance(value, DTensor) else value
+            target.copy_(state_model[name])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, st in state_optim.get("state", {}).items():
+        p = params[int(idx)]
+        if isinstance(p, DTensor):
+            for k, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
+    optimizer.load_state_dict(state_optim)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,155 @@
+"""TorchEngine: one training step for every torch-native layout (DDP, TP, PP, FSDP2/ZeRO-1, and their mixes).
+
+The loop talks to an engine through five calls — forward_backward, optimizer_step, evaluate, state_dict /
+load_state_dict, state_bytes — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import restore_into
+from .data_parallel import allreduce_gradients
+from .dims import ParallelDims
+from .precision import LossScaler, autocast
+from .tensors import local, local_bytes
+from .zero import optimizer_state_bytes
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; in fp32 whatever the autocast dtype (the softmax over the vocabulary needs the range)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
+    """L2 norm of the whole model's gradient, the same on every rank: DTensor shards reduced over their mesh,
+    pipeline stages summed over "pp"."""
+    total_sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq += norm.square()
+    if dims.pp_enabled:
+        dist.all_reduce(total_sq, group=dims.group("pp"))
+    return math.sqrt(total_sq.item()) if torch.isfinite(total_sq) else math.inf
+
+
+@dataclass
+class StepResult:
+    applied: bool  # False when fp16 overflowed and the step was skipped
+    grad_norm: float  # unscaled global norm before clipping
+
+
+@dataclass
+class TorchEngine:
+    model: nn.Module  # what forward runs: the stage module, possibly wrapped by DDP
+    module: nn.Module  # the unwrapped (stage) module: parameters and checkpoint state
+    optimizer: object  # torch.optim.Optimizer or zero.ZeroOneOptimizer
+    dims: ParallelDims
+    precision: str
+    grad_clip: float
+    sync_dp_grads: bool  # all-reduce gradients ourselves (composed layouts DDP cannot wrap)
+    schedule: object | None = None  # pipelining schedule when pp > 1
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
+    last_grad_bytes: int = 0
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def scaled_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda logits, targets: cross_entropy(logits, targets) * self.scaler.factor
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Accumulate this rank's gradients for one batch; return its mean loss where this rank computes it."""
+        self.model.train()
+        device_type = x.device.type
+        if self.schedule is None:
+            with autocast(self.precision, device_type):
+                loss = cross_entropy(self.model(x), y)
+            (loss * self.scaler.factor).backward()
+            result = loss.item()
+        else:
+            result = self._pipeline_step(x, y, device_type)
+        if self.sync_dp_grads:
+            allreduce_gradients(self.params, self.dims.get_mesh("dp"))
+        return result
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, device_type: str) -> float | None:
+        losses: list[torch.Tensor] = []
+        last = self.dims.is_last_stage
+        with autocast(self.precision, device_type):
+            if self.dims.pp_rank == 0:
+                self.schedule.step(x, target=y if last else None, losses=losses if last else None)
+            elif last:
+                self.schedule.step(target=y, losses=losses)
+            else:
+                self.schedule.step()
+        if not last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.scaler.factor
+
+    @torch.no_grad()
+    def optimizer_step(self, lr: float) -> StepResult:
+        params = self.params
+        scaled_norm = global_grad_norm(params, self.dims)
+        grad_norm = scaled_norm / self.scaler.factor
+        applied = self.scaler.update(scaled_norm)
+        if applied:
+            # One multiply both unscales (fp16) and clips: clip_grad_norm_'s coefficient, clamped at 1.
+            clip = min(1.0, self.grad_clip / (grad_norm + 1e-6)) if self.grad_clip > 0 else 1.0
+            coef = clip / self.scaler.factor
+            if coef != 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        local(p.grad).mul_(coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.last_grad_bytes = sum(local_bytes(p.grad) for p in params)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(applied, grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        self.model.eval()
+        device_type = x.device.type
+        with autocast(self.precision, device_type):
+            if self.schedule is None:
+                return cross_entropy(self.model(x), y).item()
+            losses: list[torch.Tensor] = []
+            last = self.dims.is_last_stage
+            if self.dims.pp_rank == 0:
+                self.schedule.eval(x, target=y if last else None, losses=losses if last else None)
+            elif last:
+                self.schedule.eval(target=y, losses=losses)
+            else:
+                self.schedule.eval()
+        # eval() does not scale; the loss_fn did multiply by the current loss scale.
+        return torch.stack(losses).mean().item() / self.scaler.factor if last else None
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_into(self.module, self.optimizer, state["model"], state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    def state_bytes(self) -> dict[str, int]:
+        opt_bytes = (self.optimizer.state_bytes() if hasattr(self.optimizer, "state_bytes")
+                     else optimizer_state_bytes(self.optimizer))
+        return {"params": sum(local_bytes(p) for p in self.module.parameters()), "grads": self.last_grad_bytes,
+                "optimizer": opt_bytes}

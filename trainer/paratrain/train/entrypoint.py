@@ -1,0 +1,139 @@
+"""`paratrain train`: what every process of a job runs, on a laptop or in a pod.
+
+Reads the spec and torchrun's worker env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), initialises the
+process group (gloo on CPU, NCCL on GPU) with the spec's collective timeout, builds the mesh and the engine,
+resumes from the latest complete checkpoint, trains, and exits with a code the operator can classify.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+
+from .. import contract
+from ..api import ParallelTrainJob, SpecError, layout_label, load_job
+
+log = logging.getLogger("paratrain.train")
+
+
+class EnvError(ValueError):
+    pass
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise EnvError(f"{name} is not set: run through `paratrain run` or torchrun, which set the worker env")
+    return int(value)
+
+
+def _pick_device(job: ParallelTrainJob, local_rank: int):
+    import torch
+
+    want_gpu = job.spec.resources.gpus_per_node > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu"
+    if want_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    if want_gpu:
+        log.warning("resources.gpusPerNode=%d but no CUDA device is visible: training on CPU with gloo",
+                    job.spec.resources.gpus_per_node)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+    return torch.device("cpu"), "gloo"
+
+
+def train_main(spec_path: str) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s")
+    try:
+        job = load_job(spec_path)
+        world, local_rank = _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+        if world != job.spec.world_size:
+            raise EnvError(f"WORLD_SIZE={world} but the spec's nodes x procsPerNode = {job.spec.world_size}")
+    except (SpecError, EnvError) as exc:
+        log.error("%s", exc)
+        return contract.EXIT_INVALID_SPEC
+    try:
+        return _train(job, rank, world, local_rank)
+    except ValueError as exc:  # a spec the device or data cannot honour (named in the message)
+        log.error("%s", exc)
+        return contract.EXIT_INVALID_SPEC
+    except Exception as exc:  # noqa: BLE001 (classify every failure for the operator)
+        if _is_peer_failure(exc):
+            log.error("a peer failed or a collective timed out (%s: %s); the gang should restart",
+                      type(exc).__name__, exc)
+            return contract.EXIT_RETRYABLE
+        raise
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, (dist.DistError, ConnectionError, TimeoutError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("connection reset", "connection closed", "timed out", "timeout", "broken pipe",
+                            "peer", "gloo", "nccl"))
+
+
+def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .checkpoint import Checkpointer
+    from .data import load_corpus
+    from .dims import ParallelDims
+    from .loop import Trainer
+    from .parallelize import build_engine
+    from .precision import check_device_supports
+    from .progress import ProgressReporter, write_json
+
+    spec = job.spec
+    device, backend = _pick_device(job, local_rank)
+    check_device_supports(spec.precision, device)
+    timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    try:
+        p = spec.parallelism
+        dims = ParallelDims(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world, device_type=device.type)
+        corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
+                             spec.training.seed, spec.model.block_size)
+        torch.manual_seed(spec.training.seed + rank)  # dropout streams differ per rank, reproducibly
+        engine = build_engine(spec, dims, device, corpus.vocab_size)
+        reporter = None
+        if rank == 0:
+            port = os.environ.get(contract.ENV_PROGRESS_PORT)
+            reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
+                                        os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None)
+            log.info("job %s: %s on %d ranks, device %s, backend %s", job.metadata.name, layout_label(spec), world,
+                     device, backend)
+        checkpointer = None
+        if spec.checkpoint.path:
+            checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
+                                        spec.checkpoint.keep)
+        result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
+        state_bytes: list = [None] * world
+        dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
+        metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
+        if rank == 0:
+            if metrics_out:
+                write_json(metrics_out, {
+                    "losses": result.losses, "val_loss": result.val_losses[-1][1],
+                    "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
+                    "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
+                    "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
+                })
+            reporter.close()
+        dist.barrier()
+        return contract.EXIT_OK
+    finally:
+        dist.destroy_process_group()
+
+
+def _resolve(path: str):
+    from pathlib import Path
+
+    return Path(path).expanduser().resolve()

@@ -1,0 +1,128 @@
+"""The training loop: deterministic batches, warmup + cosine LR, periodic eval and checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..api import Spec
+from ..api.spec import TrainingSpec
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_slice
+from .dims import ParallelDims
+from .progress import ProgressReporter
+
+
+def lr_at(step: int, t: TrainingSpec) -> float:
+    """Linear warmup to learningRate over warmupSteps, then cosine decay to minLearningRate at `steps`."""
+    if step < t.warmup_steps:
+        return t.learning_rate * (step + 1) / t.warmup_steps
+    decay_steps = t.steps - t.warmup_steps
+    progress = (step - t.warmup_steps) / decay_steps if decay_steps > 0 else 1.0
+    return t.min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_learning_rate)
+
+
+def mean_over_reporters(value: float | None, device: torch.device) -> float:
+    """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value."""
+    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+    tokens_per_second: float = 0.0
+    start_step: int = 0
+
+
+class Trainer:
+    def __init__(self, spec: Spec, engine, dims: ParallelDims, corpus: Corpus, device: torch.device,
+                 reporter: ProgressReporter | None, checkpointer: Checkpointer | None):
+        self.spec, self.engine, self.dims, self.corpus, self.device = spec, engine, dims, corpus, device
+        self.reporter, self.checkpointer = reporter, checkpointer
+        self.result = RunResult()
+
+    def _batch(self, tokens, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, m = self.spec.training, self.spec.model
+        x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream)
+        dp_rank, dp = self.dims.dp_rank, self.dims.dp
+        return rank_slice(x, dp_rank, dp).to(self.device), rank_slice(y, dp_rank, dp).to(self.device)
+
+    def _emit(self, event: str, **fields) -> None:
+        if self.reporter:
+            self.reporter.emit(event, **fields)
+
+    def resume(self) -> None:
+        if not self.checkpointer:
+            return
+        restored = self.checkpointer.load_latest(self.device)
+        if restored is None:
+            return
+        state, manifest = restored
+        self.engine.load_state_dict(state["engine"])
+        set_rng_state(state["rng"])
+        self.result.losses = list(manifest["losses"])
+        self.result.val_losses = [tuple(v) for v in manifest["valLosses"]]
+        self.result.skipped_steps = manifest["skippedSteps"]
+        self.result.start_step = manifest["step"]
+        self._emit("resume", step=manifest["step"], checkpoint=str(self.checkpointer.root))
+
+    def evaluate(self) -> float:
+        total = 0.0
+        for i in range(self.spec.training.eval_steps):
+            x, y = self._batch(self.corpus.val, i, VAL_STREAM)
+            total += mean_over_reporters(self.engine.evaluate(x, y), self.device)
+        return total / self.spec.training.eval_steps
+
+    def save(self, step: int) -> None:
+        r = self.result
+        self.checkpointer.save(step, {"engine": self.engine.state_dict(), "rng": rng_state()},
+                               {"losses": r.losses, "valLosses": r.val_losses, "skippedSteps": r.skipped_steps})
+        self._emit("checkpoint", step=step)
+
+    def run(self) -> RunResult:
+        t, r = self.spec.training, self.result
+        self.resume()
+        tokens_per_step = t.batch_size * self.spec.model.block_size
+        self._emit("start", step=r.start_step, totalSteps=t.steps)
+        train_time, t_last = 0.0, time.perf_counter()
+        for step in range(r.start_step, t.steps):
+            t0 = time.perf_counter()
+            x, y = self._batch(self.corpus.train, step, TRAIN_STREAM)
+            local_loss = self.engine.forward_backward(x, y)
+            outcome = self.engine.optimizer_step(lr_at(step, t))
+            loss = mean_over_reporters(local_loss, self.device)
+            dt = time.perf_counter() - t0
+            train_time += dt
+            r.losses.append(loss)
+            r.skipped_steps += not outcome.applied
+            done = step + 1
+            tps = tokens_per_step * (done - r.start_step) / train_time
+            eta = (t.steps - done) * train_time / (done - r.start_step)
+            log_now = time.perf_counter() - t_last > 10 or done == t.steps
+            t_last = time.perf_counter() if log_now else t_last
+            self._emit("step", step=done, totalSteps=t.steps, loss=loss, lr=lr_at(step, t),
+                       gradNorm=outcome.grad_norm, applied=outcome.applied, tokensPerSecond=tps, etaSeconds=eta,
+                       log=log_now)
+            if done % t.eval_interval == 0 and done < t.steps:
+                val = self.evaluate()
+                r.val_losses.append((done, val))
+                self._emit("eval", step=done, valLoss=val)
+            ckpt = self.spec.checkpoint
+            if self.checkpointer and ckpt.interval and done % ckpt.interval == 0 and done < t.steps:
+                self.save(done)
+        r.tokens_per_second = tokens_per_step * (t.steps - r.start_step) / train_time if train_time else 0.0
+        if r.start_step < t.steps or not r.val_losses or r.val_losses[-1][0] != t.steps:
+            r.val_losses.append((t.steps, self.evaluate()))
+        if self.checkpointer and r.start_step < t.steps:
+            self.save(t.steps)
+        self._emit("done", step=t.steps, totalSteps=t.steps, valLoss=r.val_losses[-1][1],
+                   loss=r.losses[-1] if r.losses else None, tokensPerSecond=r.tokens_per_second, etaSeconds=0)
+        return r

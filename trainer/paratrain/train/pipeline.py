@@ -1,0 +1,39 @@
+"""Pipeline parallel with torch.distributed.pipelining: contiguous layers per stage, GPipe or 1F1B schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+
+def stage_layers(layers: int, stages: int, stage: int) -> range:
+    """Layers of `stage`: an even split, earlier stages taking the remainder (they also hold no head)."""
+    base, extra = divmod(layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """Keep only this stage's parts of the model (in place). Parameter names stay those of the full model."""
+    keep = {str(i) for i in stage_layers(len(model.layers), stages, stage)}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_emb = model.pos_emb = None
+    if stage != stages - 1:
+        model.ln_f = model.head = None
+    return model
+
+
+def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device, microbatches: int,
+                   schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """A schedule that averages the microbatch losses' gradients (scale_grads), matching one full-batch mean."""
+    stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
+    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

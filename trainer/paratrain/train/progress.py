@@ -1,0 +1,79 @@
+"""Rank 0's progress reports: one JSON line per event to a file (the local launcher's progress bar reads it), a
+log line, and `GET /progress` over HTTP (the operator polls it, so pods need no API credentials)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+log = logging.getLogger("paratrain.progress")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class ProgressReporter:
+    def __init__(self, total_steps: int, events_file: str | None = None, host: str | None = None,
+                 port: int | None = None):
+        self.snapshot: dict = {"phase": "starting", "step": 0, "totalSteps": total_steps, "loss": None,
+                               "valLoss": None, "tokensPerSecond": 0.0, "etaSeconds": None, "updatedAt": _now()}
+        self._lock = threading.Lock()
+        self._events = open(events_file, "a", buffering=1) if events_file else None
+        self._server = _serve(self, host or "0.0.0.0", port) if port else None
+
+    def emit(self, event: str, **fields) -> None:
+        with self._lock:
+            if event in ("step", "eval", "start", "done"):
+                self.snapshot.update({k: v for k, v in fields.items() if k in self.snapshot})
+                self.snapshot["phase"] = {"done": "done"}.get(event, "training")
+                self.snapshot["updatedAt"] = _now()
+        record = {"event": event, "time": time.time(), **fields}
+        if self._events:
+            self._events.write(json.dumps(record) + "\n")
+        if event != "step" or fields.get("log", False):
+            log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items() if k != "log"))
+
+    def get(self) -> dict:
+        with self._lock:
+            return dict(self.snapshot)
+
+    def close(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._events:
+            self._events.close()
+
+
+def _serve(reporter: ProgressReporter, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.rstrip("/") not in ("/progress", "/healthz"):
+                self.send_error(404)
+                return
+            body = json.dumps(reporter.get()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # quiet: the operator polls often
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="progress-http", daemon=True).start()
+    return server
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
