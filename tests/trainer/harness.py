@@ -1,0 +1,52 @@
+"""Run real local jobs (`paratrain run`, the user's command) and read their metrics, for parity tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+TINY_JOB = {
+    "apiVersion": "paratrain.dev/v1alpha1",
+    "kind": "ParallelTrainJob",
+    "metadata": {"name": "parity"},
+    "spec": {
+        "model": {"layers": 2, "heads": 2, "embedDim": 32, "blockSize": 16, "vocabSize": 64},
+        "training": {"steps": 10, "batchSize": 8, "evalInterval": 5, "evalSteps": 2, "warmupSteps": 2,
+                     "learningRate": 3e-3},
+    },
+}
+
+
+def layout(data: int = 1, tensor: int = 1, pipeline: int = 1, **parallelism) -> list[str]:
+    """--set overrides for a layout; nodes = world size (one process per node, like a CPU cluster)."""
+    sets = {"spec.nodes": data * tensor * pipeline, "spec.parallelism.data": data,
+            "spec.parallelism.tensor": tensor, "spec.parallelism.pipeline": pipeline}
+    sets.update({f"spec.parallelism.{k}": v for k, v in parallelism.items()})
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expect_ok: bool = True,
+            timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    job_file = tmp / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job or TINY_JOB))
+    metrics = tmp / "metrics.json"
+    cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
+           "--workdir", str(tmp / "work"), "--no-progress"]
+    for item in overrides:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    if expect_ok:
+        assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    data = json.loads(metrics.read_text()) if metrics.exists() else None
+    return proc, data
+
+
+def assert_close_curves(actual: list[float], expected: list[float], rtol: float) -> None:
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+    assert worst <= rtol, f"loss curves differ by {worst:.2e} relative (tolerance {rtol:.0e}):\n{actual}\n{expected}"
