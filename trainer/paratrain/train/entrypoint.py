@@ -121,7 +121,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         if rank == 0:
             if metrics_out:
                 write_json(metrics_out, {
-                    "losses": result.losses, "val_loss": result.val_losses[-1][1],
+                    "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
                     "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
                     "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
                     "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,

@@ -36,6 +36,7 @@ def mean_over_reporters(value: float | None, device: torch.device) -> float:
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # global, unscaled, before clipping
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
     tokens_per_second: float = 0.0
@@ -69,6 +70,7 @@ class Trainer:
         self.engine.load_state_dict(state["engine"])
         set_rng_state(state["rng"])
         self.result.losses = list(manifest["losses"])
+        self.result.grad_norms = list(manifest["gradNorms"])
         self.result.val_losses = [tuple(v) for v in manifest["valLosses"]]
         self.result.skipped_steps = manifest["skippedSteps"]
         self.result.start_step = manifest["step"]
@@ -84,7 +86,7 @@ class Trainer:
     def save(self, step: int) -> None:
         r = self.result
         self.checkpointer.save(step, {"engine": self.engine.state_dict(), "rng": rng_state()},
-                               {"losses": r.losses, "valLosses": r.val_losses, "skippedSteps": r.skipped_steps})
+                               {"losses": r.losses, "gradNorms": r.grad_norms, "valLosses": r.val_losses, "skippedSteps": r.skipped_steps})
         self._emit("checkpoint", step=step)
 
     def run(self) -> RunResult:
@@ -102,6 +104,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             train_time += dt
             r.losses.append(loss)
+            r.grad_norms.append(outcome.grad_norm)
             r.skipped_steps += not outcome.applied
             done = step + 1
             tps = tokens_per_step * (done - r.start_step) / train_time
