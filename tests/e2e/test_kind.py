@@ -1,0 +1,43 @@
+"""The kind end to end (scripts/kind-e2e.sh): runs where docker, kind, kubectl and helm are present and the
+docker daemon answers; elsewhere it is skipped with the reason shown by `pytest -ra`.
+
+    python3 -m pytest tests/e2e/test_kind.py -ra
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "kind-e2e.sh"
+
+
+def missing_prerequisite() -> str | None:
+    """Why the kind e2e cannot run here, or None when it can."""
+    for tool in ("docker", "kind", "kubectl", "helm"):
+        if shutil.which(tool) is None:
+            return f"{tool} not on PATH"
+    try:
+        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
+        return "docker daemon did not answer within 30 s"
+    if info.returncode != 0 or not info.stdout.strip():
+        lines = (info.stderr or info.stdout).strip().splitlines()
+        return f"docker daemon not answering ({lines[-1] if lines else f'docker info exit {info.returncode}'})"
+    return None
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_kind_end_to_end() -> None:
+    reason = missing_prerequisite()
+    if reason:
+        pytest.skip(f"kind e2e needs docker, kind, kubectl and helm with a running docker daemon: {reason}")
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, timeout=3500)
+    assert result.returncode == 0, f"{SCRIPT.name} failed (exit {result.returncode}); see its captured output for the diagnostics"
