@@ -1,0 +1,97 @@
+"""The ParallelTrainJob status: what the operator writes and `kubectl get ptj` shows.
+
+The CRD's status schema is generated from these models (paratrain.api.crd), so the operator and the CRD cannot
+disagree on a field name: build a `JobStatus` and patch `status` with `JobStatus.dump()`. Every field is optional
+and has no default, so a patch carries only what it sets (a merge patch leaves the rest alone).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+
+
+class _StatusModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+class Condition(_StatusModel):
+    """Kubernetes' condition shape (metav1.Condition); one entry per type, e.g. Running, Stalled, Failed."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = Field(None, max_length=1024, description="CamelCase, e.g. GangRestarted.")
+    message: str | None = Field(None, max_length=32768)
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class PodCounts(_StatusModel):
+    """The current gang attempt's pods by phase."""
+
+    expected: int | None = Field(None, ge=0, description="Pods in the gang (spec.nodes).")
+    pending: int | None = Field(None, ge=0)
+    running: int | None = Field(None, ge=0)
+    succeeded: int | None = Field(None, ge=0)
+    failed: int | None = Field(None, ge=0)
+    terminating: int | None = Field(None, ge=0, description="Pods of any attempt being deleted.")
+
+
+class Failure(_StatusModel):
+    """Why the job (or the last gang attempt) failed: the first pod that failed, or the job-level reason."""
+
+    pod: str | None = Field(None, max_length=253, description="Name of the first pod that failed.")
+    exit_code: int | None = Field(None, description="Exit code of its trainer container.")
+    reason: str | None = Field(None, max_length=1024,
+                               description="e.g. OOMKilled, Error, DeadlineExceeded, BackoffLimitExceeded.")
+    message: str | None = Field(None, max_length=32768)
+
+
+class Progress(_StatusModel):
+    """Training progress reported by rank 0 (read by the operator; pods hold no API credentials)."""
+
+    step: int | None = Field(None, ge=0)
+    total_steps: int | None = Field(None, ge=0)
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_second: float | None = Field(None, ge=0)
+    eta_seconds: float | None = Field(None, ge=0)
+    updated_at: datetime | None = Field(None, description="When rank 0 last reported; drives the Stalled condition.")
+    phase: Literal["starting", "training", "done"] | None = Field(None, description="The trainer's own phase.")
+
+
+class JobStatus(_StatusModel):
+    phase: Phase | None = None
+    reason: str | None = Field(None, max_length=1024, description="CamelCase reason for the phase.")
+    message: str | None = Field(None, max_length=32768, description="Why the job is in its phase, for people.")
+    layout: str | None = Field(None, max_length=256, description="layout_label(spec), e.g. `dp2·tp2·pp2 z1 bf16`.")
+    progress_text: str | None = Field(None, max_length=64, description="`step/totalSteps`, e.g. `120/2000`.")
+    conditions: list[Condition] | None = Field(None, max_length=32)
+    observed_generation: int | None = Field(None, ge=0)
+    pods: PodCounts | None = None
+    restarts: int | None = Field(None, ge=0, description="Failure-triggered gang restarts so far (counted against "
+                                 "runPolicy.backoffLimit).")
+    attempt: int | None = Field(None, ge=0, description="Current gang attempt, part of pod names; bumped by every "
+                                "gang restart and by resuming a suspended job.")
+    gang_created: bool | None = Field(None, description="Every pod of the current attempt has been seen; a pod "
+                                      "missing after that was deleted.")
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    failure: Failure | None = None
+    progress: Progress | None = None
+    # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
+    kopf: dict[str, Any] | None = None
+
+
+def progress_text(step: int, total_steps: int) -> str:
+    """The printer column's `step/total`, e.g. `120/2000`."""
+    return f"{step}/{total_steps}"
