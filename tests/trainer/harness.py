@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def layout(data: int = 1, tensor: int = 1, pipeline: int = 1, **parallelism) -> 
 
 
 def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expect_ok: bool = True,
-            timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
+            timeout: float = 300, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
     tmp.mkdir(parents=True, exist_ok=True)
     job_file = tmp / "job.yaml"
     job_file.write_text(yaml.safe_dump(job or TINY_JOB))
@@ -39,7 +40,8 @@ def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expec
            "--workdir", str(tmp / "work"), "--no-progress"]
     for item in overrides:
         cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
+                          env={**os.environ, **(env or {})})
     if expect_ok:
         assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     data = json.loads(metrics.read_text()) if metrics.exists() else None
