@@ -1,0 +1,86 @@
+{{/* Names. Every user string below is inserted with toJson (valid YAML, escaped), never as raw text. */}}
+{{- define "paratrain.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "paratrain.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "paratrain.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "paratrain.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespace whose jobs a namespaced install runs. */}}
+{{- define "paratrain.watchNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace -}}
+{{- end -}}
+
+{{- define "paratrain.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "paratrain.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "paratrain.name" . | toJson }}
+app.kubernetes.io/instance: {{ .Release.Name | toJson }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "paratrain.labels" -}}
+{{ include "paratrain.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | toJson }}
+app.kubernetes.io/part-of: paratrain
+app.kubernetes.io/managed-by: {{ .Release.Service | toJson }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | toJson }}
+{{- end -}}
+
+{{/*
+The operator's permissions, shared by the ClusterRole and the namespaced Role. Least privilege: exactly what
+paratrain_operator does (see its rbac module), no wildcards.
+*/}}
+{{- define "paratrain.rules" -}}
+# Watch ParallelTrainJobs, add/remove kopf's finalizer and progress annotations (patch/update), and delete
+# finished jobs after ttlSecondsAfterFinished.
+- apiGroups: ["paratrain.dev"]
+  resources: ["paralleltrainjobs"]
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
+- apiGroups: ["paratrain.dev"]
+  resources: ["paralleltrainjobs/status"]
+  verbs: ["get", "patch", "update"]
+# kopf.adopt sets blockOwnerDeletion on the gang's objects, which the API server allows only with
+# update on the owner's finalizers subresource.
+- apiGroups: ["paratrain.dev"]
+  resources: ["paralleltrainjobs/finalizers"]
+  verbs: ["update"]
+# The gang: pods (replaced as a whole on a restart), its headless Service and the spec ConfigMap.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+# Gang scheduling: Volcano and scheduler-plugins (coscheduling) PodGroups.
+- apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+{{- end -}}
