@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+MUTANTS = Path(__file__).parent / "mutants"  # PYTHONPATH entry that sabotages trainer processes on request
+
 TINY_JOB = {
     "apiVersion": "paratrain.dev/v1alpha1",
     "kind": "ParallelTrainJob",

@@ -9,13 +9,9 @@ per element; the loss averages thousands of such terms, so 5e-3 (bf16) and 1e-3 
 while still catching a missing or doubled reduction (≥ 1e-2 within a few steps, see the mutant tests).
 """
 
-from pathlib import Path
-
 import pytest
 
-from .harness import assert_close_curves, layout, run_job
-
-MUTANTS = Path(__file__).parent / "mutants"
+from .harness import MUTANTS, assert_close_curves, layout, run_job
 
 
 @pytest.fixture(scope="module")

@@ -42,5 +42,20 @@ if MUTANT:
             return schedule
 
         parallelize.build_schedule = _unscaled
+    elif MUTANT.startswith("crash:"):
+        # crash:<rank>:<step> — SIGKILL that rank as it starts that (0-based) step: a node dying mid-training.
+        import signal
+
+        from paratrain.train import loop
+
+        crash_rank, crash_step = (int(v) for v in MUTANT.split(":")[1:])
+        original_lr_at = loop.lr_at
+
+        def _lr_at(step, t):
+            if step == crash_step and int(os.environ["RANK"]) == crash_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_lr_at(step, t)
+
+        loop.lr_at = _lr_at
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_MUTANT {MUTANT!r}")

@@ -1,0 +1,34 @@
+"""Resume is exact: a run killed after a checkpoint and started again reproduces the uninterrupted run's curve."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .harness import MUTANTS, assert_close_curves, layout, run_job
+
+
+def _checkpointed(tmp: Path, data: int, zero: int) -> list[str]:
+    return layout(data=data, zeroStage=zero) + [f"spec.checkpoint.path={tmp / 'ckpt'}", "spec.checkpoint.interval=4",
+                                                 "spec.training.steps=10"]
+
+
+@pytest.mark.parametrize("data,zero", [(2, 0), (2, 1)], ids=["dp2-ddp", "dp2-zero1-deepspeed"])
+def test_killed_run_resumes_exactly(data, zero, tmp_path):
+    _, straight = run_job(tmp_path / "straight", _checkpointed(tmp_path / "straight", data, zero))
+
+    crashed_dir = tmp_path / "crashed"
+    overrides = _checkpointed(crashed_dir, data, zero)
+    proc, _ = run_job(crashed_dir, overrides, expect_ok=False,
+                      env={"PARATRAIN_TEST_MUTANT": "crash:1:6", "PYTHONPATH": str(MUTANTS)})
+    assert proc.returncode != 0, "the launcher must report a killed rank"
+    assert "rank 1 exited" in proc.stderr
+    assert sorted(p.name for p in (crashed_dir / "ckpt").glob("step-*")) == ["step-00000004"]
+
+    _, resumed = run_job(crashed_dir, overrides)
+    assert resumed["resumed_from_step"] == 4
+    assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
+    assert_close_curves(resumed["grad_norms"], straight["grad_norms"], rtol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
+    events = [json.loads(line) for line in (crashed_dir / "work" / "events.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "step": 4}.items() <= next(e for e in events if e["event"] == "resume").items()
