@@ -11,9 +11,22 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from . import spec as _spec
 from .spec import ParallelTrainJob, cross_field_problems
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# What each spec pattern means, so an error says "must be a DNS label", not the regular expression.
+_PATTERN_MEANING = {
+    _spec.DNS_LABEL: "a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)",
+    _spec.DNS_SUBDOMAIN: "a DNS subdomain (DNS labels joined by '.')",
+    _spec.LABEL_KEY: "a label key ([DNS-subdomain/]name, the name up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at "
+                     "both ends)",
+    _spec.LABEL_VALUE: "a label value (up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at both ends, or empty)",
+    _spec.ENV_NAME: "an environment variable name (letters, digits and '_', not starting with a digit)",
+    _spec.ABS_PATH: "an absolute path (starting with '/', without newlines)",
+    _spec.QUANTITY: "a Kubernetes quantity such as 500m, 4 or 16Gi",
+    _spec.IMAGE: "a container image reference such as ghcr.io/org/trainer:1.0",
+}
 
 
 @dataclass(frozen=True)
@@ -35,8 +48,12 @@ class SpecError(ValueError):
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
     out = ""
-    for part in loc:
-        if isinstance(part, int):
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            continue  # pydantic's marker after a bad mapping key; the key itself is shown as [key]
+        if i + 1 < len(loc) and loc[i + 1] == "[key]":
+            out += f"[{part!r}]"
+        elif isinstance(part, int):
             out += f"[{part}]"
         elif str(part).startswith(("function-", "literal[", "int", "str", "list[", "dict[")):
             continue  # pydantic's internal union/validator step names are not field names
@@ -57,6 +74,15 @@ def parse_job(doc: Any) -> ParallelTrainJob:
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown field (misspelt?)"
+            elif err["type"] == "value_error":
+                msg = msg.removeprefix("Value error, ")
+            elif err["type"] == "string_pattern_mismatch":
+                pattern = err.get("ctx", {}).get("pattern")
+                got = repr(err["input"])
+                got = got if len(got) <= 80 else got[:77] + "..."
+                msg = f"must be {_PATTERN_MEANING.get(pattern, f'match {pattern!r}')}, got {got}"
+            if err["loc"] and err["loc"][-1] == "[key]":
+                msg = f"invalid key: {msg}"
             problems.append(Problem(_loc_to_path(err["loc"]), msg))
         raise SpecError(problems) from None
     problems = [Problem(path, msg) for path, msg in cross_field_problems(job.spec)]

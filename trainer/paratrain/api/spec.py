@@ -2,7 +2,7 @@
 
 Field names are the user-facing camelCase names (aliases); Python code uses snake_case attributes.
 Per-field bounds live on the fields (they become OpenAPI constraints in the CRD); cross-field rules live in
-`Spec._cross_field_rules`, each mirrored by a CEL rule in `paratrain.api.crd`.
+`cross_field_problems`, each mirrored by a CEL rule in `paratrain.api.crd`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ SHORT_NAME = "ptj"
 # so it must be an RFC 1123 label with room for the suffix.
 MAX_NAME_LENGTH = 50
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Names of PVCs, ConfigMaps, Secrets and PriorityClasses may contain dots (e.g. `example.com-tls`).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Env names the renderer and torchrun own; a user env var with one of these names would break rendezvous.
 RESERVED_ENV_NAMES = frozenset(
     {
@@ -30,12 +32,18 @@ RESERVED_ENV_NAMES = frozenset(
     }
 )
 RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_", "NCCL_", "TORCH_")
+# Mount paths, volume names and label/annotation keys the renderer owns in every pod.
+RESERVED_MOUNT_PATHS = ("/dev/shm", "/etc/paratrain")
+RESERVED_VOLUME_PREFIX = "paratrain-"
+RESERVED_KEY_PREFIX = f"{API_GROUP}/"
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$"
 ABS_PATH = r"^/[^\x00\n\r]*$"
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY, max_length=316)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]
 
 
 class _Model(BaseModel):
@@ -119,18 +127,29 @@ class RunPolicy(_Model):
 
 
 class Toleration(_Model):
-    key: str | None = Field(None, max_length=316)
+    key: str | None = Field(None, max_length=316, pattern=LABEL_KEY)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=63)
+    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _api_server_rules(self) -> Toleration:
+        # The API server's own toleration rules: a pod breaking one would be refused at creation.
+        if not self.key and self.operator != "Exists":
+            raise ValueError("operator must be Exists when key is empty (an empty key matches every taint)")
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value must be empty when operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
 
 
 class SchedulingSpec(_Model):
     gang: Literal["none", "volcano", "coscheduling"] = "none"
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description="Volcano queue.")
-    priority_class_name: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
-    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(default_factory=dict)
+    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     # Affinity is Kubernetes' own structure; it is passed through as data (never as text) and
     # validated by the API server's pod schema.
@@ -148,9 +167,9 @@ class Volume(_Model):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     mount_path: str = Field(pattern=ABS_PATH, max_length=4096)
     read_only: bool = False
-    persistent_volume_claim: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
-    config_map: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
-    secret: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    persistent_volume_claim: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    config_map: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    secret: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     empty_dir: bool = False
 
     @model_validator(mode="after")
@@ -166,11 +185,11 @@ class PodSpec(_Model):
 
     env: list[EnvVar] = Field(default_factory=list, max_length=256)
     volumes: list[Volume] = Field(default_factory=list, max_length=64)
-    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_LABEL, max_length=253)]] = Field(
+    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]] = Field(
         default_factory=list, max_length=16
     )
-    labels: dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=316)], Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]] = Field(default_factory=dict)
-    annotations: dict[Annotated[str, Field(pattern=LABEL_KEY, max_length=316)], Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    annotations: dict[LabelKey, Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict, max_length=64)
 
 
 class Spec(_Model):
@@ -254,9 +273,18 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     for dup in sorted({n for n in names if names.count(n) > 1}):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
     mounts = [v.mount_path for v in spec.pod.volumes]
-    for reserved in ("/dev/shm", "/etc/paratrain"):
+    for dup in sorted({m for m in mounts if mounts.count(m) > 1}):
+        out.append(("spec.pod.volumes", f"mountPath {dup} is used by more than one volume"))
+    for reserved in RESERVED_MOUNT_PATHS:
         if reserved in mounts:
             out.append(("spec.pod.volumes", f"mountPath {reserved} is reserved by paratrain"))
+    for i, vol in enumerate(spec.pod.volumes):
+        if vol.name.startswith(RESERVED_VOLUME_PREFIX):
+            out.append((f"spec.pod.volumes[{i}].name", f"volume names starting with {RESERVED_VOLUME_PREFIX!r} "
+                        "are reserved by paratrain"))
+    for field, keys in (("labels", spec.pod.labels), ("annotations", spec.pod.annotations)):
+        for key in sorted(k for k in keys if k.startswith(RESERVED_KEY_PREFIX)):
+            out.append((f"spec.pod.{field}", f"key {key!r}: keys under {RESERVED_KEY_PREFIX} are reserved by paratrain"))
     for i, env in enumerate(spec.pod.env):
         if is_reserved_env(env.name):
             out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: paratrain and torchrun set it "
