@@ -1,0 +1,229 @@
+"""The CRD's CEL rules and `parse_job` reject the same specs, under the same field paths, with the same words.
+
+A new check in `cross_field_problems` needs a row in CROSS_FIELD_CASES (test_every_cross_field_check_has_a_case
+counts them) and a CEL twin in paratrain.api.crd (the row fails without one). The random-spec test catches a
+twin that drifts: a rule that rejects a little more or less than its Python original.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paratrain.api import SpecError, parse_job, read_yaml
+from paratrain.api.crd import crd_manifest
+from paratrain.api.spec import Spec, cross_field_problems
+
+from .crdsim import admit, schema_of_version
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = crd_manifest()
+
+
+def job(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "t"},
+            "spec": spec}
+
+
+def python_problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    try:
+        parse_job(doc)
+    except SpecError as exc:
+        return [(p.path, p.message) for p in exc.problems]
+    return []
+
+
+def vol(name: str, path: str, **source: Any) -> dict[str, Any]:
+    return {"name": name, "mountPath": path, **(source or {"emptyDir": True})}
+
+
+# One row per `out.append` in cross_field_problems, in order: (id, spec, the paths both must report).
+CROSS_FIELD_CASES = [
+    ("world-size", {"nodes": 2}, {"spec.parallelism"}),
+    ("embed-by-heads", {"model": {"embedDim": 130, "heads": 4}}, {"spec.model.embedDim"}),
+    ("heads-by-tensor", {"nodes": 2, "parallelism": {"tensor": 2}, "model": {"heads": 3, "embedDim": 12}},
+     {"spec.model.heads"}),
+    ("mlp-by-tensor", {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"heads": 3, "embedDim": 9}},
+     {"spec.model.heads", "spec.model.embedDim"}),
+    ("layers-per-stage", {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 4}, "model": {"layers": 2}},
+     {"spec.model.layers"}),
+    ("batch-by-data", {"nodes": 3, "parallelism": {"data": 3}}, {"spec.training.batchSize"}),
+    ("rank-batch-by-microbatches", {"nodes": 2, "parallelism": {"pipeline": 2, "microbatches": 3}},
+     {"spec.parallelism.microbatches"}),
+    ("microbatches-need-pipeline", {"parallelism": {"microbatches": 2}}, {"spec.parallelism.microbatches"}),
+    ("1f1b-microbatches", {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 2}},
+     {"spec.parallelism.microbatches"}),
+    ("zero-needs-data", {"parallelism": {"zeroStage": 1}}, {"spec.parallelism.zeroStage"}),
+    ("zero2-with-pipeline", {"nodes": 4, "parallelism": {"data": 2, "pipeline": 2, "zeroStage": 2,
+                                                         "microbatches": 2}}, {"spec.parallelism.zeroStage"}),
+    ("min-lr", {"training": {"learningRate": 0.001, "minLearningRate": 0.01}}, {"spec.training.minLearningRate"}),
+    ("warmup", {"training": {"steps": 5, "warmupSteps": 10}}, {"spec.training.warmupSteps"}),
+    ("text-needs-path", {"data": {"source": "text"}}, {"spec.data.path"}),
+    ("gpus-per-proc", {"resources": {"gpusPerNode": 2}}, {"spec.resources.gpusPerNode"}),
+    ("queue-needs-volcano", {"scheduling": {"queue": "q"}}, {"spec.scheduling.queue"}),
+    ("volume-name-twice", {"pod": {"volumes": [vol("a", "/a"), vol("a", "/b")]}}, {"spec.pod.volumes"}),
+    ("mount-path-twice", {"pod": {"volumes": [vol("a", "/a"), vol("b", "/a")]}}, {"spec.pod.volumes"}),
+    ("reserved-mount", {"pod": {"volumes": [vol("a", "/dev/shm")]}}, {"spec.pod.volumes"}),
+    ("reserved-volume-name", {"pod": {"volumes": [vol("paratrain-x", "/x")]}}, {"spec.pod.volumes[0].name"}),
+    ("reserved-label", {"pod": {"labels": {"paratrain.dev/job-name": "other"}}}, {"spec.pod.labels"}),
+    ("reserved-env", {"pod": {"env": [{"name": "A"}, {"name": "MASTER_ADDR", "value": "evil"}]}},
+     {"spec.pod.env[1].name"}),
+    ("env-twice", {"pod": {"env": [{"name": "A"}, {"name": "A", "value": "2"}]}}, {"spec.pod.env"}),
+]
+# The model validators the CRD mirrors, and more shapes of the checks above.
+MORE_CASES = [
+    ("volume-no-source", {"pod": {"volumes": [{"name": "a", "mountPath": "/a"}]}}, {"spec.pod.volumes[0]"}),
+    ("volume-two-sources", {"pod": {"volumes": [vol("a", "/a", secret="s", configMap="c")]}},
+     {"spec.pod.volumes[0]"}),
+    ("toleration-empty-key", {"scheduling": {"tolerations": [{"effect": "NoSchedule"}]}},
+     {"spec.scheduling.tolerations[0]"}),
+    ("toleration-exists-value", {"scheduling": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     {"spec.scheduling.tolerations[0]"}),
+    ("toleration-seconds", {"scheduling": {"tolerations": [{"key": "k", "tolerationSeconds": 5}]}},
+     {"spec.scheduling.tolerations[0]"}),
+    ("text-explicit-null-path", {"data": {"source": "text", "path": None}}, {"spec.data.path"}),
+    ("reserved-annotation", {"pod": {"annotations": {"paratrain.dev/attempt": "9"}}}, {"spec.pod.annotations"}),
+    ("reserved-env-prefix", {"pod": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}}, {"spec.pod.env[0].name"}),
+    ("reserved-spec-mount", {"pod": {"volumes": [vol("a", "/etc/paratrain")]}}, {"spec.pod.volumes"}),
+    ("several-at-once", {"nodes": 2, "parallelism": {"zeroStage": 1}, "training": {"steps": 5}},
+     {"spec.parallelism", "spec.parallelism.zeroStage", "spec.training.warmupSteps"}),
+]
+
+
+def test_every_cross_field_check_has_a_case() -> None:
+    checks = inspect.getsource(cross_field_problems).count("out.append(")
+    assert len(CROSS_FIELD_CASES) == checks, "a check was added to cross_field_problems: add its row (and CEL twin)"
+
+
+@pytest.mark.parametrize("name,spec,paths", CROSS_FIELD_CASES + MORE_CASES, ids=[c[0] for c in
+                                                                                  CROSS_FIELD_CASES + MORE_CASES])
+def test_python_and_cel_reject_the_same_bad_spec(name: str, spec: dict[str, Any], paths: set[str]) -> None:
+    python = python_problems(job(spec))
+    crd = admit(CRD, job(spec))
+    assert {p for p, _ in python} == paths
+    assert {p for p, _ in crd} == paths
+    for path, message in crd:
+        if message != "Duplicate value":  # list-map keys: the API server's own wording
+            assert message in [m for p, m in python if p == path], (path, message, python)
+
+
+def test_every_cel_rule_rejects_some_case() -> None:
+    """No rule is dead or untested: each fires for at least one of the bad specs above."""
+    fired: set[str] = set()
+    for _, spec, _ in CROSS_FIELD_CASES + MORE_CASES:
+        admit(CRD, job(spec), fired=fired)
+    spec_schema = schema_of_version(CRD)["properties"]["spec"]
+    rules = set()
+    stack = [spec_schema]
+    while stack:
+        node = stack.pop()
+        rules |= {r["rule"] for r in node.get("x-kubernetes-validations", []) if "oldSelf" not in r["rule"]}
+        stack += list(node.get("properties", {}).values()) + [node[k] for k in ("items", "additionalProperties")
+                                                              if isinstance(node.get(k), dict)]
+    assert rules - fired == set()
+
+
+VALID = [
+    {},
+    {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 2, "pipelineSchedule": "GPipe"}},
+    {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 2, "tensor": 2}, "resources": {"gpusPerNode": 2}},
+    {"data": {"source": "text", "path": "/d.txt"}, "scheduling": {"gang": "volcano", "queue": "q"}},
+    {"training": {"learningRate": 1, "minLearningRate": 1}},  # integers where numbers are expected
+    {"scheduling": {"tolerations": [{"operator": "Exists"}, {"key": "k", "value": "v"},
+                                    {"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                     "tolerationSeconds": 60}]}},
+    {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
+             "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
+]
+JOB_FILES = sorted(glob.glob(str(ROOT / "tests/operator/jobs/*.yaml")) + glob.glob(str(ROOT / "examples/*.yaml")))
+
+
+@pytest.mark.parametrize("spec", VALID)
+def test_valid_specs_are_admitted(spec: dict[str, Any]) -> None:
+    assert python_problems(job(spec)) == []
+    assert admit(CRD, job(spec)) == []
+
+
+@pytest.mark.parametrize("path", JOB_FILES, ids=[Path(p).name for p in JOB_FILES])
+def test_job_files_are_admitted(path: str) -> None:
+    doc = read_yaml(path)
+    if doc.get("kind") != "ParallelTrainJob":
+        pytest.skip(f"{path} is a {doc.get('kind')}")
+    assert python_problems(doc) == []
+    assert admit(CRD, doc) == []
+
+
+def test_layout_is_immutable_but_the_rest_is_not() -> None:
+    old = job({"nodes": 2, "parallelism": {"data": 2}})
+    assert admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "image": "x:2"}), old) == []
+    assert [p for p, _ in admit(CRD, job({"nodes": 4, "parallelism": {"data": 4}}), old)] == [
+        "spec.nodes", "spec.parallelism"]
+    assert [p for p, _ in admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"layers": 8}}), old)] \
+        == ["spec.model"]
+    assert admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"layers": 4}}), old) == [], \
+        "writing out a default is not a change"
+
+
+def test_field_errors_are_caught_by_the_schema_too() -> None:
+    for spec, path in [({"model": {"dropout": 1.0}}, "spec.model.dropout"), ({"precision": "fp8"}, "spec.precision"),
+                       ({"parallelism": {"dta": 2}}, "spec.parallelism.dta"),
+                       ({"pod": {"env": [{"name": "1X"}]}}, "spec.pod.env[0].name"),
+                       ({"resources": {"memory": "lots"}}, "spec.resources.memory")]:
+        assert [p for p, _ in admit(CRD, job(spec))] == [path]
+        assert [p.path for p in _spec_error(job(spec)).problems] == [path]
+
+
+def _spec_error(doc: dict[str, Any]) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        parse_job(doc)
+    return info.value
+
+
+def random_spec(rng: random.Random) -> dict[str, Any]:
+    """Field-valid specs, each rule broken now and then, in many combinations."""
+    pick = rng.choice
+
+    def mostly(good: Any, *bad: Any) -> Any:
+        return good if rng.random() < 0.92 else pick(bad)
+
+    data, tensor, pipeline = pick([1, 2, 3, 4]), pick([1, 2, 4]), pick([1, 2, 4])
+    procs = pick([p for p in (1, 2) if (data * tensor * pipeline) % p == 0])
+    heads = tensor * pick([1, 2])
+    volumes = [vol("a", "/data", persistentVolumeClaim="d"), vol("b", "/dev/shm"), vol("a", "/ckpt"),
+               vol("paratrain-x", "/x", secret="s"), vol("c", "/data", configMap="c"), vol("d", "/etc/paratrain")]
+    envs = [{"name": "FOO"}, {"name": "FOO", "value": "x"}, {"name": "RANK"}, {"name": "TORCH_X"}, {"name": "BAR"}]
+    return {
+        "nodes": mostly(data * tensor * pipeline // procs, 1, 3), "procsPerNode": procs,
+        "parallelism": {"data": data, "tensor": tensor, "pipeline": pipeline,
+                        "zeroStage": mostly(0, 1, 2, 3), "pipelineSchedule": pick(["GPipe", "1F1B"]),
+                        "microbatches": mostly(pipeline, 1, 2, 3)},
+        "model": {"layers": mostly(4, 1, 2), "heads": mostly(heads, 3, 6), "embedDim": mostly(8 * heads, 9, 12)},
+        "training": {"steps": mostly(100, 5), "warmupSteps": 10, "batchSize": mostly(24 * data * pipeline, 4, 6),
+                     "learningRate": 0.001, "minLearningRate": mostly(0.0001, 0.01)},
+        "data": mostly({}, {"source": "text"}, {"source": "text", "path": "/d.txt"}, {"path": "/d.txt"}),
+        "resources": {"gpusPerNode": mostly(0, procs, 2)},
+        "scheduling": mostly({}, {"gang": "volcano", "queue": "q"}, {"queue": "q"}, {"gang": "coscheduling"}),
+        "pod": {"volumes": rng.sample(volumes, mostly(0, 1, 2, 3)), "env": rng.sample(envs, mostly(0, 1, 2)),
+                "labels": mostly({}, {"team": "a"}, {"paratrain.dev/x": "y"}),
+                "annotations": mostly({}, {"paratrain.dev/x": "y", "a": "b"})},
+    }
+
+
+def test_random_specs_get_the_same_verdict_from_python_and_cel() -> None:
+    rng = random.Random(20261129)
+    rejected = 0
+    for _ in range(250):
+        spec = random_spec(rng)
+        python = cross_field_problems(Spec.model_validate(spec, context={"defer_cross_field": True}))
+        crd = admit(CRD, job(spec))
+        assert {p for p, _ in crd} == {p for p, _ in python}, spec
+        for path, message in crd:
+            if message != "Duplicate value":
+                assert message in [m for p, m in python if p == path], (spec, path, message)
+        rejected += bool(python)
+    assert 50 < rejected < 250, "the generator should produce both valid and invalid specs"

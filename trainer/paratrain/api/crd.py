@@ -1,0 +1,304 @@
+"""The ParallelTrainJob CustomResourceDefinition, generated from the typed models.
+
+    paratrain crd > manifests/crd.yaml
+
+* `spec` comes from `spec.Spec` and `status` from `status.JobStatus` (the status field names the operator writes
+  are defined there), converted to a *structural* schema: no $ref, Optional fields `nullable`, object fields
+  defaulted to `{}` so that every nested default (and thus every field a CEL rule reads) is present.
+* Every rule of `spec.cross_field_problems` (and the model validators of Volume and Toleration) has a CEL twin
+  below that reports under the same field path, with the same message where it can show the values
+  (tests/api/test_crd_cel.py checks both reject exactly the same random specs). Duplicate env and volume names
+  are rejected by the API server itself (`x-kubernetes-list-type: map` keyed by name), which costs no CEL.
+* Not in the CRD, only in `paratrain.api.load.parse_job` (the operator runs it before creating anything, so such a
+  job goes Failed naming the field, with no pods): the *key* patterns of labels, annotations and nodeSelector.
+  A structural schema cannot constrain map keys, and the CEL cost estimator sees map keys as unbounded strings,
+  so a regular expression over them would exceed the budget.
+* The gang layout and model shape are immutable after creation (`self == oldSelf`): a running gang and its
+  checkpoints are built for them.
+* CEL cost: every list, map and string in the spec has maxItems / maxProperties / maxLength, which is what
+  Kubernetes' cost estimator needs; the costliest rule (mountPath uniqueness, 64 x 64 comparisons) stays far
+  below the per-rule limit.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from pydantic import BaseModel
+
+from .spec import (
+    API_GROUP, API_VERSION, DNS_LABEL, KIND, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES,
+    RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
+)
+from .status import JobStatus
+
+# Constraint keywords that mean the same in pydantic's JSON Schema and Kubernetes' OpenAPI v3 subset.
+_CARRIED = ("format", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+            "minProperties", "maxProperties")
+
+
+def _openapi(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> dict[str, Any]:
+    """One pydantic JSON Schema node → a structural OpenAPI node (recursively)."""
+    if "$ref" in node:
+        outer = {k: v for k, v in node.items() if k != "$ref"}
+        return _openapi({**defs[node["$ref"].rsplit("/", 1)[1]], **outer}, defs, defaults=defaults)
+    if "anyOf" in node:
+        return _nullable(node, defs, defaults=defaults)
+    out: dict[str, Any] = {"type": node["type"]}
+    if "description" in node:
+        out["description"] = node["description"]
+    out.update({key: node[key] for key in _CARRIED if key in node})
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if exclusive in node:  # JSON Schema's number form → OpenAPI v3.0's boolean form
+            out[bound], out[exclusive] = node[exclusive], True
+    if defaults and node.get("default") is not None:
+        out["default"] = node["default"]
+    if node["type"] == "array":
+        out["items"] = _openapi(node["items"], defs, defaults=defaults)
+    elif node["type"] == "object":
+        out.update(_object_body(node, defs, defaults=defaults))
+    return out
+
+
+def _nullable(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> dict[str, Any]:
+    """`X | None` (pydantic's anyOf [X, null]) → X with `nullable: true`; other unions have no structural form."""
+    options = [o for o in node["anyOf"] if o.get("type") != "null"]
+    if len(options) != 1 or len(node["anyOf"]) != 2:
+        raise ValueError(f"only Optional[X] unions can become a structural schema, got {node['anyOf']}")
+    outer = {k: v for k, v in node.items() if k != "anyOf"}
+    return {**_openapi({**options[0], **outer}, defs, defaults=defaults), "nullable": True}
+
+
+def _object_body(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> dict[str, Any]:
+    if "properties" in node:
+        props = {name: _openapi(sub, defs, defaults=defaults) for name, sub in node["properties"].items()}
+        required = node.get("required", [])
+        if defaults:  # `{}` makes the API server fill in the nested defaults of an omitted section
+            for name, sub in props.items():
+                if "properties" in sub and name not in required and not sub.get("nullable"):
+                    sub.setdefault("default", {})
+        return {"properties": props, **({"required": required} if required else {})}
+    if "patternProperties" in node:  # a map whose keys have a pattern: parse_job checks the keys (see above)
+        (values,) = node["patternProperties"].values()
+        return {"additionalProperties": _openapi(values, defs, defaults=defaults)}
+    if isinstance(node.get("additionalProperties"), dict) and node["additionalProperties"]:
+        return {"additionalProperties": _openapi(node["additionalProperties"], defs, defaults=defaults)}
+    # dict[str, Any]: Kubernetes' own structures (affinity), kept as data and validated by the pod schema.
+    return {"x-kubernetes-preserve-unknown-fields": True}
+
+
+def model_schema(model: type[BaseModel], *, defaults: bool) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    return _openapi(schema, schema.get("$defs", {}), defaults=defaults)
+
+
+# ---- CEL rules ------------------------------------------------------------------------------------------------
+
+
+def _literal(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _message_expression(template: str) -> str:
+    """`"a({self.x}) b"` → `"a(" + string(self.x) + ") b"`: a CEL message showing the offending values."""
+    parts = re.split(r"\{([^{}]+)\}", template)
+    pieces = [_literal(text) if i % 2 == 0 else f"string({text})" for i, text in enumerate(parts) if text]
+    return " + ".join(pieces)
+
+
+def _rule(rule: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """An `x-kubernetes-validations` entry; `{expr}` in the message makes it a messageExpression."""
+    out: dict[str, Any] = {"rule": rule}
+    if "{" in message:
+        out["messageExpression"] = _message_expression(message)
+    else:
+        out["message"] = message
+    if field:
+        out["fieldPath"] = field
+    return out
+
+
+def _given(expr: str, cel_type: str = "string") -> str:
+    """An optional (nullable) field that is set: absent and explicit null both count as unset."""
+    return f"(has({expr}) && type({expr}) == {cel_type})"
+
+
+def _cel_list(items: Any) -> str:
+    return "[" + ", ".join(_literal(i) for i in items) + "]"
+
+
+P, M, T, R, S = "self.parallelism", "self.model", "self.training", "self.resources", "self.scheduling"
+_RESERVED_MOUNTS = _cel_list(RESERVED_MOUNT_PATHS)
+_RESERVED_ENV = " || ".join(
+    [f"self.name in {_cel_list(sorted(RESERVED_ENV_NAMES))}"] + [f"self.name.startsWith({_literal(p)})"
+                                                                 for p in RESERVED_ENV_PREFIXES])
+_RESERVED_KEY = f"k.startsWith({_literal(RESERVED_KEY_PREFIX)})"
+_RESERVED_KEYS = [_rule(f"!self.exists(k, {_RESERVED_KEY})",
+                        f"key '{{self.filter(k, {_RESERVED_KEY})[0]}}': keys under {RESERVED_KEY_PREFIX} "
+                        "are reserved by paratrain")]
+
+# Where (a dotted path under spec, `[]` for list items) → rules; each twin of one `cross_field_problems` check.
+SPEC_RULES: dict[str, list[dict[str, Any]]] = {
+    "": [
+        _rule(f"{P}.data * {P}.tensor * {P}.pipeline == self.nodes * self.procsPerNode",
+              f"data({{{P}.data}}) x tensor({{{P}.tensor}}) x pipeline({{{P}.pipeline}}) = "
+              f"{{{P}.data * {P}.tensor * {P}.pipeline}} must equal nodes({{self.nodes}}) x "
+              "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode}", ".parallelism"),
+        _rule(f"{M}.embedDim % {M}.heads == 0",
+              f"embedDim({{{M}.embedDim}}) must be divisible by heads({{{M}.heads}})", ".model.embedDim"),
+        _rule(f"{M}.heads % {P}.tensor == 0",
+              f"heads({{{M}.heads}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
+        _rule(f"4 * {M}.embedDim % {P}.tensor == 0",
+              f"MLP width 4*embedDim({{4 * {M}.embedDim}}) must be divisible by parallelism.tensor({{{P}.tensor}})",
+              ".model.embedDim"),
+        _rule(f"{M}.layers >= {P}.pipeline",
+              f"layers({{{M}.layers}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
+              "least one layer", ".model.layers"),
+        _rule(f"{T}.batchSize % {P}.data == 0",
+              f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",
+              ".training.batchSize"),
+        # Checked only when batchSize divides evenly (the rule above reports the other case).
+        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {P}.microbatches == 0",
+              f"per-rank batch batchSize/data = {{{T}.batchSize / {P}.data}} must be divisible by "
+              f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
+        _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
+              "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),
+        _rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",
+              f"1F1B needs microbatches({{{P}.microbatches}}) >= pipeline({{{P}.pipeline}})",
+              ".parallelism.microbatches"),
+        _rule(f"{P}.zeroStage == 0 || {P}.data >= 2",
+              f"zeroStage {{{P}.zeroStage}} shards over data-parallel ranks and needs parallelism.data >= 2",
+              ".parallelism.zeroStage"),
+        _rule(f"{P}.zeroStage < 2 || {P}.pipeline == 1",
+              f"zeroStage {{{P}.zeroStage}} with pipeline > 1 is not supported (gradient sharding conflicts with "
+              "per-microbatch accumulation); use zeroStage 0 or 1", ".parallelism.zeroStage"),
+        _rule(f"{T}.minLearningRate <= {T}.learningRate",
+              f"minLearningRate({{{T}.minLearningRate}}) must be <= learningRate({{{T}.learningRate}})",
+              ".training.minLearningRate"),
+        _rule(f"{T}.warmupSteps <= {T}.steps",
+              f"warmupSteps({{{T}.warmupSteps}}) must be <= steps({{{T}.steps}})", ".training.warmupSteps"),
+        _rule(f"self.data.source != 'text' || {_given('self.data.path')}",
+              "data.source 'text' needs data.path", ".data.path"),
+        _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
+              f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
+              "GPU), or be 0 for CPU", ".resources.gpusPerNode"),
+        _rule(f"!{_given(f'{S}.queue')} || {S}.gang == 'volcano'",
+              "queue is a Volcano setting and needs scheduling.gang 'volcano'", ".scheduling.queue"),
+    ],
+    "pod": [
+        _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",
+              "mountPath {self.volumes.filter(v, !self.volumes.exists_one(w, w.mountPath == v.mountPath))[0]"
+              ".mountPath} is used by more than one volume", ".volumes"),
+        _rule(f"!has(self.volumes) || !self.volumes.exists(v, v.mountPath in {_RESERVED_MOUNTS})",
+              f"mountPath {{self.volumes.filter(v, v.mountPath in {_RESERVED_MOUNTS})[0].mountPath}} is reserved "
+              "by paratrain", ".volumes"),
+    ],
+    "pod.env[]": [
+        _rule(f"!({_RESERVED_ENV})",
+              "{self.name} is reserved: paratrain and torchrun set it (set NCCL_/TORCH_ tuning through the "
+              "operator's defaults)", ".name"),
+    ],
+    "pod.volumes[]": [
+        _rule(" + ".join(f"({_given(f'self.{source}')} ? 1 : 0)"
+                         for source in ("persistentVolumeClaim", "configMap", "secret")) + " + (self.emptyDir ? 1 : 0)"
+              " == 1", "exactly one of persistentVolumeClaim, configMap, secret, emptyDir must be set"),
+        _rule(f"!self.name.startsWith({_literal(RESERVED_VOLUME_PREFIX)})",
+              f"volume names starting with '{RESERVED_VOLUME_PREFIX}' are reserved by paratrain", ".name"),
+    ],
+    "pod.labels": _RESERVED_KEYS,
+    "pod.annotations": _RESERVED_KEYS,
+    # The API server's own toleration rules (Toleration's validator): a pod breaking one is refused.
+    "scheduling.tolerations[]": [
+        _rule(f"({_given('self.key')} && size(self.key) > 0) || ({_given('self.operator')} && "
+              "self.operator == 'Exists')",
+              "operator must be Exists when key is empty (an empty key matches every taint)"),
+        _rule(f"!({_given('self.operator')} && self.operator == 'Exists') || !({_given('self.value')} && "
+              "size(self.value) > 0)", "value must be empty when operator is Exists"),
+        _rule(f"!{_given('self.tolerationSeconds', 'int')} || ({_given('self.effect')} && self.effect == 'NoExecute')",
+              "tolerationSeconds needs effect NoExecute"),
+    ],
+}
+IMMUTABLE = ("nodes", "procsPerNode", "parallelism", "model")
+LIST_MAP_KEYS = {"pod.env": "name", "pod.volumes": "name"}  # the API server rejects duplicate names
+
+
+def _at(schema: dict[str, Any], location: str) -> dict[str, Any]:
+    node = schema
+    for part in filter(None, location.split(".")):
+        node = node["properties"][part.removesuffix("[]")]
+        if part.endswith("[]"):
+            node = node["items"]
+    return node
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = {"description": "What to train and how: one ParallelTrainJob is one gang of pods.",
+              **model_schema(Spec, defaults=True)}
+    for location, rules in SPEC_RULES.items():
+        _at(schema, location).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
+    for field in IMMUTABLE:
+        _at(schema, field)["x-kubernetes-validations"] = [_rule(
+            "self == oldSelf", f"{field} is immutable: the running gang and its checkpoints are laid out for it; "
+            "create a new job to change it")]
+    for location, key in LIST_MAP_KEYS.items():
+        _at(schema, location).update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": [key]})
+    return schema
+
+
+def status_schema() -> dict[str, Any]:
+    schema = {"description": "Written by the operator (see paratrain.api.status).",
+              **model_schema(JobStatus, defaults=False)}
+    _at(schema, "conditions").update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    return schema
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "dp·tp·pp, ZeRO stage, precision"},
+    {"name": "Step", "type": "string", "jsonPath": ".status.progressText", "description": "step/totalSteps"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # `kubectl get ptj -o wide` adds these.
+    {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes", "priority": 1},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond", "priority": 1},
+    {"name": "Failure", "type": "string", "jsonPath": ".status.failure.reason", "priority": 1},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The `paralleltrainjobs.paratrain.dev` CustomResourceDefinition (apiextensions.k8s.io/v1)."""
+    root = {
+        "type": "object",
+        "description": "A training job run as one gang of pods with data, tensor and pipeline parallelism, ZeRO "
+                       "and mixed precision chosen in its spec.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            # The name becomes the Service's and prefixes pod names and DNS labels (see spec.MAX_NAME_LENGTH).
+            "metadata": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": DNS_LABEL}}},
+            "spec": {**spec_schema(), "default": {}},
+            "status": status_schema(),
+        },
+    }
+    version = {
+        "name": API_VERSION, "served": True, "storage": True,
+        "schema": {"openAPIV3Schema": root},
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": PRINTER_COLUMNS,
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{API_GROUP}", "labels": {"app.kubernetes.io/name": "paratrain"}},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": PLURAL, "singular": KIND.lower(), "kind": KIND, "listKind": f"{KIND}List",
+                      "shortNames": [SHORT_NAME], "categories": ["paratrain"]},
+            "versions": [version],
+        },
+    }
