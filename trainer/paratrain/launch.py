@@ -104,9 +104,10 @@ class ProgressView:
 
     def _print(self, text: str) -> None:
         if self.live:
-            sys.stderr.write("\r\033[K")
-        sys.stderr.write(text + "\n")
-        self._draw()
+            sys.stderr.write("\r\033[K" + text + "\n")
+            self._draw()  # the bar goes back under the message
+        else:
+            sys.stderr.write(text + "\n")
 
     def _draw(self) -> None:
         ev = self.last
