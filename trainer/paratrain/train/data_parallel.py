@@ -14,7 +14,7 @@ from .tensors import local
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """DDP for layouts without tensor or pipeline parallel: bucketed all-reduce overlapped with backward."""
     device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
-    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids, broadcast_buffers=False)
+    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
 
 
 @torch.no_grad()
