@@ -1,0 +1,326 @@
+"""Gang decisions, pure: the job's persisted gang state + the pods observed now + the time → the next plan.
+
+`decide` reads as a checklist (after JobSet's reconcile): finished? (stop leftovers, TTL) → deadline →
+suspend / resume → failure policy → success → old attempt still around? (delete it, wait) → missing pods
+(create) → phase.
+
+A plan's new state is written to the job's status *before* its actions run. An operator killed in between
+redoes the same actions on restart instead of forgetting them: e.g. a gang restart persists attempt+1 first,
+then deletes the old pods; after a crash those pods are simply stale and get deleted again. Pod names carry
+the attempt, so creating a pod twice is a harmless 409, never a duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from paratrain import contract
+
+from .clock import from_iso, to_iso
+
+PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
+SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
+FINISHED = frozenset({SUCCEEDED, FAILED})
+# Pod-level reasons for a pod that failed without its program failing: the node, not the code, went away.
+DISRUPTIONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
+                         "UnexpectedAdmissionError", "DeletionByPodGC", "TerminationByKubelet"})
+_SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decisions need from one pod."""
+
+    name: str
+    attempt: int  # -1 when the label is missing or unreadable: never mistaken for the current attempt
+    rank: int
+    phase: str = PENDING  # Pending | Running | Succeeded | Failed | Unknown
+    terminating: bool = False
+    exit_code: int | None = None
+    reason: str | None = None  # the pod's (Evicted) or else its container's (Error, OOMKilled)
+    message: str | None = None
+    finished_at: str | None = None
+    waiting: str | None = None  # why it is not running yet (ImagePullBackOff, Unschedulable)
+    ip: str | None = None
+    termination_message: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.phase in (SUCCEEDED, FAILED)
+
+    @property
+    def active(self) -> bool:
+        """Still (about to be) running a program, and nobody asked it to stop."""
+        return not self.done and not self.terminating
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    statuses = status.get("containerStatuses") or []
+    terminated = [s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")]
+    # The container that failed says why the pod failed; a clean exit only counts if none failed.
+    term = next((t for t in terminated if t.get("exitCode")), terminated[0] if terminated else {})
+    waiting = next(((s.get("state") or {}).get("waiting") for s in statuses
+                    if ((s.get("state") or {}).get("waiting") or {}).get("reason")), None)
+    unschedulable = next((c for c in status.get("conditions") or []
+                          if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+    blocker = waiting or unschedulable
+    return PodView(
+        name=meta.get("name", ""),
+        attempt=_int(labels.get(contract.LABEL_ATTEMPT), -1),
+        rank=_int(labels.get(contract.LABEL_NODE_RANK), -1),
+        phase=status.get("phase") or PENDING,
+        terminating=bool(meta.get("deletionTimestamp")),
+        exit_code=term.get("exitCode"),
+        reason=status.get("reason") or term.get("reason"),
+        message=status.get("message") or term.get("message"),
+        finished_at=term.get("finishedAt") or meta.get("deletionTimestamp"),
+        waiting=f"{blocker.get('reason')}: {blocker.get('message', '')}".rstrip(": ") if blocker else None,
+        ip=status.get("podIP"),
+        termination_message=term.get("message"),
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a gang (or the job) failed, as shown in `status.failure`."""
+
+    reason: str
+    message: str
+    pod: str | None = None
+    exit_code: int | None = None
+    retryable: bool = True
+    at: str | None = None  # when the pod stopped: the earliest failure is the likeliest root cause
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"reason": self.reason, "message": self.message}
+        if self.pod:
+            out["pod"] = self.pod
+        if self.exit_code is not None:
+            out["exitCode"] = self.exit_code
+        return out
+
+    @classmethod
+    def from_status(cls, data: Mapping[str, Any] | None) -> Failure | None:
+        if not data:
+            return None
+        return cls(reason=str(data.get("reason", "")), message=str(data.get("message", "")), pod=data.get("pod"),
+                   exit_code=data.get("exitCode"))
+
+
+def describe_exit(code: int) -> str:
+    if code == contract.EXIT_RETRYABLE:
+        return "a peer failed or a collective timed out"
+    if code == contract.EXIT_INVALID_SPEC:
+        return "the trainer rejected the spec"
+    if code in (126, 127):
+        return "the image cannot run the command"
+    if code > 128 and code - 128 in _SIGNALS:
+        return f"killed by {_SIGNALS[code - 128]}"
+    return "error"
+
+
+def classify(pod: PodView) -> Failure | None:
+    """A failed or vanishing pod → Failure (retryable or permanent); None for a pod that is fine."""
+    if pod.phase == SUCCEEDED:
+        return None
+    if pod.phase == FAILED:
+        if pod.reason in DISRUPTIONS or pod.exit_code is None:
+            reason = pod.reason or "PodFailed"
+            return Failure(reason, f"pod {pod.name} failed: {reason}" + (f": {pod.message}" if pod.message else ""),
+                           pod=pod.name, exit_code=pod.exit_code, at=pod.finished_at)
+        code = pod.exit_code
+        return Failure(pod.reason or "Error", f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
+                       pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
+                       at=pod.finished_at)
+    if pod.terminating:
+        return Failure("PodDeleted", f"pod {pod.name} was deleted while running", pod=pod.name,
+                       at=pod.finished_at)
+    return None
+
+
+def root_cause(failures: Sequence[Failure]) -> Failure:
+    """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75)
+    is a consequence, not the cause; then the earliest."""
+    return min(failures, key=lambda f: (f.retryable, f.exit_code == contract.EXIT_RETRYABLE, f.at or "~",
+                                        f.pod or ""))
+
+
+@dataclass(frozen=True)
+class GangState:
+    """The part of `status` that decisions depend on; persisted so that an operator restart loses nothing."""
+
+    phase: str | None = None
+    attempt: int = 0  # the gang generation: part of pod names; bumped by restarts and resumes
+    restarts: int = 0  # failure-triggered gang restarts, counted against runPolicy.backoffLimit
+    gang_created: bool = False  # every pod of this attempt was seen: a pod missing from now on was deleted
+    start_time: str | None = None
+    completion_time: str | None = None
+    failure: Failure | None = None
+    reason: str = ""
+    message: str = ""
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any] | None) -> GangState:
+        s = status or {}
+        return cls(phase=s.get("phase"), attempt=_int(s.get("attempt"), 0), restarts=_int(s.get("restarts"), 0),
+                   gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
+                   completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
+                   reason=s.get("reason") or "", message=s.get("message") or "")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The job fields the decisions read."""
+
+    name: str
+    nodes: int
+    backoff_limit: int = 3
+    suspend: bool = False
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+
+    @classmethod
+    def from_job(cls, job: Any) -> Policy:
+        spec, rp = job.spec, job.spec.run_policy
+        return cls(name=job.metadata.name, nodes=spec.nodes, backoff_limit=rp.backoff_limit, suspend=rp.suspend,
+                   active_deadline_seconds=rp.active_deadline_seconds,
+                   ttl_seconds_after_finished=rp.ttl_seconds_after_finished)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The new state to persist, then the actions to take (in this order)."""
+
+    state: GangState
+    create_ranks: tuple[int, ...] = ()
+    delete_pods: tuple[str, ...] = ()
+    delete_job: bool = False
+    events: tuple[Event, ...] = field(default_factory=tuple)
+
+
+def _active(pods: Sequence[PodView]) -> tuple[str, ...]:
+    return tuple(p.name for p in pods if p.active)
+
+
+def fail(state: GangState, pods: Sequence[PodView], failure: Failure, now: datetime,
+         reason: str | None = None, message: str | None = None) -> Plan:
+    """Failed for good: remember why and stop every pod still running (a finished job holds no GPUs)."""
+    reason, message = reason or failure.reason, message or failure.message
+    new = replace(state, phase=FAILED, completion_time=to_iso(now), failure=failure, reason=reason, message=message)
+    return Plan(new, delete_pods=_active(pods), events=(Event("Warning", reason, message),))
+
+
+def invalid_spec(state: GangState, pods: Sequence[PodView], message: str, now: datetime) -> Plan:
+    """A spec that can never train: Failed with the field named, and no pods."""
+    if state.phase in FINISHED:
+        return Plan(state, delete_pods=_active(pods))
+    return fail(state, pods, Failure("InvalidSpec", message, retryable=False), now)
+
+
+def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Plan:
+    if state.phase in FINISHED:
+        return _keep_finished(policy, state, pods, now)
+    start = from_iso(state.start_time)
+    deadline = policy.active_deadline_seconds
+    if deadline and start and now >= start + timedelta(seconds=deadline):
+        return fail(state, pods, Failure("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds "
+                                         f"({deadline}s, started {state.start_time})", retryable=False), now)
+    if policy.suspend:
+        return _suspend(state, pods)
+    events: list[Event] = []
+    if state.phase == SUSPENDED:
+        # A fresh attempt (new pod names); the deadline clock restarts, as for a resumed Kubernetes Job.
+        state = replace(state, phase=PENDING, attempt=state.attempt + 1, gang_created=False, start_time=None,
+                        reason="Resumed", message="resumed: creating a fresh gang")
+        events.append(Event("Normal", "Resumed", f"resumed: creating gang attempt {state.attempt}"))
+
+    current = {p.rank: p for p in pods if p.attempt == state.attempt}
+    stale = [p for p in pods if p.attempt != state.attempt]
+    if len(current) == policy.nodes and all(p.phase == SUCCEEDED for p in current.values()):
+        msg = f"all {policy.nodes} pods succeeded (attempt {state.attempt}, {state.restarts} restarts)"
+        new = replace(state, phase=SUCCEEDED, completion_time=to_iso(now), reason="Succeeded", message=msg)
+        return Plan(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
+
+    failures = [f for f in map(classify, current.values()) if f]
+    if state.gang_created:
+        vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
+        failures += [Failure("PodDeleted", f"pod {name} disappeared", pod=name) for name in vanished]
+    if failures:
+        return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
+
+    gang_created = state.gang_created or len(current) == policy.nodes
+    state = replace(state, gang_created=gang_created)
+    if stale:
+        gone = [p.name for p in stale if not p.terminating]
+        phase = RESTARTING if state.phase == RESTARTING else PENDING
+        msg = f"waiting for {len(stale)} pod(s) of an earlier attempt to go before starting attempt {state.attempt}"
+        return Plan(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
+
+    missing = tuple(r for r in range(policy.nodes) if r not in current)
+    if missing:
+        state = replace(state, start_time=state.start_time or to_iso(now))
+        events.append(Event("Normal", "CreatingGang", f"creating {len(missing)} of {policy.nodes} pods "
+                            f"(attempt {state.attempt})"))
+    started = sum(p.phase in (RUNNING, SUCCEEDED) for p in current.values())
+    if started == policy.nodes:
+        msg = f"all {policy.nodes} pods running (attempt {state.attempt})"
+        if state.phase != RUNNING:
+            events.append(Event("Normal", "GangRunning", msg))
+        return Plan(replace(state, phase=RUNNING, reason="GangRunning", message=msg), events=tuple(events))
+    waiting = "; ".join(f"{p.name}: {p.waiting}" for p in current.values() if p.waiting)
+    msg = f"{started}/{policy.nodes} pods running (attempt {state.attempt})" + (f"; {waiting}" if waiting else "")
+    phase = RESTARTING if state.phase == RESTARTING else PENDING
+    reason = state.reason if phase == RESTARTING else "GangStarting"
+    return Plan(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+
+
+def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],
+                root: Failure, now: datetime, events: list[Event]) -> Plan:
+    if not root.retryable:
+        plan = fail(state, pods, root, now)
+        return replace(plan, events=(*events, *plan.events))
+    if state.restarts >= policy.backoff_limit:
+        msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
+        plan = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
+        return replace(plan, events=(*events, *plan.events))
+    restarts = state.restarts + 1
+    msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
+    new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, restarts=restarts, gang_created=False,
+                  failure=root, reason=root.reason, message=msg)
+    # The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address).
+    doomed = tuple(p.name for p in current if not p.terminating)
+    return Plan(new, delete_pods=doomed, events=(*events, Event("Warning", "RestartingGang", msg)))
+
+
+def _suspend(state: GangState, pods: Sequence[PodView]) -> Plan:
+    doomed = tuple(p.name for p in pods if not p.terminating)
+    msg = f"suspended: deleting {len(doomed)} pod(s)" if doomed else "suspended"
+    events = () if state.phase == SUSPENDED else (Event("Normal", "Suspended", msg),)
+    new = replace(state, phase=SUSPENDED, gang_created=False, start_time=None, reason="Suspended", message=msg)
+    return Plan(new, delete_pods=doomed, events=events)
+
+
+def _keep_finished(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Plan:
+    """A finished job never gets new pods; leftovers still running are stopped; after the TTL the job goes."""
+    ttl, done_at = policy.ttl_seconds_after_finished, from_iso(state.completion_time)
+    expired = ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl)
+    return Plan(state, delete_pods=_active(pods), delete_job=expired)

@@ -1,0 +1,189 @@
+"""The job's status, pure: gang state + observed pods + training progress → the `status` object and the patch.
+
+Fields written (all under `.status`):
+
+    phase               Pending | Running | Restarting | Succeeded | Failed | Suspended
+    reason, message     why the job is in that phase, for people (`kubectl describe`)
+    layout              e.g. `dp2·tp1·pp1 z0 fp32` (printer column)
+    observedGeneration  the spec generation this status describes
+    attempt             gang attempt; pod names are `<job>-<attempt>-<rank>`
+    restarts            failure-triggered gang restarts so far (limit: runPolicy.backoffLimit)
+    gangCreated         every pod of this attempt has been seen (a pod missing after that was deleted)
+    startTime, completionTime
+    failure             {pod, exitCode, reason, message}: the root cause of the last restart or of the failure
+    pods                {expected, pending, running, succeeded, failed, terminating}: the current attempt's pods
+    progress            {step, totalSteps, loss, valLoss, tokensPerSecond, etaSeconds, updatedAt, phase}
+                        as last reported by rank 0 (its clock for updatedAt)
+    progressText        `step/totalSteps` (printer column)
+    conditions          [{type, status, reason, message, lastTransitionTime}] for Running, Restarting,
+                        Suspended, Succeeded, Failed and Stalled; lastTransitionTime changes only when status
+                        flips; condition types written by others are kept as they are
+
+The shape is `paratrain.api.status.JobStatus` (the CRD's status schema is generated from it): `build` goes through
+that model, so a field the schema would prune fails a test here instead of vanishing on a real API server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from paratrain.api.status import JobStatus, progress_text
+
+from . import gang
+from .clock import from_iso, to_iso
+from .gang import GangState, PodView
+
+PHASE_CONDITIONS = (gang.RUNNING, gang.RESTARTING, gang.SUSPENDED, gang.SUCCEEDED, gang.FAILED)
+STALLED = "Stalled"
+CONDITION_TYPES = (*PHASE_CONDITIONS, STALLED)
+# Every top-level status key this module owns; a key it no longer writes is removed by the patch.
+OWNED_KEYS = ("phase", "reason", "message", "layout", "observedGeneration", "attempt", "restarts", "gangCreated",
+              "startTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
+_PROGRESS_NUMBERS = {"step": int, "totalSteps": int, "loss": float, "valLoss": float, "tokensPerSecond": float,
+                     "etaSeconds": float}
+_TRAINER_PHASES = frozenset({"starting", "training", "done"})
+
+
+def clean_progress(raw: Any) -> dict[str, Any] | None:
+    """Rank 0's JSON → the progress block; nothing from a pod reaches status unchecked (types, finiteness,
+    length), since the pod runs user code."""
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    if not isinstance(raw, Mapping):
+        return None
+    out: dict[str, Any] = {}
+    for key, kind in _PROGRESS_NUMBERS.items():
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        out[key] = int(value) if kind is int else round(float(value), 6)
+    if "step" not in out:
+        return None
+    updated = from_iso(raw.get("updatedAt"))
+    if updated:
+        out["updatedAt"] = to_iso(updated)
+    if raw.get("phase") in _TRAINER_PHASES:
+        out["phase"] = raw["phase"]
+    return out
+
+
+def pod_counts(nodes: int, attempt: int, pods: Sequence[PodView]) -> dict[str, int]:
+    current = [p for p in pods if p.attempt == attempt and not p.terminating]
+    count = {phase: sum(p.phase == phase for p in current) for phase in (gang.PENDING, gang.RUNNING,
+                                                                           gang.SUCCEEDED, gang.FAILED)}
+    return {"expected": nodes, "pending": count[gang.PENDING], "running": count[gang.RUNNING],
+            "succeeded": count[gang.SUCCEEDED], "failed": count[gang.FAILED],
+            "terminating": sum(p.terminating for p in pods)}
+
+
+def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: bool, reason: str, message: str,
+                  now: datetime) -> list[dict[str, Any]]:
+    """Upsert one condition; lastTransitionTime moves only when its status flips."""
+    value = "True" if status else "False"
+    out, found = [], False
+    for cond in conditions:
+        if cond.get("type") != type_:
+            out.append(dict(cond))
+            continue
+        found = True
+        since = cond.get("lastTransitionTime") if cond.get("status") == value else None
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": since or to_iso(now)})
+    if not found:
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": to_iso(now)})
+    return out
+
+
+def _condition(conditions: Sequence[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def stall(state: GangState, conditions: Sequence[Mapping[str, Any]], progress: Mapping[str, Any] | None,
+          stall_timeout: int, now: datetime) -> tuple[bool, str, str] | None:
+    """(stalled?, reason, message) while running; None when the question does not apply.
+
+    Silent means: no step since the later of the gang becoming Running and rank 0's last update. A hung rank 0
+    stops answering; a deadlocked one answers with an old updatedAt; both go silent."""
+    if state.phase != gang.RUNNING:
+        return None
+    running = _condition(conditions, gang.RUNNING)
+    since = [t for t in (from_iso((running or {}).get("lastTransitionTime")),
+                         from_iso((progress or {}).get("updatedAt"))) if t]
+    if not since:
+        return None
+    last = max(since)
+    silent = (now - last).total_seconds()
+    if silent > stall_timeout:
+        step = (progress or {}).get("step")
+        at = f" (last at step {step})" if step is not None else ""
+        return True, "ProgressStalled", (f"no training progress for {int(silent)}s{at}, longer than "
+                                         f"runPolicy.stallTimeoutSeconds ({stall_timeout}s)")
+    return False, "Progressing", f"progress within runPolicy.stallTimeoutSeconds ({stall_timeout}s)"
+
+
+def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods: Sequence[PodView],
+          progress: Mapping[str, Any] | None, stall_timeout: int, generation: int | None, layout: str | None,
+          now: datetime) -> dict[str, Any]:
+    """The whole status this operator owns (other keys in `prev` are left to their writers)."""
+    prev = prev or {}
+    out: dict[str, Any] = {"phase": state.phase or gang.PENDING, "reason": state.reason, "message": state.message}
+    if layout:
+        out["layout"] = layout
+    if generation is not None:
+        out["observedGeneration"] = generation
+    out.update(attempt=state.attempt, restarts=state.restarts, gangCreated=state.gang_created)
+    if state.start_time:
+        out["startTime"] = state.start_time
+    if state.completion_time:
+        out["completionTime"] = state.completion_time
+    if state.failure:
+        out["failure"] = state.failure.to_status()
+    out["pods"] = pod_counts(nodes, state.attempt, pods)
+    progress = progress or prev.get("progress")
+    if progress:
+        out["progress"] = dict(progress)
+        if "totalSteps" in progress:
+            out["progressText"] = progress_text(progress["step"], progress["totalSteps"])
+
+    conditions: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
+    present = {c.get("type") for c in conditions}
+    for type_ in PHASE_CONDITIONS:
+        if type_ == out["phase"]:
+            conditions = set_condition(conditions, type_, True, state.reason or type_, state.message, now)
+        elif type_ in present:
+            conditions = set_condition(conditions, type_, False, out["phase"], f"the job is {out['phase']}", now)
+    stalled = stall(state, conditions, progress, stall_timeout, now)
+    if stalled:
+        conditions = set_condition(conditions, STALLED, *stalled, now)
+    elif STALLED in present:
+        conditions = set_condition(conditions, STALLED, False, out["phase"], "not running", now)
+    out["conditions"] = conditions
+    return JobStatus.model_validate(out).dump()
+
+
+def patch(prev: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch turning `prev` into `new` for the keys this module owns (None deletes a key)."""
+    prev = prev or {}
+    out = {k: v for k, v in new.items() if prev.get(k) != v}
+    out.update({k: None for k in OWNED_KEYS if k in prev and k not in new})
+    return out
+
+
+def stall_event(prev: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> gang.Event | None:
+    """An Event when the Stalled condition flips (phase changes have their own Events)."""
+    before, after = _condition(prev, STALLED), _condition(new, STALLED)
+    if not after or (before or {}).get("status") == after.get("status"):
+        return None
+    if after.get("status") == "True":
+        return gang.Event("Warning", "Stalled", after.get("message", ""))
+    if (before or {}).get("status") == "True" and after.get("reason") == "Progressing":
+        return gang.Event("Normal", "Progressing", "training progress resumed")
+    return None

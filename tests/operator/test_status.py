@@ -1,0 +1,116 @@
+"""Status building as tables: gang state + pods + progress + time → status object and merge patch."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from pydantic import ValidationError
+
+from paratrain.api.status import JobStatus
+from paratrain_operator import status
+from paratrain_operator.clock import to_iso
+from paratrain_operator.gang import Failure, GangState, PodView
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+RUNNING = GangState(phase="Running", reason="GangRunning", message="all 2 pods running", gang_created=True,
+                    start_time=to_iso(NOW - timedelta(hours=1)))
+PODS = [PodView(name="j-0-0", attempt=0, rank=0, phase="Running"), PodView(name="j-0-1", attempt=0, rank=1,
+                                                                          phase="Running")]
+
+
+def build(prev=None, state=RUNNING, progress=None, now=NOW, pods=PODS, stall_timeout=600):
+    return status.build(prev, state, nodes=2, pods=pods, progress=progress, stall_timeout=stall_timeout,
+                        generation=3, layout="dp2·tp1·pp1 z0 fp32", now=now)
+
+
+def condition(st, type_):
+    return next(c for c in st["conditions"] if c["type"] == type_)
+
+
+def test_a_running_job_reports_everything_the_printer_columns_need():
+    st = build(progress={"step": 40, "totalSteps": 100, "loss": 2.5})
+    assert st["phase"] == "Running" and st["layout"] == "dp2·tp1·pp1 z0 fp32" and st["observedGeneration"] == 3
+    assert st["progressText"] == "40/100" and st["progress"]["loss"] == 2.5 and st["restarts"] == 0
+    assert st["pods"] == {"expected": 2, "pending": 0, "running": 2, "succeeded": 0, "failed": 0, "terminating": 0}
+    assert condition(st, "Running")["status"] == "True"
+    JobStatus.model_validate(st)  # the CRD's status schema would keep every field
+
+
+def test_rebuilding_an_unchanged_status_patches_nothing():
+    first = build(progress={"step": 1, "totalSteps": 2})
+    assert status.patch(first, build(first, now=NOW + timedelta(seconds=30))) == {}
+
+
+def test_last_transition_time_moves_only_when_a_condition_flips():
+    first = build()
+    later = build(first, now=NOW + timedelta(minutes=1))
+    assert condition(later, "Running")["lastTransitionTime"] == to_iso(NOW)
+    done = build(later, GangState(phase="Succeeded", reason="Succeeded", message="ok"), now=NOW + timedelta(minutes=2))
+    assert condition(done, "Running") == {"type": "Running", "status": "False", "reason": "Succeeded",
+                                          "message": "the job is Succeeded",
+                                          "lastTransitionTime": to_iso(NOW + timedelta(minutes=2))}
+    assert condition(done, "Succeeded")["status"] == "True"
+    assert "Failed" not in {c["type"] for c in done["conditions"]}  # never true: not listed
+
+
+def test_conditions_written_by_others_are_kept():
+    foreign = {"type": "QuotaReserved", "status": "True", "reason": "Kueue", "message": "",
+               "lastTransitionTime": "2026-11-29T10:00:00Z"}
+    assert foreign in build({"conditions": [foreign]})["conditions"]
+
+
+def test_a_silent_running_job_is_stalled():
+    running_since_long = build(now=NOW - timedelta(hours=1))
+    old = to_iso(NOW - timedelta(seconds=700))
+    st = build(running_since_long, progress={"step": 7, "totalSteps": 100, "updatedAt": old})
+    stalled = condition(st, "Stalled")
+    assert stalled["status"] == "True" and stalled["reason"] == "ProgressStalled"
+    assert "last at step 7" in stalled["message"] and "stallTimeoutSeconds (600s)" in stalled["message"]
+    assert status.stall_event(running_since_long["conditions"], st["conditions"]).reason == "Stalled"
+    fresh = build(st, progress={"step": 8, "totalSteps": 100, "updatedAt": to_iso(NOW)})
+    assert condition(fresh, "Stalled")["status"] == "False"
+    assert status.stall_event(st["conditions"], fresh["conditions"]).reason == "Progressing"
+
+
+def test_a_job_that_never_reported_is_stalled_from_when_it_started_running():
+    just_running = build(now=NOW)
+    assert condition(just_running, "Stalled")["status"] == "False"
+    assert status.stall_event([], just_running["conditions"]) is None  # nothing to announce
+    assert condition(build(just_running, now=NOW + timedelta(seconds=601)), "Stalled")["status"] == "True"
+
+
+def test_stalled_is_not_judged_unless_running():
+    pending = build(state=GangState(phase="Pending"))
+    assert "Stalled" not in {c["type"] for c in pending["conditions"]}
+
+
+def test_failure_and_times_are_reported():
+    failed = GangState(phase="Failed", reason="BackoffLimitExceeded", message="m", start_time=to_iso(NOW),
+                       completion_time=to_iso(NOW), failure=Failure("Error", "pod j-0-1 exited with code 137",
+                                                                    pod="j-0-1", exit_code=137))
+    st = build(state=failed)
+    assert st["failure"] == {"pod": "j-0-1", "exitCode": 137, "reason": "Error",
+                             "message": "pod j-0-1 exited with code 137"}
+    assert st["completionTime"] == "2026-11-29T12:00:00Z"
+
+
+def test_the_patch_sets_changes_and_removes_dropped_keys():
+    before = {"phase": "Running", "startTime": "x", "restarts": 0, "kopf": {"dummy": 1}}
+    after = {"phase": "Suspended", "restarts": 0}
+    assert status.patch(before, after) == {"phase": "Suspended", "startTime": None}  # kopf's key left alone
+
+
+def test_progress_from_a_pod_is_sanitised():
+    raw = '{"step": 5, "totalSteps": 10, "loss": NaN, "valLoss": Infinity, "tokensPerSecond": true, ' \
+          '"etaSeconds": 12.5, "updatedAt": "2026-11-29T11:00:00+00:00", "phase": "rm -rf", "evil": "x"}'
+    assert status.clean_progress(raw) == {"step": 5, "totalSteps": 10, "etaSeconds": 12.5,
+                                          "updatedAt": "2026-11-29T11:00:00Z"}
+    assert status.clean_progress("not json") is None and status.clean_progress({"loss": 1.0}) is None
+    assert status.clean_progress([1, 2]) is None
+
+
+def test_a_field_the_crd_schema_lacks_is_caught_here():
+    with pytest.raises(ValidationError):
+        status.build(None, GangState(phase="Exploded"), nodes=1, pods=[], progress=None, stall_timeout=10,
+                     generation=1, layout=None, now=NOW)
