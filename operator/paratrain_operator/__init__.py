@@ -1,0 +1,1 @@
+"""The paratrain operator: kopf handlers over a pure planner and renderer (spec → gang objects)."""

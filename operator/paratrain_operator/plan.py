@@ -1,0 +1,131 @@
+"""The gang plan, pure: a job → the names, labels and per-node env of its objects (no Kubernetes objects yet).
+
+`render` turns a plan into objects; the operator finds what it created by the same names and labels.
+Label merge: the user's `spec.pod.labels` / `annotations` first, paratrain's own on top, so a user key can never
+replace one paratrain selects by (the spec also rejects user keys under `paratrain.dev/`). Env order: POD_IP /
+POD_NAME (downward API; first, so user values may use `$(POD_IP)`) → torchrun's PET_* → PARATRAIN_* → NCCL /
+torch watchdog defaults → overridable defaults (dropped when the user sets the same name) → the user's env.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain import contract
+from paratrain.api import API_GROUP, API_VERSION, KIND, ParallelTrainJob, layout_label
+
+ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
+ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
+ANNOTATION_LAYOUT = f"{API_GROUP}/layout"
+# Gang schedulers: the scheduler each needs, and how a pod names its group.
+SCHEDULER_NAMES = {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+
+# Env from the downward API (name → pod field).
+FIELD_ENV = {contract.ENV_PROGRESS_HOST: "status.podIP", "POD_NAME": "metadata.name"}
+# A broken gang must fail fast (the operator then restarts all of it) rather than hang on a collective.
+COMMS_ENV = {
+    # A failed or timed-out collective aborts its communicator and ends the process, so the pod exits
+    # non-zero instead of leaving every other rank blocked. (Blocking wait, TORCH_NCCL_BLOCKING_WAIT, is
+    # left off: the watchdog enforces runPolicy.collectiveTimeoutSeconds without a busy wait per call.)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # The watchdog's heartbeat monitor kills a rank whose watchdog itself is stuck (e.g. in a CUDA call).
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    # Flight recorder: on a timeout each rank dumps its last collectives to /tmp, to tell which rank hung.
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    # NCCL's warnings and errors, without INFO's per-ring lines from every rank.
+    "NCCL_DEBUG": "WARN",
+}
+# Defaults a user env var of the same name replaces.
+OVERRIDABLE_ENV = {
+    "PYTHONUNBUFFERED": "1",  # log lines reach `kubectl logs` as they happen
+    "HOME": "/tmp",  # the root filesystem is read-only; caches (torch, triton, HF) go under $HOME
+}
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One pod of the gang."""
+
+    rank: int
+    pod_name: str
+    hostname: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    env: dict[str, str]  # plain values, in order; FIELD_ENV comes from the downward API
+
+
+@dataclass(frozen=True)
+class GangPlan:
+    job_name: str
+    namespace: str
+    attempt: int
+    service: str
+    config_map: str
+    labels: dict[str, str]  # on every object of the gang; pods add attempt and rank
+    gang: str  # spec.scheduling.gang
+    scheduler_name: str | None
+    pod_group: str | None
+    owner: dict[str, Any] | None  # the ownerReference to the job, when it exists on a cluster (has a uid)
+    nodes: tuple[NodePlan, ...]
+
+
+def gang_labels(job_name: str) -> dict[str, str]:
+    return {contract.LABEL_JOB: job_name, "app.kubernetes.io/name": "paratrain",
+            "app.kubernetes.io/instance": job_name, "app.kubernetes.io/managed-by": "paratrain-operator"}
+
+
+def owner_reference(job: ParallelTrainJob) -> dict[str, Any] | None:
+    """Deleting the job deletes the gang (garbage collection follows the controller reference)."""
+    uid = (job.metadata.model_extra or {}).get("uid")
+    if not uid:
+        return None
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.metadata.name, "uid": str(uid),
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> dict[str, str]:
+    spec, name = job.spec, job.metadata.name
+    env = contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=rank,
+                            master_addr=contract.pod_dns_name(name, namespace, 0))
+    env |= {contract.ENV_JOB_NAME: name, contract.ENV_RESTART_ATTEMPT: str(attempt),
+            contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
+            contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH}
+    user = {e.name: e.value for e in spec.pod.env}
+    env |= COMMS_ENV | {k: v for k, v in OVERRIDABLE_ENV.items() if k not in user}
+    return env | user
+
+
+def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int, rank: int,
+               pod_group: str | None) -> dict[str, str]:
+    own = plan_labels | {contract.LABEL_ATTEMPT: str(attempt), contract.LABEL_NODE_RANK: str(rank)}
+    if job.spec.scheduling.gang == "coscheduling" and pod_group:
+        own[COSCHEDULING_GROUP_LABEL] = pod_group
+    return dict(job.spec.pod.labels) | own
+
+
+def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: str | None) -> dict[str, str]:
+    own = {ANNOTATION_NODE_RANK: str(rank), ANNOTATION_ATTEMPT: str(attempt),
+           ANNOTATION_LAYOUT: layout_label(job.spec)}
+    if job.spec.scheduling.gang == "volcano" and pod_group:
+        own[VOLCANO_GROUP_ANNOTATION] = pod_group
+    return dict(job.spec.pod.annotations) | own
+
+
+def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> GangPlan:
+    name, gang = job.metadata.name, job.spec.scheduling.gang
+    labels = gang_labels(name)
+    pod_group = name if gang != "none" else None
+    nodes = tuple(
+        NodePlan(rank=rank, pod_name=contract.pod_name(name, attempt, rank),
+                 hostname=contract.pod_hostname(name, rank),
+                 labels=pod_labels(job, labels, attempt, rank, pod_group),
+                 annotations=pod_annotations(job, attempt, rank, pod_group),
+                 env=node_env(job, namespace, attempt, rank))
+        for rank in range(job.spec.nodes))
+    return GangPlan(job_name=name, namespace=namespace, attempt=attempt, service=contract.service_name(name),
+                    config_map=f"{name}-spec", labels=labels, gang=gang, scheduler_name=SCHEDULER_NAMES.get(gang),
+                    pod_group=pod_group, owner=owner_reference(job), nodes=nodes)

@@ -1,0 +1,169 @@
+"""Rendering, pure: a job → the Kubernetes objects of one gang attempt (ConfigMap, Service, PodGroup, Pods).
+
+The objects come from the jinja2 templates beside this module. Every value reaches a template as data and
+leaves it through `|tojson` (a JSON scalar or flow collection is valid YAML), so no user string can become YAML
+structure; each template renders exactly one object, parsed back into a dict. `spec.runPolicy.suspend` is not
+read here: a suspended job is simply one whose pods the operator does not create.
+
+    paratrain render JOB.yaml [--namespace NS] [--attempt N]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jinja2
+import yaml
+
+from paratrain import contract
+from paratrain.api import ParallelTrainJob
+from paratrain.api.spec import ResourcesSpec, Spec, Volume
+
+from .plan import FIELD_ENV, GangPlan, NodePlan, plan_gang
+
+TRAINER_UID = 1000  # the trainer images run as this non-root user
+SHM_DIR = "/dev/shm"
+TMP_DIR = "/tmp"  # writable scratch under a read-only root filesystem
+PORTS = [{"name": "rendezvous", "port": contract.MASTER_PORT}, {"name": "progress", "port": contract.PROGRESS_PORT}]
+
+# Characters YAML reads as line breaks, or refuses raw (C1 controls, BOM): escaped as \uXXXX.
+_YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def to_json(value: Any) -> str:
+    """JSON that a YAML parser reads back as exactly `value`.
+
+    Other non-ASCII characters stay as they are: a \\u-escaped surrogate pair (json's ensure_ascii form of an
+    emoji) would come back from PyYAML as two broken characters. A lone surrogate (not a character; only an
+    escape in the job's YAML makes one) becomes U+FFFD, as the API server's JSON decoder would store it."""
+    text = _LONE_SURROGATE.sub("\ufffd", json.dumps(value, ensure_ascii=False))
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Readable and exact YAML: multi-line strings as literal blocks (PyYAML quotes any a block cannot hold), and
+    NEL / LS / PS double-quoted, because PyYAML writes them raw in other styles and reads them back as breaks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = '"' if re.search("[\x85\u2028\u2029]", text) else "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def to_yaml_stream(objects: list[dict[str, Any]]) -> str:
+    """The objects as one YAML stream (what `paratrain render` prints)."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+_TEMPLATES = jinja2.Environment(
+    loader=jinja2.PackageLoader("paratrain_operator", "templates"), undefined=jinja2.StrictUndefined,
+    autoescape=False, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+_TEMPLATES.filters["tojson"] = to_json  # replaces jinja2's HTML-escaping tojson
+
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, when PyYAML has it: ten times faster
+
+
+def _render(template: str, **values: Any) -> dict[str, Any]:
+    text = _TEMPLATES.get_template(template).render(**values)
+    docs = [d for d in yaml.load_all(text, Loader=_LOADER) if d is not None]
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise RuntimeError(f"{template} rendered {len(docs)} documents, expected one object")
+    return docs[0]
+
+
+def metadata(plan: GangPlan, name: str, labels: dict[str, str],
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": name, "namespace": plan.namespace, "labels": labels}
+    if annotations:
+        out["annotations"] = annotations
+    if plan.owner:
+        out["ownerReferences"] = [plan.owner]
+    return out
+
+
+def job_yaml(job: ParallelTrainJob, namespace: str) -> str:
+    """The job as the trainer reads it: defaults filled in, cluster bookkeeping (uid, status) left out."""
+    doc = {"apiVersion": job.api_version, "kind": job.kind,
+           "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": job.spec.dump()}
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+def config_map(plan: GangPlan, job: ParallelTrainJob) -> dict[str, Any]:
+    return _render("configmap.yaml.j2", metadata=metadata(plan, plan.config_map, plan.labels),
+                   file_name=contract.SPEC_FILE_NAME, job_yaml=job_yaml(job, plan.namespace))
+
+
+def service(plan: GangPlan) -> dict[str, Any]:
+    ports = [{**p, "targetPort": p["port"], "protocol": "TCP"} for p in PORTS]
+    return _render("service.yaml.j2", metadata=metadata(plan, plan.service, plan.labels),
+                   selector={contract.LABEL_JOB: plan.job_name}, ports=ports)
+
+
+def pod_group(plan: GangPlan, spec: Spec) -> dict[str, Any]:
+    assert plan.pod_group
+    return _render(f"podgroup-{plan.gang}.yaml.j2", metadata=metadata(plan, plan.pod_group, plan.labels),
+                   min_member=spec.nodes, scheduling=spec.scheduling)
+
+
+def resources(r: ResourcesSpec) -> dict[str, Any]:
+    """Requests = limits (Guaranteed QoS: a training pod is never the first one evicted or CPU-throttled for
+    others). The memory limit also covers /dev/shm, a memory-backed emptyDir."""
+    amounts = {"cpu": r.cpu, "memory": r.memory}
+    limits = dict(amounts)
+    if r.gpus_per_node:
+        limits["nvidia.com/gpu"] = str(r.gpus_per_node)
+    return {"requests": amounts, "limits": limits}
+
+
+def volume_source(v: Volume) -> dict[str, Any]:
+    if v.persistent_volume_claim:
+        return {"persistentVolumeClaim": {"claimName": v.persistent_volume_claim, **_read_only(v.read_only)}}
+    if v.config_map:
+        return {"configMap": {"name": v.config_map}}
+    if v.secret:
+        return {"secret": {"secretName": v.secret}}
+    return {"emptyDir": {}}
+
+
+def _read_only(flag: bool) -> dict[str, bool]:
+    return {"readOnly": True} if flag else {}
+
+
+def volumes_and_mounts(spec: Spec, config_map_name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """paratrain's volumes (spec, /dev/shm, /tmp), then the user's; a user volume at /tmp replaces ours."""
+    shm = {"emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}}
+    own = [("paratrain-spec", {"configMap": {"name": config_map_name}}, contract.SPEC_MOUNT_DIR, True),
+           ("paratrain-shm", shm, SHM_DIR, False)]
+    if all(v.mount_path != TMP_DIR for v in spec.pod.volumes):
+        own.append(("paratrain-tmp", {"emptyDir": {}}, TMP_DIR, False))
+    user = [(v.name, volume_source(v), v.mount_path, v.read_only) for v in spec.pod.volumes]
+    volumes = [{"name": name, **source} for name, source, _, _ in own + user]
+    mounts = [{"name": name, "mountPath": path, **_read_only(ro)} for name, _, path, ro in own + user]
+    return volumes, mounts
+
+
+def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
+    volumes, mounts = volumes_and_mounts(spec, plan.config_map)
+    return _render(
+        "pod.yaml.j2", metadata=metadata(plan, node.pod_name, node.labels, node.annotations), plan=plan,
+        node=node, scheduling=spec.scheduling, tolerations=[t.dump() for t in spec.scheduling.tolerations],
+        image_pull_secrets=[{"name": s} for s in spec.pod.image_pull_secrets], uid=TRAINER_UID, image=spec.image,
+        command=contract.train_command(), field_env=FIELD_ENV, resources=resources(spec.resources),
+        ports=[{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in PORTS],
+        volumes=volumes, mounts=mounts)
+
+
+def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> list[dict[str, Any]]:
+    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, PodGroup (if any), Pods."""
+    plan = plan_gang(job, namespace, attempt)
+    objects = [config_map(plan, job), service(plan)]
+    if plan.pod_group:
+        objects.append(pod_group(plan, job.spec))
+    return objects + [pod(plan, node, job.spec) for node in plan.nodes]
