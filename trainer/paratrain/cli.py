@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
     render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for a job")
     _add_job_args(render)
-    render.add_argument("--namespace", default="default")
+    render.add_argument("--namespace", help="default: the job's metadata.namespace, else `default`")
     render.add_argument("--attempt", type=int, default=0, help="gang restart attempt to render")
 
     sub.add_parser("crd", help="print the ParallelTrainJob CustomResourceDefinition")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
             from .api.crd import crd_manifest
 
-            sys.stdout.write(yaml.safe_dump(crd_manifest(), sort_keys=False))
+            sys.stdout.write(yaml.safe_dump(crd_manifest(), sort_keys=False, allow_unicode=True))
             return 0
         if args.command == "train":
             from .train.entrypoint import train_main
@@ -66,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")
             return 0
         if args.command == "render":
-            import yaml
+            from paratrain_operator.render import render_job, to_yaml_stream
 
-            from paratrain_operator.render import render_job
-
-            objects = render_job(job, namespace=args.namespace, attempt=args.attempt)
-            sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+            namespace = args.namespace or job.metadata.namespace or "default"
+            sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt)))
             return 0
         from .launch import run_local
 

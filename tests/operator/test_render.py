@@ -1,0 +1,202 @@
+"""What the renderer builds for a gang, property by property (the golden files pin the whole output)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from paratrain import contract
+from paratrain.api import load_job, parse_job
+from paratrain_operator.plan import COMMS_ENV, plan_gang
+from paratrain_operator.render import render_job
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+
+
+def job_doc(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "j"},
+            "spec": {"nodes": 3, "parallelism": {"data": 3}, "training": {"batchSize": 9}, **spec}}
+
+
+def render(doc: dict[str, Any], attempt: int = 0, namespace: str = "ns") -> list[dict[str, Any]]:
+    return render_job(parse_job(doc), namespace, attempt)
+
+
+def pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == "Pod"]
+
+
+def env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def container(pod: dict[str, Any]) -> dict[str, Any]:
+    (only,) = pod["spec"]["containers"]
+    return only
+
+
+def test_one_headless_service_and_one_pod_per_node() -> None:
+    objects = render(job_doc())
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "Pod", "Pod", "Pod"]
+    (svc,) = [o for o in objects if o["kind"] == "Service"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rendezvous": contract.MASTER_PORT,
+                                                                    "progress": contract.PROGRESS_PORT}
+    for pod in pods(objects):
+        assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        assert pod["spec"]["subdomain"] == svc["metadata"]["name"]
+
+
+def test_names_per_attempt_and_stable_hostnames() -> None:
+    first, later = pods(render(job_doc(), attempt=0)), pods(render(job_doc(), attempt=4))
+    assert [p["metadata"]["name"] for p in first] == ["j-0-0", "j-0-1", "j-0-2"]
+    assert [p["metadata"]["name"] for p in later] == ["j-4-0", "j-4-1", "j-4-2"]
+    assert [p["spec"]["hostname"] for p in first] == [p["spec"]["hostname"] for p in later] == ["j-0", "j-1", "j-2"]
+
+
+def test_torchrun_env_contract() -> None:
+    for rank, pod in enumerate(pods(render(job_doc(procsPerNode=2, parallelism={"data": 6},
+                                                   training={"batchSize": 12}), attempt=2))):
+        e = env(pod)
+        assert {k: e[k] for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+                                  "PET_MASTER_PORT")} == {
+            "PET_NNODES": "3", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": "j-0.j.ns.svc", "PET_MASTER_PORT": str(contract.MASTER_PORT)}
+        assert e[contract.ENV_RESTART_ATTEMPT] == "2" and e[contract.ENV_JOB_NAME] == "j"
+        assert e[contract.ENV_PROGRESS_PORT] == str(contract.PROGRESS_PORT)
+        assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert COMMS_ENV.items() <= e.items() and e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert container(pod)["command"] == contract.train_command()
+
+
+def test_user_env_comes_last_and_replaces_only_overridable_defaults() -> None:
+    doc = job_doc(pod={"env": [{"name": "HOME", "value": "/data/home"}, {"name": "WANDB_MODE", "value": "off"}]})
+    names = [e["name"] for e in container(pods(render(doc))[0])["env"]]
+    assert names[-2:] == ["HOME", "WANDB_MODE"]
+    assert len(names) == len(set(names)), "no env name twice"
+    assert env(pods(render(doc))[0])["HOME"] == "/data/home"
+
+
+def test_labels_and_annotations_merge_with_paratrains_on_top() -> None:
+    doc = job_doc(scheduling={"gang": "coscheduling"},
+                  pod={"labels": {"team": "a", "scheduling.x-k8s.io/pod-group": "someone-elses"},
+                       "annotations": {"note": "hi"}})
+    for rank, pod in enumerate(pods(render(doc, attempt=1))):
+        labels, notes = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+        assert labels["team"] == "a" and notes["note"] == "hi"
+        assert labels["scheduling.x-k8s.io/pod-group"] == "j"  # ours wins
+        assert (labels[contract.LABEL_JOB], labels[contract.LABEL_ATTEMPT], labels[contract.LABEL_NODE_RANK]) == (
+            "j", "1", str(rank))
+        assert (notes["paratrain.dev/node-rank"], notes["paratrain.dev/attempt"]) == (str(rank), "1")
+
+
+def test_resources_gpus_and_shm() -> None:
+    doc = job_doc(procsPerNode=2, parallelism={"data": 6}, training={"batchSize": 12},
+                  resources={"gpusPerNode": 2, "cpu": "8", "memory": "64Gi", "shmSize": "8Gi"})
+    pod = pods(render(doc))[0]
+    assert container(pod)["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                           "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["paratrain-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    cpu_pod = pods(render(job_doc()))[0]
+    assert "nvidia.com/gpu" not in container(cpu_pod)["resources"]["limits"]
+
+
+def test_user_volumes_mount_beside_paratrains() -> None:
+    doc = job_doc(pod={"volumes": [
+        {"name": "ckpt", "mountPath": "/ckpt", "persistentVolumeClaim": "ckpt-pvc"},
+        {"name": "corpus", "mountPath": "/corpus", "persistentVolumeClaim": "corpus", "readOnly": True},
+        {"name": "cfg", "mountPath": "/cfg", "configMap": "cfg"}, {"name": "key", "mountPath": "/key", "secret": "k"},
+        {"name": "tmp", "mountPath": "/tmp", "emptyDir": True}]})
+    pod = pods(render(doc))[0]
+    volumes = {v["name"]: {k: v2 for k, v2 in v.items() if k != "name"} for v in pod["spec"]["volumes"]}
+    assert volumes == {
+        "paratrain-spec": {"configMap": {"name": "j-spec"}},
+        "paratrain-shm": {"emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        "ckpt": {"persistentVolumeClaim": {"claimName": "ckpt-pvc"}},
+        "corpus": {"persistentVolumeClaim": {"claimName": "corpus", "readOnly": True}},
+        "cfg": {"configMap": {"name": "cfg"}}, "key": {"secret": {"secretName": "k"}}, "tmp": {"emptyDir": {}},
+    }, "a user volume at /tmp replaces paratrain's"
+    mounts = {m["mountPath"]: m for m in container(pod)["volumeMounts"]}
+    assert mounts[contract.SPEC_MOUNT_DIR] == {"name": "paratrain-spec", "mountPath": contract.SPEC_MOUNT_DIR,
+                                               "readOnly": True}
+    assert mounts["/corpus"]["readOnly"] is True and "readOnly" not in mounts["/ckpt"]
+    assert mounts["/tmp"]["name"] == "tmp"
+    assert pods(render(job_doc()))[0]["spec"]["volumes"][2] == {"name": "paratrain-tmp", "emptyDir": {}}
+
+
+def test_spec_config_map_is_what_the_trainer_reads() -> None:
+    job = load_job(JOBS / "gpu-3d-volcano.yaml")
+    config_map, *_, pod = render_job(job, "llm")
+    assert config_map["metadata"]["name"] == "gpt-3d-spec"
+    text = config_map["data"][contract.SPEC_FILE_NAME]
+    assert parse_job(yaml.safe_load(text)).spec == job.spec
+    assert "uid" not in yaml.safe_load(text)["metadata"]  # cluster bookkeeping stays out
+    assert contract.SPEC_PATH_IN_POD in container(pod)["command"]
+
+
+def test_cluster_placement_passes_through() -> None:
+    job = load_job(JOBS / "gpu-3d-volcano.yaml")
+    pod = pods(render_job(job, "llm"))[0]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"][1] == {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
+                                     "tolerationSeconds": 300}
+    assert pod["affinity"] == job.spec.scheduling.affinity
+    assert pod["priorityClassName"] == "training.high"
+    assert pod["imagePullSecrets"] == [{"name": "registry.example.com"}]
+    bare = pods(render(job_doc()))[0]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets",
+                "schedulerName"} & bare.keys()
+
+
+def test_gang_scheduling_objects() -> None:
+    assert "PodGroup" not in [o["kind"] for o in render(job_doc())]
+    volcano = render(job_doc(scheduling={"gang": "volcano", "queue": "research"}))
+    (group,) = [o for o in volcano if o["kind"] == "PodGroup"]
+    assert (group["apiVersion"], group["spec"]) == ("scheduling.volcano.sh/v1beta1", {"minMember": 3,
+                                                                                      "queue": "research"})
+    for pod in pods(volcano):
+        assert pod["spec"]["schedulerName"] == "volcano"
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == group["metadata"]["name"]
+    cosched = render(job_doc(scheduling={"gang": "coscheduling"}))
+    (group,) = [o for o in cosched if o["kind"] == "PodGroup"]
+    assert (group["apiVersion"], group["spec"]) == ("scheduling.x-k8s.io/v1alpha1", {"minMember": 3})
+    for pod in pods(cosched):
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
+
+
+def test_owner_references_only_for_a_job_on_a_cluster() -> None:
+    assert all("ownerReferences" not in o["metadata"] for o in render(job_doc()))
+    doc = job_doc()
+    doc["metadata"]["uid"] = "1234-abcd"
+    for obj in render(doc):
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "name": "j", "uid": "1234-abcd",
+            "controller": True, "blockOwnerDeletion": True}]
+
+
+def test_suspend_does_not_change_the_gang() -> None:
+    running = render(job_doc())
+    suspended = render(job_doc(runPolicy={"suspend": True}))
+    assert suspended[1:] == running[1:]  # only the ConfigMap's copy of the spec differs
+
+
+def test_pod_basics_for_training() -> None:
+    pod = pods(render(job_doc()))[0]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["enableServiceLinks"] is False and spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsUser"] == 1000 and spec["securityContext"]["fsGroup"] == 1000
+    assert container(pod)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_render_is_pure_and_deterministic() -> None:
+    job = load_job(JOBS / "gpu-3d-volcano.yaml")
+    before = copy.deepcopy(job.model_dump())
+    assert render_job(job, "llm", 1) == render_job(job, "llm", 1)
+    assert job.model_dump() == before
+    assert plan_gang(job, "llm", 1) == plan_gang(job, "llm", 1)
