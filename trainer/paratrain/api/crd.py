@@ -16,8 +16,8 @@
 * The gang layout and model shape are immutable after creation (`self == oldSelf`): a running gang and its
   checkpoints are built for them.
 * CEL cost: every list, map and string in the spec has maxItems / maxProperties / maxLength, which is what
-  Kubernetes' cost estimator needs; the costliest rule (mountPath uniqueness, 64 x 64 comparisons) stays far
-  below the per-rule limit.
+  Kubernetes' cost estimator needs. The costliest rule, mountPath uniqueness (64 x 64 comparisons of strings up
+  to 4096 bytes), is estimated at about 1.7M of the 10M allowed per rule (100M per CRD).
 """
 
 from __future__ import annotations
