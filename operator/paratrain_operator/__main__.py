@@ -1,0 +1,44 @@
+"""`python -m paratrain_operator`: run the operator (what the Helm chart's Deployment runs).
+
+    python -m paratrain_operator                      # every namespace
+    python -m paratrain_operator --namespace team-a   # only these (repeatable)
+
+Liveness is served at --liveness (default http://0.0.0.0:8080/healthz), Prometheus metrics at
+http://0.0.0.0:--metrics-port/metrics (default 9090; 0 turns them off). Credentials: the pod's service account
+in a cluster, else $KUBECONFIG / ~/.kube/config. The RBAC it needs is in `paratrain_operator.rbac`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paratrain_operator", description=__doc__.split("\n")[0])
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="serve only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("PARATRAIN_METRICS_PORT", "9090")))
+    parser.add_argument("--resync-seconds", type=float,
+                        default=float(os.environ.get("PARATRAIN_RESYNC_SECONDS", "10")),
+                        help="how often each job is reconciled and its progress polled without any event")
+    parser.add_argument("--verbose", "-v", action="store_true")
+    args = parser.parse_args(argv)
+    # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
+    os.environ["PARATRAIN_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["PARATRAIN_RESYNC_SECONDS"] = str(args.resync_seconds)
+
+    import kopf
+
+    from . import handlers  # noqa: F401 (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+             liveness_endpoint=args.liveness)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The only module that writes to the API: idempotent creates, deletes, the status patch and Events."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from paratrain import contract
+from paratrain.api import API_GROUP, API_VERSION, PLURAL
+
+from .clock import now, to_iso
+from .gang import Event
+from .kube import ApiError, api_path, client
+
+log = logging.getLogger("paratrain.operator")
+JOB_API = f"{API_GROUP}/{API_VERSION}"
+# The kinds the renderer builds. A PodGroup's CRD (Volcano's or scheduler-plugins') may be missing (404).
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups"}
+MERGE_PATCH = "application/merge-patch+json"
+EVENT_MESSAGE_LIMIT = 1024
+
+
+class MissingResource(Exception):
+    """The cluster does not serve a kind the job needs (e.g. Volcano's PodGroup without Volcano)."""
+
+
+def _path(obj: Mapping[str, Any], *, named: bool) -> str:
+    meta = obj["metadata"]
+    return api_path(obj["apiVersion"], PLURALS[obj["kind"]], meta.get("namespace"), meta["name"] if named else None)
+
+
+async def ensure(obj: Mapping[str, Any]) -> bool:
+    """Create `obj`; one that exists already (409) is fine. True when this call created it.
+
+    A ConfigMap that exists is brought up to date (a new attempt may follow a spec change)."""
+    try:
+        await client().request("POST", _path(obj, named=False), body=obj)
+        return True
+    except ApiError as exc:
+        if exc.status == 404 and obj["kind"] not in ("ConfigMap", "Service", "Pod"):
+            raise MissingResource(f"the cluster does not serve {obj['kind']} ({obj['apiVersion']}): {exc.message}")
+        if exc.status != 409:
+            raise
+    if obj["kind"] == "ConfigMap":
+        await client().request("PATCH", _path(obj, named=True), body={"data": obj.get("data") or {}},
+                               content_type=MERGE_PATCH)
+    return False
+
+
+async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]) -> list[str]:
+    """The gang's shared objects, then the pods of `ranks` (in rank order); returns the pods it created.
+
+    Safe to repeat after a crash at any point: only what is missing gets created."""
+    wanted = {str(r) for r in ranks}
+    pods = [o for o in objects if o["kind"] == "Pod"
+            and (o["metadata"].get("labels") or {}).get(contract.LABEL_NODE_RANK) in wanted]
+    for obj in (o for o in objects if o["kind"] != "Pod"):
+        await ensure(obj)
+    return [p["metadata"]["name"] for p in pods if await ensure(p)]
+
+
+async def delete_pod(namespace: str, name: str) -> None:
+    try:
+        await client().request("DELETE", api_path("v1", "pods", namespace, name))
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+
+
+async def delete_job(namespace: str, name: str, uid: str) -> None:
+    """Delete the job (its gang goes with it through ownerReferences); the uid guards a same-named new job."""
+    options = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
+    try:
+        await client().request("DELETE", api_path(JOB_API, PLURAL, namespace, name), body=options)
+    except ApiError as exc:
+        if exc.status not in (404, 409):
+            raise
+
+
+async def patch_status(namespace: str, name: str, patch: Mapping[str, Any]) -> bool:
+    """Merge-patch the status subresource; False when the job is gone."""
+    try:
+        await client().request("PATCH", api_path(JOB_API, PLURAL, namespace, name, "status"),
+                               body={"status": patch}, content_type=MERGE_PATCH)
+        return True
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+async def post_event(job: Mapping[str, Any], event: Event) -> None:
+    """A Kubernetes Event on the job (`kubectl describe ptj`). Best effort: a lost Event never fails a reconcile."""
+    meta = job["metadata"]
+    stamp = to_iso(now())
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": JOB_API, "kind": job.get("kind", "ParallelTrainJob"), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": event.type, "reason": event.reason, "message": event.message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": "paratrain-operator"}, "reportingComponent": "paratrain.dev/operator",
+        "reportingInstance": socket.gethostname(), "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
+    try:
+        await client().request("POST", api_path("v1", "events", meta["namespace"]), body=body)
+    except ApiError as exc:
+        log.warning("could not post event %s on %s/%s: %s", event.reason, meta["namespace"], meta["name"], exc)

@@ -1,0 +1,134 @@
+"""The operator's own API access: one async HTTP session speaking plain JSON, with bounded retries.
+
+Credentials come from the `kubernetes` package's config loaders (the pod's service account in a cluster, else
+the kubeconfig): the same sources kopf's default login uses, so both act as one identity. Objects travel as
+plain dicts, so whatever the renderer builds reaches the API unchanged (no client-side model conversion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+TRANSIENT = frozenset({429, 500, 502, 503, 504})
+RETRY_DELAYS = (0.5, 1.0, 2.0)  # in-place retries of transient errors; then kopf's handler retry takes over
+MAX_RETRY_AFTER = 10.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message, self.retry_after = status, reason, message, retry_after
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: throttling, server errors, no connection (status 0)."""
+        return self.status in TRANSIENT or self.status == 0
+
+
+def api_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,
+             subresource: str | None = None) -> str:
+    """`/api/v1/namespaces/NS/pods/NAME/status`-style paths for core and group resources."""
+    parts = ["/api/v1" if api_version == "v1" else f"/apis/{api_version}"]
+    if namespace:
+        parts.append(f"namespaces/{namespace}")
+    parts.append(plural)
+    parts += [p for p in (name, subresource) if p]
+    return "/".join(parts)
+
+
+class Kube:
+    def __init__(self, configuration: Any):
+        self._config = configuration
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        import kubernetes
+
+        configuration = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=configuration)
+        return cls(configuration)
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        c = self._config
+        if not c.host.startswith("https"):
+            return False
+        if not c.verify_ssl:
+            return False
+        context = ssl.create_default_context(cafile=c.ssl_ca_cert) if c.ssl_ca_cert else ssl.create_default_context()
+        if c.cert_file:
+            context.load_cert_chain(c.cert_file, c.key_file)
+        return context
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "paratrain-operator"}
+        # Calls the loader's refresh hook: a rotated service-account token is re-read.
+        token = self._config.get_api_key_with_prefix("authorization")
+        if token:
+            headers["Authorization"] = token
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
+                      content_type: str | None = None) -> Any:
+        """One API call, retried in place on transient errors; raises ApiError (with the server's reason)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5))
+        if body is not None and content_type is None:
+            content_type = "application/json"
+        for attempt, delay in enumerate((*RETRY_DELAYS, None)):
+            try:
+                return await self._once(method, path, body, params, content_type)
+            except ApiError as exc:
+                if not exc.transient or delay is None:
+                    raise
+                await asyncio.sleep(min(max(delay, exc.retry_after or 0), MAX_RETRY_AFTER))
+        raise AssertionError("unreachable")
+
+    async def _once(self, method: str, path: str, body: Any, params: Mapping[str, str] | None,
+                    content_type: str | None) -> Any:
+        assert self._session is not None
+        url = self._config.host.rstrip("/") + path
+        try:
+            async with self._session.request(method, url, json=body, params=params, ssl=self._ssl(),
+                                             headers=self._headers(content_type)) as response:
+                data = await response.json(content_type=None) if response.content_length != 0 else None
+                if response.status >= 400:
+                    data = data if isinstance(data, Mapping) else {}
+                    retry_after = response.headers.get("Retry-After")
+                    raise ApiError(response.status, str(data.get("reason") or response.reason),
+                                   str(data.get("message") or ""),
+                                   float(retry_after) if retry_after and retry_after.isdigit() else None)
+                return data
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise ApiError(0, type(exc).__name__, f"{method} {path}: {exc}") from None
+
+
+_client: Kube | None = None
+
+
+def connect(client: Kube | None = None) -> Kube:
+    """Set up the process-wide client (at operator startup)."""
+    global _client
+    _client = client or Kube.from_environment()
+    return _client
+
+
+def client() -> Kube:
+    if _client is None:
+        raise RuntimeError("kube.connect() has not been called (the operator's startup handler does)")
+    return _client

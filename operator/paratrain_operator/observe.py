@@ -1,0 +1,46 @@
+"""What the operator reads: the job, its pods (by label), and rank 0's progress endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from paratrain import contract
+from paratrain.api import API_GROUP, API_VERSION, PLURAL
+
+from .kube import ApiError, api_path, client
+
+PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return await client().request("GET", api_path(f"{API_GROUP}/{API_VERSION}", PLURAL, namespace, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def list_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
+    """Every pod of the job, any attempt (fresh from the API, not a watch cache: decisions must not act on a
+    stale view, e.g. create a gang while the old one is still terminating)."""
+    data = await client().request("GET", api_path("v1", "pods", namespace),
+                                  params={"labelSelector": f"{contract.LABEL_JOB}={job_name}"})
+    return list((data or {}).get("items") or [])
+
+
+async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:
+    """Rank 0's `GET /progress` JSON, or None when it does not answer (starting, hung, gone): pods need no API
+    credentials to report progress."""
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip  # IPv6 pod IPs
+    url = f"http://{host}:{port}/progress"
+    try:
+        async with aiohttp.ClientSession(timeout=PROGRESS_TIMEOUT) as session, session.get(url) as response:
+            if response.status != 200:
+                return None
+            return await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None

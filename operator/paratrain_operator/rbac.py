@@ -1,0 +1,46 @@
+"""The RBAC the operator needs, and nothing more (the Helm chart's Role/ClusterRole is tested against this).
+
+Why each rule:
+- paralleltrainjobs: kopf lists and watches them and patches its bookkeeping annotations; the operator reads
+  each job and deletes it after `ttlSecondsAfterFinished`.
+- paralleltrainjobs/status: the operator writes status (merge patch) — and only status.
+- paralleltrainjobs/finalizers: ownerReferences with blockOwnerDeletion on the gang's objects need `update`
+  on the owner's finalizers where the OwnerReferencesPermissionEnforcement admission plugin runs.
+- pods: watched (kopf, server-side label selector) and listed by label, created per gang attempt, deleted on
+  gang restarts, suspension, failure and deadline. No patch/update: pods are never modified.
+- configmaps, services: the gang's spec ConfigMap and headless Service; a ConfigMap is patched when a new
+  attempt follows a spec change.
+- events: the operator's own Events on the job (create only).
+- podgroups (Volcano, scheduler-plugins): only for `spec.scheduling.gang`; without them such a job fails with a
+  clear message and everything else works.
+- namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
+- customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
+Reads of rank 0's progress endpoint are plain HTTP to the pod IP, not API calls.
+"""
+
+from __future__ import annotations
+
+from paratrain.api import API_GROUP, PLURAL
+
+# (apiGroup, resource, verbs); "" is the core group.
+RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (API_GROUP, PLURAL, ("get", "list", "watch", "patch", "delete")),
+    (API_GROUP, f"{PLURAL}/status", ("patch",)),
+    (API_GROUP, f"{PLURAL}/finalizers", ("update",)),
+    ("", "pods", ("list", "watch", "create", "delete")),
+    ("", "configmaps", ("create", "patch")),
+    ("", "services", ("create",)),
+    ("", "events", ("create",)),
+    ("scheduling.volcano.sh", "podgroups", ("create",)),
+    ("scheduling.x-k8s.io", "podgroups", ("create",)),
+)
+# Cluster-scoped reads kopf needs even when the operator serves only some namespaces.
+CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("", "namespaces", ("list", "watch")),
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
+)
+
+
+def policy_rules(rules: tuple[tuple[str, str, tuple[str, ...]], ...] = RULES) -> list[dict[str, list[str]]]:
+    """As Kubernetes PolicyRules (one per resource), e.g. for a Role's `rules`."""
+    return [{"apiGroups": [group], "resources": [resource], "verbs": list(verbs)} for group, resource, verbs in rules]

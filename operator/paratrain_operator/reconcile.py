@@ -1,0 +1,142 @@
+"""One reconcile pass of one job: observe → decide (gang) → persist (status) → act (apply).
+
+Level-triggered and idempotent: every pass starts from a fresh read of the job and its pods, so it does not
+matter which event triggered it, how many events were missed (a dropped watch, an operator restart) or where
+the previous pass died. Passes of one job never overlap (one lock per job, one operator replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
+
+from . import apply, gang, metrics, observe, status
+from .clock import now as clock_now
+from .gang import Failure, GangState, Plan, PodView
+from .render import render_job
+
+log = logging.getLogger("paratrain.operator")
+_locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+
+def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The CR as the spec model reads it: kopf's annotations and the status stay out; the uid stays in (the
+    renderer sets ownerReferences from it)."""
+    meta = body.get("metadata") or {}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}, "spec": body.get("spec") or {}}
+
+
+async def reconcile(namespace: str, name: str) -> str | None:
+    """Run one pass; returns the job's phase, or None when the job is gone."""
+    async with _locks.setdefault((namespace, name), asyncio.Lock()):
+        started = time.monotonic()
+        try:
+            body = await observe.get_job(namespace, name)
+            if body is None:
+                forget(namespace, name)
+                return None
+            return await _pass(body)
+        except Exception:
+            metrics.RECONCILE_ERRORS.inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop what is kept in memory about a deleted job."""
+    _locks.pop((namespace, name), None)
+    metrics.forget(namespace, name)
+
+
+async def _pass(body: dict[str, Any]) -> str | None:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    prev = body.get("status") or {}
+    state, now = GangState.from_status(prev), clock_now()
+    pods = [gang.pod_view(p) for p in await observe.list_pods(namespace, name)]
+    objects: list[dict[str, Any]] = []
+    job: ParallelTrainJob | None = None
+    try:
+        job = parse_job(job_document(body))
+    except SpecError as exc:
+        plan = gang.invalid_spec(state, pods, "; ".join(str(p) for p in exc.problems), now)
+    else:
+        plan = gang.decide(gang.Policy.from_job(job), state, pods, now)
+        if plan.create_ranks:
+            try:
+                objects = render_job(job, namespace, plan.state.attempt)
+            except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
+                plan = gang.fail(state, pods, Failure("RenderFailed", f"cannot build the gang: {exc}",
+                                                      retryable=False), now)
+
+    written = await _persist(body, prev, plan, job, pods)
+    if written is None:
+        return None  # the job was deleted meanwhile
+    try:
+        await _act(body, plan, objects)
+    except apply.MissingResource as exc:
+        plan = gang.fail(plan.state, pods, Failure("MissingResource", str(exc), retryable=False), now)
+        if await _persist(body, written, plan, job, pods) is not None:
+            await _act(body, plan, [])
+    metrics.record_phase(namespace, name, plan.state.phase or gang.PENDING)
+    if plan.state.restarts > state.restarts:
+        metrics.GANG_RESTARTS.labels(namespace).inc()
+    return plan.state.phase
+
+
+async def _persist(body: dict[str, Any], prev: Mapping[str, Any], plan: Plan, job: ParallelTrainJob | None,
+                   pods: Sequence[PodView]) -> dict[str, Any] | None:
+    """Write the plan's state (before any action: see gang's docstring) and post its Events; returns the status
+    now stored, or None when the job is gone."""
+    meta = body["metadata"]
+    progress = await _progress(plan.state, pods)
+    new = status.build(prev, plan.state, nodes=job.spec.nodes if job else 0, pods=pods, progress=progress,
+                       stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
+                       generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
+                       now=clock_now())
+    patch = status.patch(prev, new)
+    if patch and not await apply.patch_status(meta["namespace"], meta["name"], patch):
+        return None
+    events = list(plan.events)
+    stalled = status.stall_event(prev.get("conditions") or [], new.get("conditions") or [])
+    if stalled:
+        events.append(stalled)
+    for event in events:
+        log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message)
+        await apply.post_event(body, event)
+    return new
+
+
+async def _progress(state: GangState, pods: Sequence[PodView]) -> dict[str, Any] | None:
+    """Rank 0's report: polled while it runs; once it has exited, its termination message (the final one)."""
+    rank0 = next((p for p in pods if p.attempt == state.attempt and p.rank == 0 and not p.terminating), None)
+    if rank0 is None:
+        return None
+    if rank0.done:
+        return status.clean_progress(rank0.termination_message)
+    if state.phase == gang.RUNNING and rank0.phase == gang.RUNNING and rank0.ip:
+        return status.clean_progress(await observe.fetch_progress(rank0.ip))
+    return None
+
+
+async def _act(body: dict[str, Any], plan: Plan, objects: Sequence[dict[str, Any]]) -> None:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if plan.create_ranks and objects:
+        created = await apply.create_gang(objects, plan.create_ranks)
+        if created:
+            log.info("%s/%s: created pods %s", namespace, name, ", ".join(created))
+    for pod in plan.delete_pods:
+        await apply.delete_pod(namespace, pod)
+    if plan.delete_pods:
+        log.info("%s/%s: deleting pods %s", namespace, name, ", ".join(plan.delete_pods))
+    if plan.delete_job:
+        log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
+        await apply.delete_job(namespace, name, meta["uid"])
