@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from .. import contract
 
 log = logging.getLogger("paratrain.progress")
 
@@ -44,6 +47,13 @@ class ProgressReporter:
             return dict(self.snapshot)
 
     def close(self) -> None:
+        # The final report outlives the process as the pod's termination message (read by the operator).
+        termination_log = os.environ.get(contract.ENV_TERMINATION_LOG)
+        if termination_log:
+            try:
+                Path(termination_log).write_text(json.dumps(self.get()))
+            except OSError as exc:
+                log.warning("cannot write the final progress to %s: %s", termination_log, exc)
         if self._server:
             self._server.shutdown()
             self._server.server_close()
