@@ -1,0 +1,154 @@
+"""A whole test cluster: API emulator + test kubelet (one thread) + the real operator (`python -m
+paratrain_operator`, a subprocess, as the Helm chart runs it) + kubectl against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from paratrain.api import API_GROUP, API_VERSION, PLURAL
+from paratrain.api.crd import crd_manifest
+
+from .kubelet import Kubelet
+from .server import ApiServer, wait_for
+
+JOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
+REPO = Path(__file__).resolve().parents[3]
+FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_trainer_command(pod: Mapping[str, Any]) -> list[str]:
+    return [sys.executable, str(FAKE_TRAINER)]
+
+
+class Cluster:
+    def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
+                 resync_seconds: float = 1.0):
+        self.workdir = workdir
+        self.api = ApiServer().__enter__()
+        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
+        self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
+        self.kubelet = Kubelet(self.api.emulator, workdir, command=command)
+        self._kubelet_run = self.api.start(self.kubelet.run)
+        self.resync_seconds = resync_seconds
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.operator_log = workdir / "operator.log"
+        self.health_port = self.metrics_port = 0
+        self.start_operator()
+
+    # ---- the operator ------------------------------------------------------------------------------------
+
+    def start_operator(self) -> None:
+        self.health_port, self.metrics_port = free_port(), free_port()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "paratrain_operator", "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
+               "--metrics-port", str(self.metrics_port), "--resync-seconds", str(self.resync_seconds), "--verbose"]
+        with open(self.operator_log, "ab") as log:
+            self.operator = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        wait_for(self.healthy, 30, "the operator's liveness endpoint")
+
+    def healthy(self) -> bool:
+        if self.operator is not None and self.operator.poll() is not None:
+            raise AssertionError(f"the operator exited with {self.operator.returncode}:\n{self.log_tail()}")
+        return self.http(f"http://127.0.0.1:{self.health_port}/healthz") is not None
+
+    def kill_operator(self, sig: int = signal.SIGKILL) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.send_signal(sig)
+            self.operator.wait(15)
+        self.operator = None
+
+    def metrics(self) -> str:
+        return self.http(f"http://127.0.0.1:{self.metrics_port}/metrics") or ""
+
+    @staticmethod
+    def http(url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.read().decode()
+        except OSError:
+            return None
+
+    # ---- jobs and pods -----------------------------------------------------------------------------------
+
+    def namespace(self, name: str) -> str:
+        self.api.create_namespace(name)
+        return name
+
+    def submit(self, namespace: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+        doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "ParallelTrainJob",
+               "metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)}
+        return self.api.create(JOBS, doc, namespace)
+
+    def job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.api.object(JOBS, namespace, name)
+
+    def status(self, namespace: str, name: str) -> dict[str, Any]:
+        return (self.job(namespace, name) or {}).get("status") or {}
+
+    def pods(self, namespace: str, job: str | None = None) -> list[dict[str, Any]]:
+        return self.api.objects("v1/pods", namespace, f"paratrain.dev/job-name={job}" if job else None)
+
+    def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.api.objects("v1/events", namespace) if e["involvedObject"]["name"] == name]
+
+    def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            status = self.status(namespace, name)
+            return status if status.get("phase") == phase else None
+        try:
+            return wait_for(reached, timeout, f"{namespace}/{name} to be {phase}", interval=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics(namespace, name)}") from None
+
+    def pod_creations(self, namespace: str) -> list[str]:
+        """The name of every pod the API created in `namespace`, once per creation (a name twice: re-created)."""
+        def collect() -> list[str]:
+            names = []
+            for (res, ns, name), obj in self.api.emulator.objects.items():
+                if res.plural == "pods" and ns == namespace:
+                    history = list(obj.history)
+                    names += [name for i, v in enumerate(history) if v is not None and (i == 0 or history[i - 1] is None)]
+            return sorted(names)
+        return self.api.call(collect)
+
+    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = ["kubectl", f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kube-cache'}", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    # ---- teardown and diagnostics ------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.operator_log.read_text(errors="replace") if self.operator_log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def diagnostics(self, namespace: str, name: str) -> str:
+        pods = {p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in self.pods(namespace)}
+        logs = ""
+        for log in sorted((self.workdir / "logs").glob(f"{namespace}_*.log")):
+            logs += f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]) + "\n"
+        return (f"status: {json.dumps(self.status(namespace, name), indent=1)}\npods: {pods}\n"
+                f"--- operator log\n{self.log_tail()}\n{logs}")
+
+    def close(self) -> None:
+        self.kill_operator(signal.SIGTERM)
+        self.api.call(self.kubelet.stop)
+        self._kubelet_run.cancel()
+        self.api.close()
+

@@ -1,0 +1,225 @@
+"""The real operator (`python -m paratrain_operator`) against the API emulator and the test kubelet, with a
+stand-in trainer (tests/operator/support/fake_trainer.py: the real one's progress endpoint and exit codes,
+no torch) so that failure handling is exercised in seconds. test_live_trainer.py runs the real trainer.
+
+One cluster (and operator) serves this module; each test uses its own namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from paratrain import contract
+
+from .support.cluster import Cluster, fake_trainer_command
+from .support.server import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), command=fake_trainer_command)
+    yield c
+    c.close()
+    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+
+
+@pytest.fixture
+def ns(cluster: Cluster, request: pytest.FixtureRequest) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_")).strip("-")
+    return cluster.namespace(f"{slug[:40]}-{hashlib.sha1(request.node.name.encode()).hexdigest()[:6]}")
+
+
+def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_policy: dict | None = None,
+             **env: Any) -> dict[str, Any]:
+    """A spec whose pods run the stand-in trainer with these FAKE_* settings."""
+    settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds, **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
+    return {"nodes": nodes, "parallelism": {"data": nodes}, "runPolicy": run_policy or {},
+            "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
+
+
+def reasons(cluster: Cluster, ns: str, name: str) -> list[str]:
+    return [e["reason"] for e in sorted(cluster.events(ns, name), key=lambda e: int(e["metadata"]["resourceVersion"]))]
+
+
+def wait_running(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    return cluster.wait_phase(ns, name, "Running", 30)
+
+
+def test_a_job_succeeds_with_final_progress_events_and_metrics(cluster: Cluster, ns: str):
+    cluster.submit(ns, "ok", fake_job(steps=5))
+    status = cluster.wait_phase(ns, "ok", "Succeeded")
+    assert status["progress"]["step"] == 5 and status["progress"]["phase"] == "done"  # rank 0's final report
+    assert status["progressText"] == "5/5" and status["restarts"] == 0 and status["attempt"] == 0
+    assert status["pods"]["succeeded"] == 2 and status["observedGeneration"] == 1
+    assert status["startTime"] <= status["completionTime"]
+    assert condition(status, "Succeeded")["status"] == "True" and condition(status, "Running")["status"] == "False"
+    assert reasons(cluster, ns, "ok") == ["CreatingGang", "GangRunning", "Succeeded"]
+    assert cluster.pod_creations(ns) == ["ok-0-0", "ok-0-1"]
+    pod = cluster.pods(ns, "ok")[0]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == cluster.job(ns, "ok")["metadata"]["uid"]
+    metrics = cluster.metrics()
+    assert re.search(r'^paratrain_jobs\{phase="Succeeded"\} [1-9]', metrics, re.M)
+    assert "paratrain_reconcile_duration_seconds_count" in metrics
+
+
+def test_an_invalid_spec_fails_naming_the_field_and_creates_nothing(cluster: Cluster, ns: str):
+    cluster.submit(ns, "bad", {"nodes": 2, "parallelism": {"data": 3}})
+    cluster.submit(ns, "typo", {"nodes": 1, "paralelism": {"data": 1}})
+    bad = cluster.wait_phase(ns, "bad", "Failed")
+    assert bad["reason"] == "InvalidSpec" and bad["failure"]["reason"] == "InvalidSpec"
+    assert bad["message"].startswith("spec.parallelism: data(3) x tensor(1) x pipeline(1) = 3 must equal nodes(2)")
+    typo = cluster.wait_phase(ns, "typo", "Failed")
+    assert "spec.paralelism: unknown field" in typo["message"]
+    time.sleep(1.5)  # a few resync periods: still nothing
+    assert cluster.pods(ns) == [] and cluster.pod_creations(ns) == []
+    assert cluster.api.objects("v1/configmaps", ns) == [] and cluster.api.objects("v1/services", ns) == []
+    assert reasons(cluster, ns, "bad") == ["InvalidSpec"]
+
+
+def test_a_killed_pod_restarts_the_whole_gang_once(cluster: Cluster, ns: str):
+    cluster.submit(ns, "crash", fake_job(steps=30))
+    wait_running(cluster, ns, "crash")
+    cluster.api.call(cluster.kubelet.kill, ns, "crash-0-1", signal.SIGKILL)
+    status = cluster.wait_phase(ns, "crash", "Succeeded", 60)
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"] == {"pod": "crash-0-1", "exitCode": 137, "reason": "Error",
+                                 "message": "pod crash-0-1 exited with code 137 (killed by SIGKILL)"}
+    assert cluster.pod_creations(ns) == ["crash-0-0", "crash-0-1", "crash-1-0", "crash-1-1"]  # each once
+    assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == ["crash-1-0", "crash-1-1"]
+    assert reasons(cluster, ns, "crash") == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang",
+                                             "GangRunning", "Succeeded"]
+    assert 'paratrain_gang_restarts_total{namespace="%s"} 1.0' % ns in cluster.metrics()
+
+
+def test_a_permanent_exit_code_fails_the_job_without_a_restart(cluster: Cluster, ns: str):
+    cluster.submit(ns, "perm", fake_job(steps=100, exit_code=127, exit_step=1, exit_rank=1))
+    status = cluster.wait_phase(ns, "perm", "Failed")
+    assert status["restarts"] == 0 and status["failure"]["exitCode"] == 127
+    assert status["failure"]["pod"] == "perm-0-1" and "cannot run the command" in status["message"]
+    # A failed job holds no nodes: the survivor is stopped; the failed pod stays for its logs.
+    wait_for(lambda: [p["metadata"]["name"] for p in cluster.pods(ns)] == ["perm-0-1"], 15, "the survivor to go")
+    time.sleep(1.5)
+    assert cluster.pod_creations(ns) == ["perm-0-0", "perm-0-1"]  # and is never given new pods
+
+
+def test_the_backoff_limit_stops_restarting(cluster: Cluster, ns: str):
+    cluster.submit(ns, "flaky", fake_job(steps=100, run_policy={"backoffLimit": 1}, exit_code=1, exit_step=1,
+                                         exit_rank=0))
+    status = cluster.wait_phase(ns, "flaky", "Failed", 60)
+    assert status["reason"] == "BackoffLimitExceeded" and status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"]["pod"] == "flaky-1-0" and status["failure"]["exitCode"] == 1
+
+
+def test_a_failure_the_restart_cures_ends_in_success(cluster: Cluster, ns: str):
+    cluster.submit(ns, "cured", fake_job(steps=3, exit_code=contract.EXIT_RETRYABLE, exit_step=1, fail_attempts=1))
+    status = cluster.wait_phase(ns, "cured", "Succeeded", 60)
+    assert status["restarts"] == 1 and status["failure"]["exitCode"] == contract.EXIT_RETRYABLE
+
+
+@pytest.mark.parametrize("how", ["evicted", "deleted"])
+def test_an_evicted_or_deleted_pod_is_a_retryable_failure(cluster: Cluster, ns: str, how: str):
+    cluster.submit(ns, how, fake_job(steps=30))
+    wait_running(cluster, ns, how)
+    if how == "evicted":
+        cluster.api.call(cluster.kubelet.evict, ns, f"{how}-0-0")
+    else:
+        cluster.api.delete("v1/pods", ns, f"{how}-0-0")  # kubectl delete pod: graceful
+    status = cluster.wait_phase(ns, how, "Succeeded", 60)
+    assert status["restarts"] == 1
+    assert status["failure"]["reason"] == {"evicted": "Evicted", "deleted": "PodDeleted"}[how]
+    assert status["failure"]["pod"] == f"{how}-0-0"
+
+
+def test_a_silent_job_gets_the_stalled_condition(cluster: Cluster, ns: str):
+    cluster.submit(ns, "stuck", fake_job(steps=100, stall_after=2, run_policy={"stallTimeoutSeconds": 10}))
+    wait_running(cluster, ns, "stuck")
+    status = wait_for(lambda: (s := cluster.status(ns, "stuck")) and (condition(s, "Stalled") or {}).get(
+        "status") == "True" and s, 30, "the Stalled condition")
+    stalled = condition(status, "Stalled")
+    assert stalled["reason"] == "ProgressStalled" and "last at step 2" in stalled["message"]
+    assert status["phase"] == "Running" and status["progress"]["step"] == 2
+    assert "Stalled" in reasons(cluster, ns, "stuck")
+    cluster.api.delete("paratrain.dev/v1alpha1/paralleltrainjobs", ns, "stuck")
+
+
+def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_one(cluster: Cluster, ns: str):
+    cluster.submit(ns, "pause", fake_job(steps=40))
+    wait_running(cluster, ns, "pause")
+    jobs = "paratrain.dev/v1alpha1/paralleltrainjobs"
+    cluster.api.patch(jobs, ns, "pause", {"spec": {"runPolicy": {"suspend": True}}})
+    status = cluster.wait_phase(ns, "pause", "Suspended")
+    wait_for(lambda: not cluster.pods(ns), 15, "the suspended gang to go")
+    assert condition(status, "Suspended")["status"] == "True" and status["restarts"] == 0
+    cluster.api.patch(jobs, ns, "pause", {"spec": {"runPolicy": {"suspend": False}}})
+    status = cluster.wait_phase(ns, "pause", "Succeeded", 60)
+    assert status["attempt"] == 1 and status["restarts"] == 0  # a resume is not a failure
+    assert reasons(cluster, ns, "pause")[-4:] == ["Resumed", "CreatingGang", "GangRunning", "Succeeded"]
+
+
+def test_a_job_created_suspended_waits_without_pods(cluster: Cluster, ns: str):
+    cluster.submit(ns, "queued", fake_job(run_policy={"suspend": True}))
+    cluster.wait_phase(ns, "queued", "Suspended")
+    time.sleep(1.5)
+    assert cluster.pod_creations(ns) == []
+
+
+def test_the_active_deadline_fails_the_job_and_stops_it(cluster: Cluster, ns: str):
+    cluster.submit(ns, "slow", fake_job(steps=1000, run_policy={"activeDeadlineSeconds": 3}))
+    status = cluster.wait_phase(ns, "slow", "Failed", 30)
+    assert status["reason"] == "DeadlineExceeded" and "activeDeadlineSeconds (3s" in status["message"]
+    wait_for(lambda: not cluster.pods(ns), 15, "the gang to be stopped")
+
+
+def test_ttl_after_finished_deletes_the_job_and_its_gang(cluster: Cluster, ns: str):
+    cluster.submit(ns, "brief", fake_job(steps=2, run_policy={"ttlSecondsAfterFinished": 1}))
+    wait_for(lambda: cluster.job(ns, "brief") is None, 30, "the job to be deleted after its TTL")
+    wait_for(lambda: not cluster.pods(ns) and not cluster.api.objects("v1/configmaps", ns), 15, "the gang to go")
+
+
+def test_deleting_a_job_mid_training_removes_its_whole_gang(cluster: Cluster, ns: str):
+    cluster.submit(ns, "gone", fake_job(steps=100))
+    wait_running(cluster, ns, "gone")
+    cluster.api.delete("paratrain.dev/v1alpha1/paralleltrainjobs", ns, "gone")
+    wait_for(lambda: not cluster.pods(ns) and not cluster.api.objects("v1/services", ns)
+             and not cluster.api.objects("v1/configmaps", ns), 15, "the gang to be garbage-collected")
+    wait_for(lambda: not [p for p in cluster.api.call(cluster.kubelet.running) if p.startswith(f"{ns}/")], 10,
+             "processes to end")
+    time.sleep(1.5)
+    assert cluster.pod_creations(ns) == ["gone-0-0", "gone-0-1"]  # nothing re-created for a deleted job
+
+
+def test_api_errors_are_retried_without_duplicates(cluster: Cluster, ns: str):
+    emulator = cluster.api.emulator
+    creates = emulator.inject("POST", rf"/namespaces/{ns}/pods$", status=500, times=2)
+    throttled = emulator.inject("PATCH", rf"/namespaces/{ns}/paralleltrainjobs/flaky-api/status$", status=429,
+                                times=2, retry_after=1)
+    conflict = emulator.inject("POST", rf"/namespaces/{ns}/configmaps$", status=409, times=1)
+    cluster.submit(ns, "flaky-api", fake_job(steps=3))
+    status = cluster.wait_phase(ns, "flaky-api", "Succeeded", 60)
+    assert creates.faulted == 2 and throttled.faulted == 2 and conflict.faulted == 1
+    assert status["restarts"] == 0 and cluster.pod_creations(ns) == ["flaky-api-0-0", "flaky-api-0-1"]
+    assert cluster.api.objects("v1/configmaps", ns)  # a 409 on create was re-checked, not taken as success
+
+
+def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluster, ns: str):
+    cluster.submit(ns, "deaf", fake_job(steps=40))
+    wait_running(cluster, ns, "deaf")
+    assert cluster.api.call(cluster.api.emulator.mute_watches, "v1/pods") >= 1
+    cluster.api.call(cluster.kubelet.kill, ns, "deaf-0-0")
+    status = wait_for(lambda: (s := cluster.status(ns, "deaf")).get("restarts") == 1 and s, 30,
+                      "the resync to notice the failure")
+    assert status["failure"]["pod"] == "deaf-0-0"
+    cluster.api.call(cluster.api.emulator.drop_watches)  # reconnects get unmuted streams
+    cluster.wait_phase(ns, "deaf", "Succeeded", 60)
