@@ -1,12 +1,14 @@
-"""Generate manifests/ and the chart's CRD copy from their sources; `--check` fails when they drift.
+"""Generate manifests/ and the chart's CRD and RBAC files from their sources; `--check` fails when they drift.
 
     python scripts/gen_manifests.py           # write every generated file
     python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery runs this)
 
-Sources: the CRD is `paratrain.api.crd.crd_manifest()` (the typed spec); the install bundle is the chart
+Sources: the CRD is `paratrain.api.crd.crd_manifest()` (the typed spec); the chart's RBAC rules are
+`paratrain_operator.rbac` (what the operator declares it needs); the install bundle is the chart
 rendered with its default values by Helm's own engine (PyPI helm-python-sdk), in a copy of the chart that
-already holds the freshly generated CRD, so one run is always self-consistent; example jobs are copied
-verbatim from examples/ (they stay the single place to edit them).
+already holds the freshly generated CRD and rules, so one run is always self-consistent; the cluster-ready
+example jobs (absolute data and checkpoint paths, i.e. volumes) are copied verbatim from examples/, which stays
+the single place to edit them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 CHART_DIR = ROOT / "charts" / "paratrain"
 CHART_CRD = CHART_DIR / "files" / "crds" / "paralleltrainjobs.paratrain.dev.yaml"
+CHART_RBAC = CHART_DIR / "files" / "rbac.yaml"
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = ROOT / "examples"
 
@@ -39,6 +42,16 @@ def crd_text() -> str:
     from paratrain.api.crd import crd_manifest
 
     return HEADER.format(source="paratrain.api.crd.crd_manifest()") + yaml.safe_dump(crd_manifest(), sort_keys=False)
+
+
+def rbac_text() -> str:
+    """The operator's RBAC rules as the chart reads them: `rules` wherever it serves jobs, `clusterRules` added
+    for a cluster-wide install."""
+    from paratrain_operator import rbac
+
+    doc = {"rules": rbac.policy_rules(rbac.RULES), "clusterRules": rbac.policy_rules(rbac.CLUSTER_RULES)}
+    return HEADER.format(source="paratrain_operator.rbac") + yaml.safe_dump(doc, sort_keys=False,
+                                                                            default_flow_style=None, width=120)
 
 
 def render_chart(chart_dir: Path, values: dict[str, Any] | None = None, *, namespace: str = NAMESPACE,
@@ -79,26 +92,41 @@ def install_bundle(chart_dir: Path) -> str:
     return header + usage + yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True)
 
 
+def cluster_ready(doc: Any) -> bool:
+    """A ParallelTrainJob whose data and checkpoint paths are absolute, i.e. meant for volumes in the pods.
+
+    The other examples are for `paratrain run`: their relative paths name places on the machine running it."""
+    from paratrain.api import parse_job
+
+    if not (isinstance(doc, dict) and doc.get("kind") == "ParallelTrainJob"):
+        return False
+    spec = parse_job(doc).spec
+    paths = [spec.checkpoint.path, spec.data.path if spec.data.source == "text" else None]
+    return all(p is None or p.startswith("/") for p in paths)
+
+
 def example_jobs() -> dict[Path, str]:
-    """Every ParallelTrainJob in examples/, copied verbatim to manifests/examples/."""
+    """The cluster-ready examples/ jobs, copied verbatim to manifests/examples/ (examples/ stays the source)."""
     out = {}
     for path in sorted(EXAMPLES.glob("*.yaml")):
         text = path.read_text()
         docs = [d for d in yaml.safe_load_all(text) if d]
-        if docs and all(isinstance(d, dict) and d.get("kind") == "ParallelTrainJob" for d in docs):
+        if docs and all(cluster_ready(d) for d in docs):
             out[MANIFESTS / "examples" / path.name] = text
     return out
 
 
 def expected_files() -> dict[Path, str]:
     """Every generated file and its content, computed without touching the working tree."""
-    crd = crd_text()
+    crd, rbac = crd_text(), rbac_text()
     with tempfile.TemporaryDirectory() as tmp:
         chart = Path(tmp) / "paratrain"
         shutil.copytree(CHART_DIR, chart)
         (chart / CHART_CRD.relative_to(CHART_DIR)).write_text(crd)
+        (chart / CHART_RBAC.relative_to(CHART_DIR)).write_text(rbac)
         bundle = install_bundle(chart)
-    return {CHART_CRD: crd, MANIFESTS / "crd.yaml": crd, MANIFESTS / "install.yaml": bundle, **example_jobs()}
+    return {CHART_CRD: crd, CHART_RBAC: rbac, MANIFESTS / "crd.yaml": crd, MANIFESTS / "install.yaml": bundle,
+            **example_jobs()}
 
 
 def stale_files(expected: dict[Path, str]) -> list[Path]:

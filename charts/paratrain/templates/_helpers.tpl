@@ -50,37 +50,3 @@ app.kubernetes.io/part-of: paratrain
 app.kubernetes.io/managed-by: {{ .Release.Service | toJson }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | toJson }}
 {{- end -}}
-
-{{/*
-The operator's permissions, shared by the ClusterRole and the namespaced Role. Least privilege: exactly what
-paratrain_operator does (see its rbac module), no wildcards.
-*/}}
-{{- define "paratrain.rules" -}}
-# Watch ParallelTrainJobs, add/remove kopf's finalizer and progress annotations (patch/update), and delete
-# finished jobs after ttlSecondsAfterFinished.
-- apiGroups: ["paratrain.dev"]
-  resources: ["paralleltrainjobs"]
-  verbs: ["get", "list", "watch", "patch", "update", "delete"]
-- apiGroups: ["paratrain.dev"]
-  resources: ["paralleltrainjobs/status"]
-  verbs: ["get", "patch", "update"]
-# kopf.adopt sets blockOwnerDeletion on the gang's objects, which the API server allows only with
-# update on the owner's finalizers subresource.
-- apiGroups: ["paratrain.dev"]
-  resources: ["paralleltrainjobs/finalizers"]
-  verbs: ["update"]
-# The gang: pods (replaced as a whole on a restart), its headless Service and the spec ConfigMap.
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
-- apiGroups: [""]
-  resources: ["services", "configmaps"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-- apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create", "patch"]
-# Gang scheduling: Volcano and scheduler-plugins (coscheduling) PodGroups.
-- apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
-  resources: ["podgroups"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-{{- end -}}
