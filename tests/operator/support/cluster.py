@@ -39,11 +39,12 @@ def fake_trainer_command(pod: Mapping[str, Any]) -> list[str]:
 
 class Cluster:
     def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
-                 resync_seconds: float = 1.0):
+                 resync_seconds: float = 1.0, install_crd: bool = True):
         self.workdir = workdir
         self.api = ApiServer().__enter__()
         self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
-        self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
+        if install_crd:
+            self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
         self.kubelet = Kubelet(self.api.emulator, workdir, command=command)
         self._kubelet_run = self.api.start(self.kubelet.run)
         self.resync_seconds = resync_seconds

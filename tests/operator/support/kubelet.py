@@ -11,9 +11,10 @@ cluster provides by other means is emulated by rewriting the process's env, comm
   the same port although their pod IPs differ; each (namespace, master address, port) gets a free host port.
 
 It adds OMP_NUM_THREADS=1 and PARATRAIN_DEVICE=cpu, and reports Running, then Succeeded or Failed with the
-container's exit code (128+N for signal N) and termination message. A deleted pod's process group gets
-SIGTERM, then SIGKILL after the grace period (capped), and the kubelet confirms the deletion, as a real one
-does. It talks to the emulator in-process, so injected API faults hit the operator only.
+container's exit code (128+N for signal N) and termination message. As with a container, all processes the
+program starts belong to it (found by an env marker: torchrun puts its workers in sessions of their own) and
+end with its main process. A deleted pod's main process gets SIGTERM, every process SIGKILL after the grace
+period (capped), then the kubelet confirms the deletion, as a real one does. It talks to the emulator in-process, so injected API faults hit the operator only.
 
 Hooks for tests: `kill` (the container crashes), `evict` (the node evicts the pod), `pause`/`unpause`
 (SIGSTOP/SIGCONT: a hung pod), `command` (replace every container's command, e.g. with a stand-in trainer).
@@ -28,6 +29,7 @@ import os
 import re
 import signal
 import socket
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,9 @@ _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 MASTER_PORT_VARS = ("PET_MASTER_PORT", "MASTER_PORT")
 MASTER_ADDR_VARS = ("PET_MASTER_ADDR", "MASTER_ADDR")
 MAX_TERMINATION_MESSAGE = 4096
+# Every process of a container inherits this (torchrun starts its workers in sessions of their own, so a
+# process group is not a container; the marker finds them all, even once reparented).
+CONTAINER_MARKER = "TEST_KUBELET_CONTAINER"
 
 
 @dataclass
@@ -59,6 +64,7 @@ class _Container:
     termination_log: Path
     port_keys: list[tuple[str, str, str]] = field(default_factory=list)
     evicted: tuple[str, str] | None = None  # (reason, message) when the node evicted the pod
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class Kubelet:
@@ -159,6 +165,7 @@ class Kubelet:
         self._status(ns, name, {**base, "phase": "Running", "conditions": ready,
                                 "containerStatuses": [_container_status(container, running, ready=True)]})
         code = await launched.process.wait()
+        self._signal(launched, signal.SIGKILL)  # a container ends with its main process
         self.containers.pop((ns, name), None)
         self._release_ports(launched)
         await self._report_exit(pod, container, launched, code, base)
@@ -195,7 +202,7 @@ class Kubelet:
             if meta["uid"] in self._seen or not (pod.get("spec") or {}).get("nodeName"):
                 self._confirm_deletion(*key)
             return
-        self._signal(c, signal.SIGTERM)
+        self._signal_main(c, signal.SIGTERM)
         grace = min(float(meta.get("deletionGracePeriodSeconds") or 0), self.max_grace)
         try:
             await asyncio.wait_for(asyncio.shield(c.process.wait()), grace)
@@ -209,9 +216,29 @@ class Kubelet:
 
     # ---- hooks for tests ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def _pids(c: _Container) -> list[int]:
+        """Every live process of the container (what its cgroup would hold)."""
+        marker = f"{CONTAINER_MARKER}={c.id}".encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if marker in (entry / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(entry.name))
+        return pids
+
     def _signal(self, c: _Container, sig: int) -> None:
+        """Signal every process of the container (a crash, an OOM kill, a freeze)."""
+        for pid in self._pids(c):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    @staticmethod
+    def _signal_main(c: _Container, sig: int) -> None:
+        """Signal the container's main process only: a stop starts with SIGTERM to PID 1."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(c.process.pid, sig)
+            os.kill(c.process.pid, sig)
 
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> None:
         """The container dies (every process in it), as in a crash or an OOM kill."""
@@ -326,6 +353,7 @@ class Kubelet:
                 env[port_var] = self._host_port(key)
                 c.port_keys.append(key)
         env.update(self.extra_env)
+        env[CONTAINER_MARKER] = c.id
         argv = [*(container.get("command") or []), *(container.get("args") or [])]
         argv = [localise(_VAR_REF.sub(lambda m: env.get(m[1], m[0]), a)) for a in argv]
         if self.command is not None:

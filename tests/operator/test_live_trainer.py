@@ -1,0 +1,97 @@
+"""End to end with the real trainer: `kubectl apply` of the CRD and a job → the operator creates the gang →
+each pod runs `torchrun --no-python paratrain train` (the test kubelet runs the rendered command as local
+processes, CPU/gloo) → the job's status tells the truth; and a pod killed mid-training restarts the whole
+gang, which resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from paratrain.api.crd import crd_manifest
+
+from .support.cluster import Cluster
+from .support.server import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def tiny_job(name: str, namespace: str, checkpoints: Path, steps: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodes": 2, "procsPerNode": 1, "parallelism": {"data": 2},
+            "model": {"layers": 1, "heads": 2, "embedDim": 32, "blockSize": 16, "vocabSize": 64},
+            "training": {"steps": steps, "batchSize": 4, "warmupSteps": 1, "evalInterval": steps, "evalSteps": 1},
+            "checkpoint": {"path": str(checkpoints), "interval": 10},
+            # A vanished peer surfaces within seconds, not the default 10 minutes.
+            "runPolicy": {"backoffLimit": 2, "collectiveTimeoutSeconds": 30},
+        },
+    }
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest):
+    c = Cluster(tmp_path, install_crd=getattr(request, "param", True))
+    yield c
+    c.close()
+    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+
+
+def apply(cluster: Cluster, doc: dict[str, Any], path: Path) -> str:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+    result = cluster.kubectl("apply", "--validate=false", "-f", str(path))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("cluster", [False], ids=["kubectl-installs-the-crd"], indirect=True)
+def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster, tmp_path: Path):
+    # The operator is already running: it notices the CRD arrive.
+    assert "customresourcedefinition.apiextensions.k8s.io/paralleltrainjobs.paratrain.dev created" in apply(
+        cluster, crd_manifest(), tmp_path / "crd.yaml")
+    ns = cluster.namespace("research")
+    apply(cluster, tiny_job("tiny", ns, tmp_path / "ckpt", steps=12), tmp_path / "job.yaml")
+
+    status = cluster.wait_phase(ns, "tiny", "Succeeded", 150)
+    progress = status["progress"]
+    assert progress["step"] == progress["totalSteps"] == 12 and progress["phase"] == "done"  # the final report
+    assert progress["loss"] > 0 and progress["valLoss"] > 0 and progress["tokensPerSecond"] > 0
+    assert status["restarts"] == 0 and status["layout"] == "dp2·tp1·pp1 z0 fp32"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000010", "step-00000012"]
+
+    table = cluster.kubectl("get", "ptj", "-n", ns)
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "AGE"]
+    assert re.match(r"tiny\s+Succeeded\s+dp2·tp1·pp1 z0 fp32\s+12/12\s+[\d.]+\s+0\s+\d+s$", row), row
+    events = cluster.kubectl("get", "events", "-n", ns, "-o", "json")
+    assert [e["reason"] for e in json.loads(events.stdout)["items"]] == ["CreatingGang", "GangRunning", "Succeeded"]
+
+
+def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_checkpoint(cluster: Cluster,
+                                                                                      tmp_path: Path):
+    ns = cluster.namespace("research")
+    checkpoints = tmp_path / "ckpt"
+    cluster.submit(ns, "resume", tiny_job("resume", ns, checkpoints, steps=60)["spec"])
+    cluster.wait_phase(ns, "resume", "Running", 90)
+    first = checkpoints / "step-00000020" / "manifest.json"
+    wait_for(first.exists, 120, "the checkpoint at step 20")
+    cluster.api.call(cluster.kubelet.kill, ns, "resume-0-1", signal.SIGKILL)  # the container dies
+
+    status = cluster.wait_phase(ns, "resume", "Succeeded", 180)
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"]["pod"] == "resume-0-1" and status["failure"]["exitCode"] == 137
+    assert status["progress"]["step"] == 60
+    assert cluster.pod_creations(ns) == ["resume-0-0", "resume-0-1", "resume-1-0", "resume-1-1"]
+    logs = cluster.kubectl("logs", "-n", ns, "resume-1-0")  # the new gang's rank 0
+    resumed = re.search(r"resume step=(\d+)", logs.stdout)
+    assert resumed and int(resumed[1]) >= 20, logs.stdout[-3000:]
