@@ -17,7 +17,7 @@ import pytest
 
 from paratrain import contract
 
-from .support.cluster import Cluster, fake_trainer_command
+from .support.cluster import Cluster, fake_job, fake_trainer_command
 from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,14 +35,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 def ns(cluster: Cluster, request: pytest.FixtureRequest) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_")).strip("-")
     return cluster.namespace(f"{slug[:40]}-{hashlib.sha1(request.node.name.encode()).hexdigest()[:6]}")
-
-
-def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_policy: dict | None = None,
-             **env: Any) -> dict[str, Any]:
-    """A spec whose pods run the stand-in trainer with these FAKE_* settings."""
-    settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds, **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
-    return {"nodes": nodes, "parallelism": {"data": nodes}, "runPolicy": run_policy or {},
-            "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:

@@ -37,6 +37,15 @@ def fake_trainer_command(pod: Mapping[str, Any]) -> list[str]:
     return [sys.executable, str(FAKE_TRAINER)]
 
 
+def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_policy: dict | None = None,
+             **env: Any) -> dict[str, Any]:
+    """A spec whose pods run the stand-in trainer with these FAKE_* settings."""
+    settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds, **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
+    return {"nodes": nodes, "parallelism": {"data": nodes}, "training": {"batchSize": 4 * nodes, "warmupSteps": 0},
+            "runPolicy": run_policy or {},
+            "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
+
+
 class Cluster:
     def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
                  resync_seconds: float = 1.0, install_crd: bool = True):

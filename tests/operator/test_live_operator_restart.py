@@ -1,0 +1,61 @@
+"""The operator killed (SIGKILL) at the worst moments, then restarted: it picks up from the job's status and the
+pods it finds, creating nothing twice and counting nothing twice. Each test holds one API request in flight,
+kills the operator while it waits, fails that request, and starts a new operator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .support.cluster import Cluster, fake_job, fake_trainer_command
+from .support.server import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = Cluster(tmp_path, command=fake_trainer_command)
+    yield c
+    c.close()
+    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+
+
+def names(cluster: Cluster, ns: str) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in cluster.pods(ns))
+
+
+def test_killed_after_creating_one_of_three_pods(cluster: Cluster):
+    ns = cluster.namespace("restart")
+    held = cluster.api.emulator.inject("POST", rf"/namespaces/{ns}/pods$", after=1, hold=True, status=503)
+    cluster.submit(ns, "big", fake_job(nodes=3, steps=3))
+    wait_for(lambda: held.faulted, 30, "the operator to be creating its second pod")
+    cluster.kill_operator()
+    held.release()
+    assert names(cluster, ns) == ["big-0-0"]  # one of three: a half-created gang
+
+    cluster.start_operator()
+    status = cluster.wait_phase(ns, "big", "Succeeded", 60)
+    assert cluster.pod_creations(ns) == ["big-0-0", "big-0-1", "big-0-2"]  # each pod created exactly once
+    assert status["restarts"] == 0 and status["attempt"] == 0
+
+
+def test_killed_in_the_middle_of_a_gang_restart(cluster: Cluster):
+    ns = cluster.namespace("midrestart")
+    cluster.submit(ns, "job", fake_job(nodes=2, steps=30))
+    cluster.wait_phase(ns, "job", "Running", 30)
+    # The restart is decided and persisted (attempt 1), then deleting the old gang hangs.
+    held = cluster.api.emulator.inject("DELETE", rf"/namespaces/{ns}/pods/job-0-0$", hold=True, status=503)
+    cluster.api.call(cluster.kubelet.kill, ns, "job-0-1")
+    wait_for(lambda: held.faulted, 30, "the operator to be deleting the old gang")
+    cluster.kill_operator()
+    held.release()
+    status = cluster.status(ns, "job")
+    assert (status["phase"], status["attempt"], status["restarts"]) == ("Restarting", 1, 1)
+    assert "job-0-0" in names(cluster, ns)  # the old gang is still there
+
+    cluster.start_operator()
+    status = cluster.wait_phase(ns, "job", "Succeeded", 60)
+    assert status["restarts"] == 1  # the restart is not counted twice
+    assert cluster.pod_creations(ns) == ["job-0-0", "job-0-1", "job-1-0", "job-1-1"]
