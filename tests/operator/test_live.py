@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 
 from paratrain import contract
+from paratrain_operator import rbac
 
 from .support.cluster import Cluster, fake_job, fake_trainer_command
+from .support.emulator import parse_route
 from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -215,3 +217,23 @@ def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluste
     assert status["failure"]["pod"] == "deaf-0-0"
     cluster.api.call(cluster.api.emulator.drop_watches)  # reconnects get unmuted streams
     cluster.wait_phase(ns, "deaf", "Succeeded", 60)
+
+
+def test_every_api_call_the_operator_made_is_allowed_by_its_declared_rbac(cluster: Cluster):
+    """Runs last: by now the operator has created, restarted, suspended, failed and deleted gangs. Only the
+    operator talks HTTP to this cluster (the kubelet and the tests call the emulator in-process)."""
+    allowed = {(group, resource, verb) for group, resource, verbs in (*rbac.RULES, *rbac.CLUSTER_RULES)
+               for verb in verbs}
+    used = set()
+    for method, where, _ in list(cluster.api.emulator.log):
+        path, _, query = where.partition("?")
+        route = parse_route(path)
+        if route is None:
+            continue  # discovery: allowed to every authenticated user
+        named = route.name is not None
+        verb = {"GET": "watch" if "watch=true" in query else "get" if named else "list", "POST": "create",
+                "PATCH": "patch", "PUT": "update", "DELETE": "delete" if named else "deletecollection"}[method]
+        resource = route.resource.plural + (f"/{route.subresource}" if route.subresource else "")
+        used.add((route.resource.group, resource, verb))
+    assert ("", "pods", "create") in used and ("paratrain.dev", "paralleltrainjobs/status", "patch") in used
+    assert used <= allowed, sorted(used - allowed)
