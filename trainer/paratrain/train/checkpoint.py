@@ -6,6 +6,11 @@ SHA-256) and renames the directory into place — one atomic rename is what make
 every rank checks its own file of the newest candidate against the manifest; the newest checkpoint that every
 rank accepts wins, and a corrupt or truncated one is reported and skipped. Files are read with
 `torch.load(weights_only=True)`: tensors and plain containers only.
+
+Two things fail the job instead of being skipped (CheckpointError, exit 2), because skipping would let the next
+saves overwrite what the user still needs: a checkpoint written by another layout (training from scratch would
+replace that run's checkpoints), and a file whose checksum matches but which holds other objects than tensors
+(not corruption but a foreign or tampered writer; the file is kept for inspection).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,10 @@ from torch.distributed.tensor import DTensor
 log = logging.getLogger("paratrain.checkpoint")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must neither be loaded nor silently replaced."""
 
 
 def step_dir_name(step: int) -> str:
@@ -55,6 +65,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _read_manifest(ckpt: Path) -> dict | None:
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -77,7 +95,8 @@ class Checkpointer:
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash mid-write
+            for debris in self.root.glob(".tmp-step-*"):  # of a crash mid-write, at whatever step
+                shutil.rmtree(debris, ignore_errors=True)
             tmp.mkdir()
         dist.barrier()
         target = tmp / rank_file_name(self.rank)
@@ -112,15 +131,19 @@ class Checkpointer:
             return []
         return sorted((p for p in self.root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
 
-    def _check_own_file(self, ckpt: Path) -> str | None:
-        """None if this rank's file of `ckpt` is sound, else the reason it is not."""
-        try:
-            manifest = json.loads((ckpt / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            return f"unreadable manifest ({exc})"
+    def _check_layout(self, ckpt: Path, manifest: dict) -> None:
+        """Raise on every rank (they read the same manifest) if `ckpt` is of another layout."""
         if manifest.get("worldSize") != self.world_size or manifest.get("layout") != self.layout:
-            return (f"written by layout {manifest.get('layout')} on {manifest.get('worldSize')} ranks; this run is "
-                    f"{self.layout} on {self.world_size} ranks")
+            raise CheckpointError(
+                f"spec.checkpoint.path: checkpoint {ckpt} was written by layout {manifest.get('layout')} on "
+                f"{manifest.get('worldSize')} ranks, but this job is {self.layout} on {self.world_size} ranks; "
+                "per-rank checkpoints only load into the layout that wrote them. Run that layout again, or give "
+                "this job a new checkpoint.path (training from scratch here would replace those checkpoints).")
+
+    def _check_own_file(self, ckpt: Path, manifest: dict | None) -> str | None:
+        """None if this rank's file of `ckpt` is sound, else the reason it is not."""
+        if manifest is None:
+            return "unreadable manifest"
         name = rank_file_name(self.rank)
         expected = manifest.get("files", {}).get(name)
         path = ckpt / name
@@ -130,19 +153,39 @@ class Checkpointer:
             return f"{name} is corrupt or truncated (checksum mismatch)"
         return None
 
+    def _load_own_file(self, ckpt: Path, device: torch.device) -> tuple[dict | None, str | None]:
+        path = ckpt / rank_file_name(self.rank)
+        try:
+            return torch.load(path, map_location=device, weights_only=True), None
+        except pickle.UnpicklingError as exc:
+            # torch's message goes on to suggest weights_only=False; only its reason is worth repeating.
+            reason = str(exc).partition("WeightsUnpickler error: ")[2].split(". ")[0] or "not a weights-only file"
+            return None, (f"{path.name} holds objects other than tensors and plain containers ({reason}); "
+                          "refusing to unpickle it")
+
+    def _every_rank(self, problem: str | None) -> list[str]:
+        """Collective: every rank's problem, as `rank N: ...`, the same list on every rank (empty: all fine)."""
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        return [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+
     def load_latest(self, device: torch.device) -> tuple[dict, dict] | None:
         """Collective: (this rank's state, manifest) of the newest checkpoint every rank accepts, or None."""
         for ckpt in self.candidates():
-            problem = self._check_own_file(ckpt)
-            ok = torch.tensor([0 if problem else 1], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            if ok.item() == 1:
-                state = torch.load(ckpt / rank_file_name(self.rank), map_location=device, weights_only=True)
-                return state, json.loads((ckpt / MANIFEST).read_text())
-            if problem:
-                log.warning("skipping checkpoint %s: %s", ckpt, problem)
-            elif self.rank == 0:
-                log.warning("skipping checkpoint %s: rejected by another rank", ckpt)
+            manifest = _read_manifest(ckpt)
+            if manifest is not None:
+                self._check_layout(ckpt, manifest)
+            problems = self._every_rank(self._check_own_file(ckpt, manifest))
+            if problems:
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(problems))
+                continue
+            state, refusal = self._load_own_file(ckpt, device)
+            refusals = self._every_rank(refusal)
+            if refusals:
+                raise CheckpointError(f"checkpoint {ckpt} refused: {'; '.join(refusals)}. It is left in place; "
+                                      "move it away to resume from an earlier checkpoint.")
+            return state, manifest
         return None
 
 

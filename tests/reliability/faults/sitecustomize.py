@@ -1,0 +1,87 @@
+"""Test-only faults, loaded into trainer processes via PYTHONPATH when PARATRAIN_TEST_FAULT is set.
+
+    ckpt_crash:<rank>:<step>:file      SIGKILL <rank> inside Checkpointer.save(<step>), after its file is written
+                                       into .tmp-step-* and before the manifest exists
+    ckpt_crash:0:<step>:manifest       SIGKILL rank 0 after it wrote the manifest, before the directory's rename
+    fp16_storm:<rank>:<first>:<count>:<growth>
+                                       on <rank>, steps first..first+count-1 run backward with the loss scale
+                                       multiplied by 2**100 (fp16 gradients overflow to inf, as in a real overflow
+                                       storm); the loss scaler grows every <growth> clean steps; each rank prints
+                                       `fault-scale {"step", "applied", "scale"}` after every optimizer step
+"""
+
+import os
+
+FAULT = os.environ.get("PARATRAIN_TEST_FAULT")
+
+# Only trainer processes (which have the worker env), not the launcher.
+if FAULT and "RANK" in os.environ:
+    import json
+    import signal
+
+    RANK = int(os.environ["RANK"])
+    kind, *args = FAULT.split(":")
+
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kind == "ckpt_crash":
+        from paratrain.train import checkpoint
+
+        crash_rank, crash_step, phase = int(args[0]), int(args[1]), args[2]
+        # Matched by step, not by the temporary name, so a writer that skips the rename is still caught.
+        step_name = checkpoint.step_dir_name(crash_step)
+        if phase == "file":
+            original_sha256 = checkpoint._sha256
+
+            def _sha256(path):
+                if RANK == crash_rank and path.parent.name.endswith(step_name):
+                    _die()  # the rank file is complete; the manifest is not written yet
+                return original_sha256(path)
+
+            checkpoint._sha256 = _sha256
+        elif phase == "manifest":
+            original_fsync_dir = checkpoint._fsync_dir
+
+            def _fsync_dir(path):
+                if RANK == crash_rank and path.name.endswith(step_name) and (path / checkpoint.MANIFEST).exists():
+                    _die()  # the manifest is written; the rename that makes the checkpoint exist is not done
+                return original_fsync_dir(path)
+
+            checkpoint._fsync_dir = _fsync_dir
+        else:
+            raise SystemExit(f"unknown ckpt_crash phase {phase!r}")
+
+    elif kind == "fp16_storm":
+        import functools
+
+        from paratrain.train import engine, parallelize, precision
+
+        storm_rank, first, count, growth = (int(a) for a in args)
+        parallelize.LossScaler = functools.partial(precision.LossScaler, growth_interval=growth)
+        original_fb, original_step = engine.TorchEngine.forward_backward, engine.TorchEngine.optimizer_step
+        calls = {"fb": 0, "step": 0}
+
+        def forward_backward(self, x, y):
+            step = calls["fb"]
+            calls["fb"] += 1
+            if RANK != storm_rank or not first <= step < first + count:
+                return original_fb(self, x, y)
+            real = self.scaler.scale
+            self.scaler.scale = real * 2.0**100
+            try:
+                return original_fb(self, x, y)
+            finally:
+                self.scaler.scale = real
+
+        def optimizer_step(self, lr):
+            outcome = original_step(self, lr)
+            print("fault-scale", json.dumps({"step": calls["step"], "applied": outcome.applied,
+                                             "scale": self.scaler.scale}), flush=True)
+            calls["step"] += 1
+            return outcome
+
+        engine.TorchEngine.forward_backward = forward_backward
+        engine.TorchEngine.optimizer_step = optimizer_step
+    else:
+        raise SystemExit(f"unknown PARATRAIN_TEST_FAULT {FAULT!r}")
