@@ -62,10 +62,17 @@ def train_main(spec_path: str) -> int:
         return contract.EXIT_INVALID_SPEC
     except Exception as exc:  # noqa: BLE001 (classify every failure for the operator)
         if _is_peer_failure(exc):
-            log.error("a peer failed or a collective timed out (%s: %s); the gang should restart",
-                      type(exc).__name__, exc)
+            what = (f"a collective timed out (spec.runPolicy.collectiveTimeoutSeconds="
+                    f"{job.spec.run_policy.collective_timeout_seconds}): a rank is hung or too slow"
+                    if _is_timeout(exc) else "a peer failed")
+            log.error("%s (%s: %s); the gang should restart", what, type(exc).__name__, exc)
             return contract.EXIT_RETRYABLE
         raise
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -74,9 +81,8 @@ def _is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, (dist.DistError, ConnectionError, TimeoutError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("connection reset", "connection closed", "timed out", "timeout", "broken pipe",
-                            "peer", "gloo", "nccl"))
+    return isinstance(exc, RuntimeError) and (_is_timeout(exc) or any(
+        s in text for s in ("connection reset", "connection closed", "broken pipe", "peer", "gloo", "nccl")))
 
 
 def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int:

@@ -1,0 +1,80 @@
+"""A rank dies or hangs: `paratrain run` stops the whole gang within a bounded time, leaves no process behind,
+and a rerun resumes from the latest complete checkpoint with exactly the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from paratrain import contract
+from paratrain.launch import STOP_GRACE_SECONDS
+
+from ..trainer.harness import assert_close_curves, layout, run_job
+from .gang import INTERVAL, STEPS, checkpointed, processes_left, start_run
+
+# Faults land at seeded random places; a failure message names the seed (override: PARATRAIN_CHAOS_SEED).
+SEED = int(os.environ.get("PARATRAIN_CHAOS_SEED", "5"))
+
+
+def complete_checkpoints(ckpt) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*") if (p / "manifest.json").is_file())
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0", "rank1"])
+def test_sigkilled_rank_stops_the_gang_and_the_rerun_resumes_exactly(victim, reference, tmp_path):
+    straight, _ = reference
+    kill_after = random.Random(f"{SEED}-kill-{victim}").randint(INTERVAL, STEPS - 1)
+    context = f"seed {SEED}: SIGKILL rank {victim} after step {kill_after}"
+    ckpt = tmp_path / "ckpt"
+    run = start_run(tmp_path, checkpointed(ckpt))
+    try:
+        run.wait_for_step(kill_after)
+        pids = run.rank_pids()
+        assert sorted(pids) == [0, 1], context
+        os.kill(pids[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        code = run.proc.wait(timeout=120)
+        stopped_in = time.monotonic() - killed
+        left = processes_left(run, pids)
+    finally:
+        run.kill_all()
+    assert code != 0, context
+    assert stopped_in < 30, f"{context}: the launcher took {stopped_in:.1f}s to stop the gang"
+    assert f"rank {victim} exited" in run.stderr() and "stopped the other ranks" in run.stderr(), run.stderr()
+    assert left == [], f"{context}: left running: {left}"
+
+    # Training before the last checkpoint is not lost: the checkpoint of the last reported step's interval exists.
+    latest = max(complete_checkpoints(ckpt))
+    assert latest >= kill_after // INTERVAL * INTERVAL, context
+    _, resumed = run_job(tmp_path, checkpointed(ckpt))
+    assert resumed["resumed_from_step"] == latest, context
+    assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
+
+
+def test_hung_rank_fails_the_job_on_the_collective_timeout(tmp_path):
+    timeout = 10
+    victim = random.Random(f"{SEED}-hang").randint(0, 1)
+    context = f"seed {SEED}: SIGSTOP rank {victim}"
+    run = start_run(tmp_path, layout(data=2) + ["spec.training.steps=100000",
+                                                f"spec.runPolicy.collectiveTimeoutSeconds={timeout}"])
+    try:
+        run.wait_for_step(2)
+        pids = run.rank_pids()
+        os.kill(pids[victim], signal.SIGSTOP)  # alive, connections open, never answering: a hung rank
+        stopped = time.monotonic()
+        code = run.proc.wait(timeout=timeout + 120)
+        failed_in = time.monotonic() - stopped
+        left = processes_left(run, pids)
+    finally:
+        run.kill_all()
+    assert code == contract.EXIT_RETRYABLE, f"{context}: exit {code}\n{run.stderr()}"
+    # The survivors' collective gave up after the configured timeout (not sooner: it was the timeout), then the
+    # launcher stopped the gang (the hung rank gets SIGKILL after the grace period).
+    assert timeout - 1 <= failed_in < timeout + STOP_GRACE_SECONDS + 20, f"{context}: failed after {failed_in:.1f}s"
+    assert f"collective timed out (spec.runPolicy.collectiveTimeoutSeconds={timeout})" in run.stderr(), run.stderr()
+    assert left == [], f"{context}: left running: {left}"
