@@ -65,7 +65,8 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     progress = status["progress"]
     assert progress["step"] == progress["totalSteps"] == 12 and progress["phase"] == "done"  # the final report
     assert progress["loss"] > 0 and progress["valLoss"] > 0 and progress["tokensPerSecond"] > 0
-    assert status["restarts"] == 0 and status["layout"] == "dp2·tp1·pp1 z0 fp32"
+    assert status["restarts"] == 0, cluster.diagnostics(ns, "tiny")
+    assert status["layout"] == "dp2·tp1·pp1 z0 fp32"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000010", "step-00000012"]
 
     table = cluster.kubectl("get", "ptj", "-n", ns)
@@ -88,7 +89,7 @@ def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_chec
     cluster.api.call(cluster.kubelet.kill, ns, "resume-0-1", signal.SIGKILL)  # the container dies
 
     status = cluster.wait_phase(ns, "resume", "Succeeded", 180)
-    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert (status["restarts"], status["attempt"]) == (1, 1), cluster.diagnostics(ns, "resume")
     assert status["failure"]["pod"] == "resume-0-1" and status["failure"]["exitCode"] == 137
     assert status["progress"]["step"] == 60
     assert cluster.pod_creations(ns) == ["resume-0-0", "resume-0-1", "resume-1-0", "resume-1-1"]

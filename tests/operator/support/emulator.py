@@ -70,7 +70,7 @@ class ApiError(Exception):
         return aiohttp.web.json_response(body, status=self.code, headers=self.headers)
 
 
-def _now() -> str:
+def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -249,7 +249,7 @@ class Emulator(kmock.KubernetesEmulator):
         for key, info in BUILTIN.items():
             self.resources[key] = kmock.ResourceInfo(verbs=_VERBS, **info)
         self.faults: list[Fault] = []
-        self.log: list[tuple[str, str, int]] = []  # (method, path?query, status) of every request
+        self.log: list[list[Any]] = []  # [method, path?query, status (None while in flight)] of every request
         self.internal_errors: list[str] = []  # emulator bugs (tests assert there are none)
         self.printer_columns: dict[kmock.resource, list[dict[str, Any]]] = {}
         self.pod_logs: dict[tuple[str, str], Any] = {}  # (namespace, pod) → Path, filled by the kubelet
@@ -263,7 +263,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         body = await raw.read()
-        where = raw.path_qs
+        entry: list[Any] = [raw.method, raw.path_qs, None]  # logged on arrival: watches stay open a long time
+        self.log.append(entry)
         try:
             await self._apply_faults(raw.method, raw.path)
             route = parse_route(raw.path)
@@ -274,9 +275,9 @@ class Emulator(kmock.KubernetesEmulator):
         except ApiError as exc:
             response = exc.response()
         except Exception as exc:  # noqa: BLE001 (an emulator bug: answer 500 and keep it for the test to see)
-            self.internal_errors.append(f"{raw.method} {where}: {traceback.format_exc()}")
+            self.internal_errors.append(f"{raw.method} {raw.path_qs}: {traceback.format_exc()}")
             response = ApiError(500, "InternalError", f"emulator error: {exc!r}").response()
-        self.log.append((raw.method, where, response.status))
+        entry[2] = response.status
         return response
 
     async def _apply_faults(self, method: str, path: str) -> None:
@@ -431,7 +432,7 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(409, "AlreadyExists", f'{res.plural} "{name}" already exists')
         for key in ("deletionTimestamp", "deletionGracePeriodSeconds"):
             meta.pop(key, None)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1, resourceVersion=self._next_rv())
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_iso(), generation=1, resourceVersion=self._next_rv())
         obj.setdefault("apiVersion", _api_version(res))
         obj.setdefault("kind", info.kind)
         if "status" in info.subresources and res != CRD_RESOURCE:
@@ -540,7 +541,7 @@ class Emulator(kmock.KubernetesEmulator):
                     return self._remove(res, key, old)
                 return copy.deepcopy(old)
             new = copy.deepcopy(old)
-            new["metadata"]["deletionTimestamp"] = _now()
+            new["metadata"]["deletionTimestamp"] = now_iso()
             if self._graceful(res, old, grace):
                 spec_grace = (old.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
                 new["metadata"]["deletionGracePeriodSeconds"] = grace if grace is not None else spec_grace

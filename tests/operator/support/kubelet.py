@@ -14,7 +14,8 @@ It adds OMP_NUM_THREADS=1 and PARATRAIN_DEVICE=cpu, and reports Running, then Su
 container's exit code (128+N for signal N) and termination message. As with a container, all processes the
 program starts belong to it (found by an env marker: torchrun puts its workers in sessions of their own) and
 end with its main process. A deleted pod's main process gets SIGTERM, every process SIGKILL after the grace
-period (capped), then the kubelet confirms the deletion, as a real one does. It talks to the emulator in-process, so injected API faults hit the operator only.
+period (capped), then the kubelet confirms the deletion, as a real one does. It talks to the emulator
+in-process, so injected API faults hit the operator only.
 
 Hooks for tests: `kill` (the container crashes), `evict` (the node evicts the pod), `pause`/`unpause`
 (SIGSTOP/SIGCONT: a hung pod), `command` (replace every container's command, e.g. with a stand-in trainer).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -37,7 +39,7 @@ from typing import Any
 
 import kmock
 
-from .emulator import PODS, ApiError, Emulator, _now
+from .emulator import PODS, ApiError, Emulator, now_iso
 
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 SECRETS = kmock.resource("", "v1", "secrets")
@@ -50,6 +52,7 @@ MAX_TERMINATION_MESSAGE = 4096
 # Every process of a container inherits this (torchrun starts its workers in sessions of their own, so a
 # process group is not a container; the marker finds them all, even once reparented).
 CONTAINER_MARKER = "TEST_KUBELET_CONTAINER"
+_LOOPBACK = itertools.count(2)  # pod IPs 127.0.0.2, 127.0.0.3, ...
 
 
 @dataclass
@@ -145,7 +148,7 @@ class Kubelet:
             return
         ip = self._ip(ns, spec.get("subdomain"), spec.get("hostname"), name)
         conditions = [_cond("PodScheduled")]
-        base = {"podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": _now()}
+        base = {"podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": now_iso()}
         if not self._status(ns, name, {**base, "phase": "Pending", "conditions": conditions}):
             return
         container = (spec.get("containers") or [{}])[0]
@@ -154,7 +157,7 @@ class Kubelet:
         except (OSError, ValueError) as exc:  # e.g. a command that does not exist: the container cannot start
             self._status(ns, name, {**base, "phase": "Failed", "conditions": conditions, "containerStatuses": [
                 _container_status(container, {"terminated": {"exitCode": 128, "reason": "StartError",
-                                                             "message": str(exc), "finishedAt": _now()}})]})
+                                                             "message": str(exc), "finishedAt": now_iso()}})]})
             return
         self.containers[(ns, name)] = launched
         current = self.emulator.fetch(PODS, ns, name)
@@ -165,7 +168,7 @@ class Kubelet:
         self._status(ns, name, {**base, "phase": "Running", "conditions": ready,
                                 "containerStatuses": [_container_status(container, running, ready=True)]})
         code = await launched.process.wait()
-        self._signal(launched, signal.SIGKILL)  # a container ends with its main process
+        await self._reap(launched)  # a container ends with its main process
         self.containers.pop((ns, name), None)
         self._release_ports(launched)
         await self._report_exit(pod, container, launched, code, base)
@@ -174,7 +177,7 @@ class Kubelet:
                            base: dict[str, Any]) -> None:
         exit_code = code if code >= 0 else 128 - code
         terminated: dict[str, Any] = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                      "startedAt": c.started_at, "finishedAt": _now()}
+                                      "startedAt": c.started_at, "finishedAt": now_iso()}
         if code < 0:
             terminated["signal"] = -code
         message = c.termination_log.read_bytes()[-MAX_TERMINATION_MESSAGE:].decode(errors="replace") \
@@ -234,6 +237,13 @@ class Kubelet:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    async def _reap(self, c: _Container, timeout: float = 10.0) -> None:
+        """Kill what is left of the container and wait until it is gone (its ports and files are free)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._pids(c) and asyncio.get_running_loop().time() < deadline:
+            self._signal(c, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+
     @staticmethod
     def _signal_main(c: _Container, sig: int) -> None:
         """Signal the container's main process only: a stop starts with SIGTERM to PID 1."""
@@ -265,7 +275,8 @@ class Kubelet:
     def _ip(self, namespace: str, subdomain: str | None, hostname: str | None, pod: str) -> str:
         key = (namespace, subdomain or "", hostname) if hostname and subdomain else (namespace, "pod", pod)
         if key not in self._ips:
-            self._ips[key] = f"127.0.0.{len(self._ips) + 2}"
+            n = next(_LOOPBACK)  # unique in this process: kubelets of different test clusters never share an IP
+            self._ips[key] = f"127.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
         return self._ips[key]
 
     def _resolve(self, match: re.Match[str]) -> str:
@@ -334,7 +345,8 @@ class Kubelet:
         rewrites[container.get("terminationMessagePath") or "/dev/termination-log"] = str(termination_log)
 
         # One pass, longest mount first, so a rewritten path is never rewritten again (/dev/x → /tmp/.. → ...).
-        mounts = re.compile("|".join(re.escape(m) + r"(?=/|$|[^\w.-])" for m in sorted(rewrites, key=len, reverse=True)))
+        longest_first = sorted(rewrites, key=len, reverse=True)
+        mounts = re.compile("|".join(re.escape(m) + r"(?=/|$|[^\w.-])" for m in longest_first))
 
         def localise(text: str) -> str:
             return mounts.sub(lambda m: rewrites[m[0]], _DNS.sub(self._resolve, text))
@@ -345,7 +357,7 @@ class Kubelet:
             value = self._env_value(pod, item, ip)
             if value is not None:
                 env[item["name"]] = localise(_VAR_REF.sub(lambda m: env.get(m[1], m[0]), value))
-        c = _Container(ns, name, container.get("name", "main"), None, _now(), pod_dir,  # type: ignore[arg-type]
+        c = _Container(ns, name, container.get("name", "main"), None, now_iso(), pod_dir,  # type: ignore[arg-type]
                        self.workdir / "logs" / f"{ns}_{name}.log", termination_log)
         for port_var, addr_var in zip(MASTER_PORT_VARS, MASTER_ADDR_VARS):
             if port_var in env:
@@ -387,7 +399,7 @@ class Kubelet:
 
 
 def _cond(type_: str, status: bool = True) -> dict[str, Any]:
-    return {"type": type_, "status": "True" if status else "False", "lastTransitionTime": _now()}
+    return {"type": type_, "status": "True" if status else "False", "lastTransitionTime": now_iso()}
 
 
 def _container_status(container: Mapping[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
