@@ -45,6 +45,7 @@ class Kube:
     def __init__(self, configuration: Any):
         self._config = configuration
         self._session: aiohttp.ClientSession | None = None
+        self._ssl_context: ssl.SSLContext | bool | None = None
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -58,15 +59,18 @@ class Kube:
         return cls(configuration)
 
     def _ssl(self) -> ssl.SSLContext | bool:
-        c = self._config
-        if not c.host.startswith("https"):
-            return False
-        if not c.verify_ssl:
-            return False
-        context = ssl.create_default_context(cafile=c.ssl_ca_cert) if c.ssl_ca_cert else ssl.create_default_context()
-        if c.cert_file:
-            context.load_cert_chain(c.cert_file, c.key_file)
-        return context
+        if self._ssl_context is None:
+            c = self._config
+            if not c.host.startswith("https"):
+                self._ssl_context = False
+            else:
+                context = ssl.create_default_context(cafile=c.ssl_ca_cert or None)
+                if not c.verify_ssl:  # the kubeconfig's insecure-skip-tls-verify
+                    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                if c.cert_file:
+                    context.load_cert_chain(c.cert_file, c.key_file)
+                self._ssl_context = context
+        return self._ssl_context
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "paratrain-operator"}

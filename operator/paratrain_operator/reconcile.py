@@ -18,6 +18,7 @@ from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
 from .gang import Failure, GangState, Plan, PodView
+from .kube import ApiError
 from .render import render_job
 
 log = logging.getLogger("paratrain.operator")
@@ -81,14 +82,26 @@ async def _pass(body: dict[str, Any]) -> str | None:
         return None  # the job was deleted meanwhile
     try:
         await _act(body, plan, objects)
-    except apply.MissingResource as exc:
-        plan = gang.fail(plan.state, pods, Failure("MissingResource", str(exc), retryable=False), now)
+    except (apply.MissingResource, ApiError) as exc:
+        rejected = _rejection(exc)
+        if rejected is None:
+            raise  # transient, or maybe fixable (RBAC, quota): retried; the resync keeps trying
+        plan = gang.fail(plan.state, pods, rejected, now)
         if await _persist(body, written, plan, job, pods) is not None:
             await _act(body, plan, [])
     metrics.record_phase(namespace, name, plan.state.phase or gang.PENDING)
     if plan.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return plan.state.phase
+
+
+def _rejection(exc: Exception) -> Failure | None:
+    """A gang the cluster will never accept, as the job's failure; None for errors worth retrying."""
+    if isinstance(exc, apply.MissingResource):
+        return Failure("MissingResource", str(exc), retryable=False)
+    if isinstance(exc, ApiError) and exc.status in (400, 422):
+        return Failure("RejectedByAPI", f"the API server rejected the gang: {exc.message}", retryable=False)
+    return None
 
 
 async def _persist(body: dict[str, Any], prev: Mapping[str, Any], plan: Plan, job: ParallelTrainJob | None,

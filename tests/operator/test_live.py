@@ -207,6 +207,16 @@ def test_api_errors_are_retried_without_duplicates(cluster: Cluster, ns: str):
     assert cluster.api.objects("v1/configmaps", ns)  # a 409 on create was re-checked, not taken as success
 
 
+def test_a_gang_the_api_server_rejects_fails_the_job_visibly(cluster: Cluster, ns: str):
+    rejected = cluster.api.emulator.inject("POST", rf"/namespaces/{ns}/pods$", status=422, after=1, times=None)
+    cluster.submit(ns, "refused", fake_job(steps=50))
+    status = cluster.wait_phase(ns, "refused", "Failed")
+    assert status["reason"] == "RejectedByAPI" and "injected fault" in status["message"]
+    wait_for(lambda: not cluster.pods(ns), 15, "the half-created gang to be stopped")
+    assert rejected.faulted == 1  # not retried: the same object would be rejected again
+    cluster.api.emulator.faults.remove(rejected)
+
+
 def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluster, ns: str):
     cluster.submit(ns, "deaf", fake_job(steps=40))
     wait_running(cluster, ns, "deaf")

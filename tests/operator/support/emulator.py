@@ -293,8 +293,8 @@ class Emulator(kmock.KubernetesEmulator):
             if fault.status is None:
                 return
             headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
-            reason = {409: "Conflict", 429: "TooManyRequests", 503: "ServiceUnavailable"}.get(fault.status,
-                                                                                               "InternalError")
+            reason = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
+                      503: "ServiceUnavailable"}.get(fault.status, "InternalError")
             raise ApiError(fault.status, reason, f"injected fault: {method} {path}", headers)
 
     async def _serve(self, raw: aiohttp.web.BaseRequest, route: Route, body: bytes) -> aiohttp.web.StreamResponse:
