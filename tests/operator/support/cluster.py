@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
 from paratrain.api.crd import crd_manifest
 
@@ -40,7 +38,8 @@ def fake_trainer_command(pod: Mapping[str, Any]) -> list[str]:
 def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_policy: dict | None = None,
              **env: Any) -> dict[str, Any]:
     """A spec whose pods run the stand-in trainer with these FAKE_* settings."""
-    settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds, **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
+    settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds,
+                **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
     return {"nodes": nodes, "parallelism": {"data": nodes}, "training": {"batchSize": 4 * nodes, "warmupSteps": 0},
             "runPolicy": run_policy or {},
             "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
@@ -81,7 +80,11 @@ class Cluster:
     def kill_operator(self, sig: int = signal.SIGKILL) -> None:
         if self.operator is not None and self.operator.poll() is None:
             self.operator.send_signal(sig)
-            self.operator.wait(15)
+            try:
+                self.operator.wait(15)
+            except subprocess.TimeoutExpired:  # a graceful stop that hangs is still a stop
+                self.operator.kill()
+                self.operator.wait(5)
         self.operator = None
 
     def metrics(self) -> str:
@@ -134,7 +137,8 @@ class Cluster:
             for (res, ns, name), obj in self.api.emulator.objects.items():
                 if res.plural == "pods" and ns == namespace:
                     history = list(obj.history)
-                    names += [name for i, v in enumerate(history) if v is not None and (i == 0 or history[i - 1] is None)]
+                    names += [name for i, v in enumerate(history)
+                              if v is not None and (i == 0 or history[i - 1] is None)]
             return sorted(names)
         return self.api.call(collect)
 
