@@ -4,6 +4,7 @@
     paratrain validate JOB.yaml [--set ...]                                             # every problem, exit 1
     paratrain render JOB.yaml [--set ...] [--namespace NS]                              # the gang's k8s objects
     paratrain crd                                                                       # the CRD manifest
+    paratrain node --spec JOB.yaml                                                      # what each pod runs
     paratrain train --spec JOB.yaml                                                     # what each process runs
 """
 
@@ -44,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="the trainer entrypoint every process runs (reads torchrun's env)")
     train.add_argument("--spec", required=True, help="ParallelTrainJob YAML")
+
+    node = sub.add_parser("node", help="what a pod runs: torchrun (flags from PET_* env) starting `train` per GPU")
+    node.add_argument("--spec", required=True, help="ParallelTrainJob YAML")
     return parser
 
 
@@ -61,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             from .train.entrypoint import train_main
 
             return train_main(args.spec)
+        if args.command == "node":
+            from .node import node_main
+
+            return node_main(args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")

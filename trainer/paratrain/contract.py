@@ -1,7 +1,7 @@
 """torchrun's env contract, shared by the operator's renderer (pods) and the local launcher (processes).
 
-A pod gets the *node* env: torchrun reads `PET_*` variables as defaults for its flags, so the pod command is
-just `torchrun --no-python paratrain train`. torchrun then gives each worker process the *worker* env
+A pod gets the *node* env: torchrun reads `PET_*` variables as defaults for its flags, so the pod command
+(`paratrain node`, torchrun with exit codes passed through) needs no flags. torchrun gives each worker the *worker* env
 (RANK, LOCAL_RANK, WORLD_SIZE, ...). The local launcher skips torchrun and gives each process the worker env
 directly, so a trainer process cannot tell a laptop from a cluster.
 """
@@ -95,4 +95,4 @@ def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str,
 
 def train_command() -> list[str]:
     """The pod's container command: torchrun (flags from PET_*) starting `paratrain train` per GPU."""
-    return ["torchrun", "--no-python", "paratrain", "train", "--spec", SPEC_PATH_IN_POD]
+    return ["paratrain", "node", "--spec", SPEC_PATH_IN_POD]

@@ -1,0 +1,48 @@
+"""`paratrain node` (a pod's command) passes the workers' exit code through torchrun, so the operator can tell a
+spec that can never run (2) from a failure a gang restart may cure (75)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from paratrain import contract
+from paratrain.node import node_exit_code
+
+from .harness import TINY_JOB
+
+
+@pytest.mark.parametrize("codes,expected", [
+    ([0, 0], 0),
+    ([1, 75], 75),
+    ([75, 2], 2),
+    ([-9, 0], 137),  # SIGKILL
+    ([0, 3], 3),
+])
+def test_node_exit_code(codes, expected):
+    assert node_exit_code(codes) == expected
+
+
+def _node(tmp_path, spec_overrides: dict) -> subprocess.CompletedProcess:
+    job = yaml.safe_load(yaml.safe_dump(TINY_JOB))
+    job["spec"].update(spec_overrides)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(job))
+    env = {**os.environ, **contract.node_env(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
+                                             master_port=29731)}
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", "node", "--spec", str(spec)], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_pod_command_reports_a_spec_that_cannot_run_as_permanent(tmp_path):
+    # The pod env says 1 process, the spec says 2: the worker exits 2, and so must the pod (not torchrun's 1).
+    proc = _node(tmp_path, {"nodes": 2, "parallelism": {"data": 2}})
+    assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr[-2000:]
+
+
+def test_pod_command_trains(tmp_path):
+    proc = _node(tmp_path, {"training": {**TINY_JOB["spec"]["training"], "steps": 3}})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done step=3" in proc.stdout + proc.stderr

@@ -1,0 +1,33 @@
+"""`paratrain node`: what a pod runs — torchrun (its flags from the PET_* env) starting `paratrain train` once per
+GPU, with the workers' exit code passed through.
+
+Plain `torchrun` exits 1 whatever its workers exited with, which would hide the trainer's classification from the
+operator (75: a peer failed, restart the gang; 2: the spec can never run, fail the job).
+"""
+
+from __future__ import annotations
+
+from . import contract
+
+
+def node_exit_code(worker_codes: list[int]) -> int:
+    """One code for the pod: a permanent failure wins, then a retryable one, then the first failure's code.
+    Signals (negative codes from torch's ProcessFailure) map to 128 + signal, as a shell reports them."""
+    codes = [128 - c if c < 0 else c for c in worker_codes]
+    for wanted in (contract.PERMANENT_EXIT_CODES, {contract.EXIT_RETRYABLE}):
+        hit = [c for c in codes if c in wanted]
+        if hit:
+            return hit[0]
+    return next((c for c in codes if c != 0), 0)
+
+
+def node_main(spec_path: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--no-python", "paratrain", "train", "--spec", spec_path])
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        return node_exit_code([f.exitcode for f in exc.failures.values()])
+    return contract.EXIT_OK
