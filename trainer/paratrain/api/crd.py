@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, DNS_LABEL, KIND, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES,
+    API_GROUP, API_VERSION, JOB_NAME, KIND, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES,
     RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
 )
 from .status import JobStatus
@@ -279,7 +279,7 @@ def crd_manifest() -> dict[str, Any]:
             "kind": {"type": "string"},
             # The name becomes the Service's and prefixes pod names and DNS labels (see spec.MAX_NAME_LENGTH).
             "metadata": {"type": "object", "properties": {
-                "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": DNS_LABEL}}},
+                "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": JOB_NAME}}},
             "spec": {**spec_schema(), "default": {}},
             "status": status_schema(),
         },

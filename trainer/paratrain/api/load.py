@@ -15,9 +15,14 @@ from . import spec as _spec
 from .spec import ParallelTrainJob, cross_field_problems
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# YAML aliases let a tiny file stand for billions of values ("billion laughs"), which would only blow up later,
+# when the job is written out for the trainer or the cluster.
+MAX_YAML_VALUES = 100_000
 # What each spec pattern means, so an error says "must be a DNS label", not the regular expression.
 _PATTERN_MEANING = {
     _spec.DNS_LABEL: "a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)",
+    _spec.JOB_NAME: "a DNS label starting with a letter (lowercase letters, digits and '-', ending with a letter or "
+                    "digit): the job's Service is named after it",
     _spec.DNS_SUBDOMAIN: "a DNS subdomain (DNS labels joined by '.')",
     _spec.LABEL_KEY: "a label key ([DNS-subdomain/]name, the name up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at "
                      "both ends)",
@@ -46,17 +51,28 @@ class SpecError(ValueError):
         super().__init__("invalid ParallelTrainJob:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _loc_to_path(loc: tuple[Any, ...]) -> str:
-    out = ""
+# pydantic's own steps inside union and validator schemas, e.g. `function-after[_check(), Spec]`, `int`.
+_PYDANTIC_STEP = re.compile(r"[a-z-]+\[.*\]|int|str|float|bool|none")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _loc_to_path(loc: tuple[Any, ...], doc: Any) -> str:
+    """pydantic's error location as a path into `doc`: `spec.pod.volumes[0].name`, `spec.pod.labels['a/b']`."""
+    out, node = "", doc
     for i, part in enumerate(loc):
         if part == "[key]":
             continue  # pydantic's marker after a bad mapping key; the key itself is shown as [key]
-        if i + 1 < len(loc) and loc[i + 1] == "[key]":
-            out += f"[{part!r}]"
-        elif isinstance(part, int):
+        in_doc = isinstance(node, dict) and part in node
+        if not in_doc and not isinstance(part, int) and _PYDANTIC_STEP.fullmatch(str(part)):
+            continue  # not a field or key of the document (a user's key named `int` is)
+        if isinstance(part, int) and isinstance(node, list):
+            node = node[part] if part < len(node) else None
+        else:
+            node = node.get(part) if in_doc else None
+        if isinstance(part, int):
             out += f"[{part}]"
-        elif str(part).startswith(("function-", "literal[", "int", "str", "list[", "dict[")):
-            continue  # pydantic's internal union/validator step names are not field names
+        elif (i + 1 < len(loc) and loc[i + 1] == "[key]") or not _IDENTIFIER.fullmatch(str(part)):
+            out += f"[{part!r}]"
         else:
             out += ("." if out else "") + str(part)
     return out or "<root>"
@@ -83,7 +99,7 @@ def parse_job(doc: Any) -> ParallelTrainJob:
                 msg = f"must be {_PATTERN_MEANING.get(pattern, f'match {pattern!r}')}, got {got}"
             if err["loc"] and err["loc"][-1] == "[key]":
                 msg = f"invalid key: {msg}"
-            problems.append(Problem(_loc_to_path(err["loc"]), msg))
+            problems.append(Problem(_loc_to_path(err["loc"], doc), msg))
         raise SpecError(problems) from None
     problems = [Problem(path, msg) for path, msg in cross_field_problems(job.spec)]
     if problems:
@@ -119,6 +135,21 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
+def _expands_beyond(doc: Any, limit: int) -> bool:
+    """Whether `doc`, with aliases expanded, holds more than `limit` values (walks at most `limit` of them)."""
+    stack, seen = [doc], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
@@ -130,6 +161,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise SpecError([Problem(str(path), f"not valid YAML: {exc}")]) from None
     if len(docs) != 1:
         raise SpecError([Problem(str(path), f"expected one YAML document, found {len(docs)}")])
+    if _expands_beyond(docs[0], MAX_YAML_VALUES):
+        raise SpecError([Problem(str(path), f"expands to more than {MAX_YAML_VALUES} values (aliases repeating "
+                                            "data?); a job has a few hundred")])
     return docs[0]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "paratrain.dev"
@@ -19,8 +19,9 @@ PLURAL = "paralleltrainjobs"
 SHORT_NAME = "ptj"
 
 # A job name becomes the Service name and the prefix of pod names (`<name>-<rank>`) and of DNS labels,
-# so it must be an RFC 1123 label with room for the suffix.
+# so it must be an RFC 1035 label (Service names start with a letter) with room for the suffix.
 MAX_NAME_LENGTH = 50
+JOB_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Names of PVCs, ConfigMaps, Secrets and PriorityClasses may contain dots (e.g. `example.com-tls`).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -36,6 +37,8 @@ RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_", "NCCL_", "TORCH_
 RESERVED_MOUNT_PATHS = ("/dev/shm", "/etc/paratrain")
 RESERVED_VOLUME_PREFIX = "paratrain-"
 RESERVED_KEY_PREFIX = f"{API_GROUP}/"
+# The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
+MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$"
 ABS_PATH = r"^/[^\x00\n\r]*$"
@@ -191,6 +194,15 @@ class PodSpec(_Model):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     annotations: dict[LabelKey, Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict, max_length=64)
 
+    @field_validator("annotations")
+    @classmethod
+    def _annotations_fit_a_pod(cls, annotations: dict[str, str]) -> dict[str, str]:
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+        if size > MAX_ANNOTATION_BYTES:
+            raise ValueError(f"annotations total {size} bytes; a pod's may not exceed {MAX_ANNOTATION_BYTES} "
+                             "(the API server's 256 KiB, less paratrain's own)")
+        return annotations
+
 
 class Spec(_Model):
     image: str = Field("ghcr.io/paratrain/trainer:0.1.0", pattern=IMAGE, max_length=512)
@@ -297,7 +309,7 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
 
 class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=DNS_LABEL, max_length=MAX_NAME_LENGTH)
+    name: str = Field(pattern=JOB_NAME, max_length=MAX_NAME_LENGTH)
     namespace: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
 
 
