@@ -59,7 +59,8 @@ def problems(obj: dict[str, Any]) -> list[str]:
         if len(set(volumes)) != len(volumes):
             out.append(f"Pod volume names repeat: {volumes}")
         for c in spec["containers"]:
-            out += [f"Pod env name {e['name']!r}" for e in c.get("env", []) if not _name(e["name"], ENV_VAR_NAME, 1 << 20)]
+            out += [f"Pod env name {e['name']!r}" for e in c.get("env", [])
+                    if not _name(e["name"], ENV_VAR_NAME, 1 << 20)]
             out += [f"Pod port name {p['name']!r}" for p in c.get("ports", [])
                     if "name" in p and not (_name(p["name"], IANA_SVC_NAME, 15) and re.search("[a-z]", p["name"]))]
             mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]

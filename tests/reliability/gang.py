@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,7 +65,7 @@ class BackgroundRun:
         """Test cleanup: whatever the launcher left (each rank leads its own process group)."""
         for pid in gang_processes(self.spec_file):
             try:
-                os.killpg(pid, 9)
+                os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if self.proc.poll() is None:

@@ -130,7 +130,8 @@ def test_checkpoint_that_would_run_code_is_refused_and_kept(reference, tmp_path)
     # Not skipped in favour of step 9: the job fails (permanently) and the file stays for inspection.
     assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr
     assert (f"checkpoint {ckpt / 'step-00000012'} refused: rank 1: rank-00001.pt holds objects other than tensors "
-            "and plain containers (Unsupported global: GLOBAL exec was not an allowed global") in proc.stderr, proc.stderr
+            "and plain containers (Unsupported global: GLOBAL exec was not an allowed global") in proc.stderr, \
+        proc.stderr
     assert "refusing to unpickle it" in proc.stderr
     assert metrics is None
     assert tree_digest(ckpt) == before

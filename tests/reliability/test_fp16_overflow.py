@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
-
 from paratrain.train.precision import LossScaler
 
 from ..trainer.harness import layout, run_job

@@ -40,7 +40,8 @@ JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.sampled_from(PAYLOADS),
     st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
-INTS = st.one_of(st.integers(1, 4), st.integers(-2, 70), st.sampled_from([0, 8, 64, 4096, 4097, 10**6, 2**31, -(10**6)]))
+INTS = st.one_of(st.integers(1, 4), st.integers(-2, 70),
+                 st.sampled_from([0, 8, 64, 4096, 4097, 10**6, 2**31, -(10**6)]))
 TEXTS = st.one_of(st.from_regex(r"[a-z0-9][-a-z0-9.]{0,70}", fullmatch=True), st.sampled_from(PAYLOADS),
                   st.text(max_size=16))
 
