@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
+from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, require_cluster_ready
 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
@@ -65,7 +65,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     objects: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
-        job = parse_job(job_document(body))
+        job = require_cluster_ready(parse_job(job_document(body)))
     except SpecError as exc:
         plan = gang.invalid_spec(state, pods, "; ".join(str(p) for p in exc.problems), now)
     else:

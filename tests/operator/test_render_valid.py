@@ -97,10 +97,12 @@ def test_validation_and_pss_checks_can_fail() -> None:
 
 
 def test_cli_render_prints_a_valid_yaml_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    cluster_path = "spec.checkpoint.path=/checkpoints"  # the local examples checkpoint under ./runs
     for path in JOB_FILES:
-        assert cli_main(["render", path, "--attempt", "1"]) == 0
+        assert cli_main(["render", path, "--attempt", "1", "--set", cluster_path]) == 0
         docs = list(yaml.safe_load_all(capsys.readouterr().out))
-        assert docs == render_file(path, attempt=1), path
+        job = load_job(path, [cluster_path])
+        assert docs == render_job(job, job.metadata.namespace or "default", 1), path
         for doc in docs:
             validate(doc)
 

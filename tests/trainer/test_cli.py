@@ -98,3 +98,13 @@ def test_shakespeare_example_learns_far_below_unigram_entropy(tmp_path):
     entropy = unigram_entropy(SHAKESPEARE.read_text())  # 3.31 nats: what a model ignoring context achieves
     assert metrics["val_loss"] < entropy - 1.0, (metrics["val_loss"], entropy)
     assert "val loss" in proc.stderr and "finished 600 steps" in proc.stderr
+
+
+def test_render_refuses_what_only_works_locally(tmp_path):
+    """A relative checkpoint path is fine for `paratrain run` but would land on a pod's read-only root (and vanish
+    with it): render refuses it, as the operator does, naming the field; an absolute path renders."""
+    relative = paratrain("render", "examples/zero1.yaml")
+    assert relative.returncode == 1 and "spec.checkpoint.path: 'runs/zero1/checkpoints' is relative" in relative.stderr
+    absolute = paratrain("render", "examples/zero1.yaml", "--set", "spec.checkpoint.path=/checkpoints")
+    assert absolute.returncode == 0, absolute.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(absolute.stdout)].count("Pod") == 2

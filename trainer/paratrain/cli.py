@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .api import SpecError, load_job
+from .api import SpecError, load_job, require_cluster_ready
 from .contract import EXIT_INVALID_SPEC
 
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
+            require_cluster_ready(job)  # what the operator would refuse, render refuses too
             namespace = args.namespace or job.metadata.namespace or "default"
             sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt)))
             return 0

@@ -234,6 +234,16 @@ class Spec(_Model):
         return self
 
 
+def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
+    """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`."""
+    out: list[tuple[str, str]] = []
+    if spec.checkpoint.path and not spec.checkpoint.path.startswith("/"):
+        out.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} is relative: in a cluster it must be an "
+                    "absolute path on a volume every pod mounts (spec.pod.volumes), or checkpoints are lost with "
+                    "the pod; relative paths are for local runs"))
+    return out
+
+
 def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     """Constraints between fields, as (field path, message). Each has a CEL twin in the CRD (see crd.py)."""
     p, m, t = spec.parallelism, spec.model, spec.training
