@@ -1,21 +1,16 @@
 """Checks for what the cluster would enforce: the restricted Pod Security Standard and least-privilege RBAC.
 
-`restricted_violations` follows https://kubernetes.io/docs/concepts/security/pod-security-standards/ (baseline
-and restricted controls, latest version); it returns every violation as text, so a failing test names them all.
+`restricted_violations` (one checker, shared with the render tests) follows the Pod Security Standards' baseline
+and restricted controls; it returns every violation as text, so a failing test names them all.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
-# Restricted: the only volume types a pod may use.
-ALLOWED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                        "projected", "secret"}
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
-SECCOMP_OK = {"RuntimeDefault", "Localhost"}
+from ..operator.pss import restricted_violations
+
+__all__ = ["granted", "only", "pod_specs", "rbac_wildcards", "restricted_violations"]
 
 
 def only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -33,67 +28,6 @@ def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, An
             yield name, obj["spec"]
         elif obj["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}:
             yield name, obj["spec"]["template"]["spec"]
-
-
-def restricted_violations(spec: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if spec.get(key):
-            out.append(f"{key}: true")
-    for volume in spec.get("volumes", []):
-        types = set(volume) - {"name"}
-        if not types <= ALLOWED_VOLUME_TYPES:
-            out.append(f"volume {volume['name']}: type {sorted(types - ALLOWED_VOLUME_TYPES)} not allowed")
-    pod_sc = spec.get("securityContext", {})
-    for sysctl in pod_sc.get("sysctls", []):
-        if sysctl["name"] not in SAFE_SYSCTLS:
-            out.append(f"sysctl {sysctl['name']} not allowed")
-    if pod_sc.get("runAsUser") == 0:
-        out.append("pod runAsUser: 0")
-    out += _selinux_violations("pod", pod_sc)
-    pod_seccomp = pod_sc.get("seccompProfile", {}).get("type")
-    if pod_seccomp is not None and pod_seccomp not in SECCOMP_OK:
-        out.append(f"pod seccompProfile {pod_seccomp}")
-    containers = [*spec.get("initContainers", []), *spec.get("containers", []), *spec.get("ephemeralContainers", [])]
-    if not containers:
-        out.append("no containers")
-    for c in containers:
-        where = f"container {c['name']}"
-        sc = c.get("securityContext", {})
-        if sc.get("privileged"):
-            out.append(f"{where}: privileged")
-        if sc.get("allowPrivilegeEscalation") is not False:
-            out.append(f"{where}: allowPrivilegeEscalation must be false")
-        caps = sc.get("capabilities", {})
-        if "ALL" not in caps.get("drop", []):
-            out.append(f"{where}: capabilities must drop ALL")
-        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
-            out.append(f"{where}: adds capabilities {caps['add']}")
-        if sc.get("runAsNonRoot") is False or not (sc.get("runAsNonRoot") or pod_sc.get("runAsNonRoot")):
-            out.append(f"{where}: runAsNonRoot must be true (pod or container)")
-        if sc.get("runAsUser") == 0:
-            out.append(f"{where}: runAsUser: 0")
-        seccomp = sc.get("seccompProfile", {}).get("type", pod_seccomp)
-        if seccomp not in SECCOMP_OK:
-            out.append(f"{where}: seccompProfile must be RuntimeDefault or Localhost (got {seccomp})")
-        if sc.get("procMount", "Default") != "Default":
-            out.append(f"{where}: procMount {sc['procMount']}")
-        out += _selinux_violations(where, sc)
-        for port in c.get("ports", []):
-            if port.get("hostPort"):
-                out.append(f"{where}: hostPort {port['hostPort']}")
-    return out
-
-
-def _selinux_violations(where: str, sc: dict[str, Any]) -> list[str]:
-    opts = sc.get("seLinuxOptions", {})
-    out = []
-    if opts.get("type") not in (None, "", "container_t", "container_init_t", "container_kvm_t",
-                                "container_engine_t"):
-        out.append(f"{where}: seLinuxOptions.type {opts['type']}")
-    if opts.get("user") or opts.get("role"):
-        out.append(f"{where}: seLinuxOptions user/role set")
-    return out
 
 
 def rbac_wildcards(rules: list[dict[str, Any]]) -> list[str]:

@@ -22,10 +22,10 @@ def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [*spec.get("initContainers", []), *spec.get("containers", []), *spec.get("ephemeralContainers", [])]
 
 
-def restricted_violations(pod: dict[str, Any]) -> list[str]:
-    spec = pod["spec"]
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """Every violation in a pod spec (a Pod's `spec`, or a workload's pod template `spec`), as text."""
     pod_sc = spec.get("securityContext") or {}
-    out = [f"spec.{f}" for f in ("hostNetwork", "hostPID", "hostIPC") if spec.get(f)]
+    out = [f"{f}: true" for f in ("hostNetwork", "hostPID", "hostIPC") if spec.get(f)]
     out += [f"volume {v['name']}: type not allowed" for v in spec.get("volumes", [])
             if not (set(v) - {"name"}) <= RESTRICTED_VOLUME_TYPES]
     out += [f"sysctl {s['name']}" for s in pod_sc.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS]
@@ -42,7 +42,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         if "ALL" not in caps.get("drop", []):
             out.append(f"{where}: capabilities must drop ALL")
         if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
-            out.append(f"{where}: capabilities.add beyond NET_BIND_SERVICE")
+            out.append(f"{where}: adds capabilities {caps['add']}")
         if sc.get("procMount", "Default") != "Default":
             out.append(f"{where}: procMount")
         out += [f"{where}: hostPort" for p in c.get("ports", []) if p.get("hostPort")]
@@ -62,7 +62,7 @@ def _context_violations(where: str, sc: dict[str, Any]) -> list[str]:
     if (sc.get("windowsOptions") or {}).get("hostProcess"):
         out.append(f"{where}: hostProcess")
     if sc.get("runAsUser") == 0:
-        out.append(f"{where}: runAsUser 0")
+        out.append(f"{where}: runAsUser: 0")
     if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
         out.append(f"{where}: seccomp Unconfined")
     if (sc.get("appArmorProfile") or {}).get("type") not in (None, "RuntimeDefault", "Localhost"):

@@ -71,7 +71,7 @@ def test_pods_meet_the_restricted_pod_security_standard(path: str) -> None:
     pods = [o for o in render_file(path) if o["kind"] == "Pod"]
     assert pods
     for pod in pods:
-        assert restricted_violations(pod) == []
+        assert restricted_violations(pod["spec"]) == []
         assert pod["spec"]["automountServiceAccountToken"] is False
         assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -91,7 +91,7 @@ def test_validation_and_pss_checks_can_fail() -> None:
     bad["spec"]["containers"][0]["securityContext"] = {"privileged": True}
     bad["spec"]["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
     bad["spec"]["securityContext"].pop("runAsNonRoot")
-    found = restricted_violations(bad)
+    found = restricted_violations(bad["spec"])
     assert "container trainer: privileged" in found and "volume host: type not allowed" in found
     assert "container trainer: runAsNonRoot must be true" in found
 
