@@ -88,18 +88,17 @@ class TorchEngine:
         return result
 
     def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, device_type: str) -> float | None:
-        losses: list[torch.Tensor] = []
-        last = self.dims.is_last_stage
         with autocast(self.precision, device_type):
-            if self.dims.pp_rank == 0:
-                self.schedule.step(x, target=y if last else None, losses=losses if last else None)
-            elif last:
-                self.schedule.step(target=y, losses=losses)
-            else:
-                self.schedule.step()
-        if not last:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.scaler.factor
+            return self._run_schedule(self.schedule.step, x, y)
+
+    def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Call a schedule's step/eval with what this stage feeds it (inputs on the first, targets on the last);
+        return the mean microbatch loss on the last stage. The loss_fn multiplied by the loss scale; undo it."""
+        losses: list[torch.Tensor] = []
+        first, last = self.dims.pp_rank == 0, self.dims.is_last_stage
+        args = (x,) if first else ()
+        run(*args, **({"target": y, "losses": losses} if last else {}))
+        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.scaler.factor if last else None
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> StepResult:
@@ -129,16 +128,7 @@ class TorchEngine:
         with autocast(self.precision, device_type):
             if self.schedule is None:
                 return cross_entropy(self.model(x), y).item()
-            losses: list[torch.Tensor] = []
-            last = self.dims.is_last_stage
-            if self.dims.pp_rank == 0:
-                self.schedule.eval(x, target=y if last else None, losses=losses if last else None)
-            elif last:
-                self.schedule.eval(target=y, losses=losses)
-            else:
-                self.schedule.eval()
-        # eval() does not scale; the loss_fn did multiply by the current loss scale.
-        return torch.stack(losses).mean().item() / self.scaler.factor if last else None
+            return self._run_schedule(self.schedule.eval, x, y)
 
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
