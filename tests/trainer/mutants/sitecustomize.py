@@ -57,5 +57,79 @@ if MUTANT:
             return original_lr_at(step, t)
 
         loop.lr_at = _lr_at
+    elif MUTANT in ("deepspeed_skips_reduction", "deepspeed_sums_instead_of_averaging"):
+        # DeepSpeed's gradient collectives (ZeRO-1/2 bucket reduce, ZeRO-3 reduce-scatter) either do nothing — as
+        # 0.19 is reported to do on CPU tensors with contiguous_gradients and reduce_scatter off — or leave the sum
+        # of the ranks' gradients. Scalars (gradient norms, overflow flags) still reduce correctly.
+        from paratrain.train import deepspeed_engine
+
+        original_build = deepspeed_engine.build_deepspeed_engine
+        skip = MUTANT == "deepspeed_skips_reduction"
+
+        def _is_gradient(t):
+            return t.is_floating_point() and t.numel() > 1
+
+        def _sabotaged_build(*args, **kwargs):
+            built = original_build(*args, **kwargs)
+            import deepspeed.comm as ds_dist
+
+            all_reduce, reduce, reduce_scatter_fn = ds_dist.all_reduce, ds_dist.reduce, ds_dist.reduce_scatter_fn
+
+            def _all_reduce(tensor, *a, **kw):
+                if not _is_gradient(tensor):
+                    return all_reduce(tensor, *a, **kw)
+                if not skip:
+                    all_reduce(tensor, *a, **kw)
+                    tensor.mul_(dist.get_world_size())
+
+            def _reduce(tensor, *a, **kw):
+                if not _is_gradient(tensor):
+                    return reduce(tensor, *a, **kw)
+                if not skip:
+                    reduce(tensor, *a, **kw)
+                    tensor.mul_(dist.get_world_size())
+
+            def _reduce_scatter_fn(output, tensor, *a, **kw):
+                if skip:
+                    output.copy_(tensor.view(dist.get_world_size(), -1)[dist.get_rank()])
+                else:
+                    reduce_scatter_fn(output, tensor, *a, **kw)
+                    output.mul_(dist.get_world_size())
+
+            ds_dist.all_reduce, ds_dist.reduce, ds_dist.reduce_scatter_fn = _all_reduce, _reduce, _reduce_scatter_fn
+            return built
+
+        deepspeed_engine.build_deepspeed_engine = _sabotaged_build
+    elif MUTANT.startswith("overflow:"):
+        # overflow:<rank>:<step> — that rank's gradients become inf in that (0-based) training step, as an fp16
+        # overflow does; the loss itself stays finite. Every rank must skip the step.
+        import torch
+
+        from paratrain.train import deepspeed_engine
+
+        overflow_rank, overflow_step = (int(v) for v in MUTANT.split(":")[1:])
+        training_calls = [0]
+
+        class _InfGradient(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * float("inf")
+
+        def _overflowing(cross_entropy):
+            def _loss(logits, targets):
+                if logits.requires_grad:
+                    if training_calls[0] == overflow_step and int(os.environ["RANK"]) == overflow_rank:
+                        logits = _InfGradient.apply(logits)
+                    training_calls[0] += 1
+                return cross_entropy(logits, targets)
+
+            return _loss
+
+        engine.cross_entropy = _overflowing(engine.cross_entropy)
+        deepspeed_engine.cross_entropy = _overflowing(deepspeed_engine.cross_entropy)
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_MUTANT {MUTANT!r}")

@@ -1,0 +1,180 @@
+"""ZeRO stages 1-3 through DeepSpeed (data-parallel-only layouts): parity with the single-process run, mixed
+precision, exact resume, and each rank's model-state bytes against the ZeRO paper's per-rank formula.
+
+Every run is a real `paratrain run` job. The model is the parity job's with embedDim 64, so that alignment padding
+and the ZeRO-3 parameters kept whole on every rank (norm gains and biases) stay a few percent of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from .harness import MUTANTS, TINY_JOB, assert_close_curves, layout, run_job
+
+SMALL = copy.deepcopy(TINY_JOB)
+SMALL["spec"]["model"]["embedDim"] = 64
+
+
+def param_count(model: dict) -> int:
+    """Ψ of the GPT in model.py: embeddings, L x (attention 4d², MLP 8d² + 5d, two norms 4d), final norm, head."""
+    d, vocab, block, layers = model["embedDim"], model["vocabSize"], model["blockSize"], model["layers"]
+    return 2 * vocab * d + block * d + layers * (12 * d * d + 9 * d) + 2 * d
+
+
+def events(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "work" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == "step"]
+
+
+def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
+    """Losses and global gradient norms: Adam with clipping barely notices a gradient that is summed instead of
+    averaged, but its norm doubles."""
+    assert_close_curves(metrics["losses"], reference["losses"], rtol)
+    assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Jobs shared by several tests, each run once: `runs(name, overrides, env=..., spec=...)`; "{run_dir}" in
+    an override is the job's own directory."""
+    done: dict[str, tuple[Path, dict]] = {}
+
+    def get(name: str, overrides: list[str], env: dict | None = None, spec: dict | None = None):
+        if name not in done:
+            run_dir = tmp_path_factory.mktemp(name)
+            overrides = [o.format(run_dir=run_dir) for o in overrides]
+            _, metrics = run_job(run_dir, overrides, job=spec or SMALL, env=env)
+            done[name] = run_dir, metrics
+        return done[name]
+
+    return get
+
+
+def zero_fp32(runs, stage: int):
+    """DP=2 ZeRO run in fp32; checkpoints every 5 steps (the resume test restarts it from step 5)."""
+    return runs(f"zero{stage}-dp2", layout(data=2, zeroStage=stage) + [
+        "spec.checkpoint.path={run_dir}/ckpt", "spec.checkpoint.interval=5"])
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs("single-fp32", layout())[1]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_matches_single_process(stage, runs, reference):
+    _, metrics = zero_fp32(runs, stage)
+    assert metrics["layout"].startswith(f"dp2·tp1·pp1 z{stage}")
+    assert_parity(metrics, reference, rtol=1e-4)  # observed ~3e-7: only the summation order differs
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5, "the reference must learn, or parity is vacuous"
+
+
+@pytest.mark.parametrize("mutant,stage", [("deepspeed_skips_reduction", 1), ("deepspeed_sums_instead_of_averaging", 3)])
+def test_parity_catches_a_broken_deepspeed_reduction(mutant, stage, runs, reference):
+    _, metrics = runs(f"{mutant}-z{stage}", layout(data=2, zeroStage=stage),
+                      env={"PARATRAIN_TEST_MUTANT": mutant, "PYTHONPATH": str(MUTANTS)})
+    with pytest.raises(AssertionError, match="differ"):
+        assert_parity(metrics, reference, rtol=1e-4)
+
+
+# DeepSpeed's bf16/fp16 modes are not autocast: weights, activations and gradients are bf16/fp16 throughout, over an
+# fp32 master partition, while the single-process reference (TorchEngine) autocasts matmuls over fp32 weights and
+# keeps fp32 gradients. Both see the same batches from the same init, so they differ by rounding only: losses by
+# less than one unit in the last place at 1.0 of the format (2^-8 bf16, 2^-11 fp16; observed 6e-4 and 6e-5), gradient
+# norms — of gradients that DeepSpeed stores and reduces in the low precision — 8x that (observed 7e-3 and 1.4e-3).
+# A broken reduction moves the loss by >1e-2 within two steps or the gradient norm by 30-100% (see the mutants above).
+PRECISION_RTOL = {"bf16": (2**-8, 2**-5), "fp16": (2**-11, 2**-8)}
+
+
+def test_bf16_zero2_matches_single_process_bf16(runs):
+    _, single = runs("single-bf16", layout() + ["spec.precision=bf16"])
+    _, zero = runs("zero2-dp2-bf16", layout(data=2, zeroStage=2) + ["spec.precision=bf16"])
+    loss_rtol, norm_rtol = PRECISION_RTOL["bf16"]
+    assert_close_curves(zero["losses"], single["losses"], loss_rtol)
+    assert_close_curves(zero["grad_norms"], single["grad_norms"], norm_rtol)
+    psi = param_count(SMALL["spec"]["model"])
+    for rank in zero["model_state_bytes"]:  # DeepSpeed keeps bf16 weights (2Ψ), fp32 master + Adam moments 12Ψ/N
+        assert rank["params"] == pytest.approx(2 * psi, rel=0.1), rank
+        assert rank["optimizer"] == pytest.approx(12 * psi / 2, rel=0.1), rank
+
+
+def test_fp16_zero3_skips_an_overflow_step_like_single_process(runs):
+    """One rank's gradients overflow in step 4 (0-based 3): every rank skips that step and halves the loss scale,
+    as the single-process fp16 run does; before and after, the two runs agree."""
+    overflow = {"PYTHONPATH": str(MUTANTS)}
+    single_dir, single = runs("single-fp16-overflow", layout() + ["spec.precision=fp16"],
+                              env={**overflow, "PARATRAIN_TEST_MUTANT": "overflow:0:3"})
+    zero_dir, zero = runs("zero3-dp2-fp16-overflow", layout(data=2, zeroStage=3) + ["spec.precision=fp16"],
+                          env={**overflow, "PARATRAIN_TEST_MUTANT": "overflow:1:3"})
+    for run_dir, metrics in ((single_dir, single), (zero_dir, zero)):
+        assert metrics["skipped_steps"] == 1
+        assert [e["applied"] for e in events(run_dir)] == [True] * 3 + [False] + [True] * 6
+        assert math.isinf(metrics["grad_norms"][3])
+    loss_rtol, norm_rtol = PRECISION_RTOL["fp16"]
+    assert_close_curves(zero["losses"], single["losses"], loss_rtol)
+    finite = [i for i in range(10) if i != 3]
+    assert_close_curves([zero["grad_norms"][i] for i in finite], [single["grad_norms"][i] for i in finite], norm_rtol)
+
+
+def test_zero3_resume_is_exact(runs, tmp_path):
+    """Restart the DP=2 ZeRO-3 job from its step-5 checkpoint: steps 6-10 reproduce the uninterrupted run exactly.
+    Each rank's file holds only its own shard (half the fp32 master weights) and loads with weights_only=True."""
+    straight_dir, straight = zero_fp32(runs, 3)
+    psi = param_count(SMALL["spec"]["model"])
+    step5 = straight_dir / "ckpt" / "step-00000005"
+    for rank in (0, 1):
+        shard = torch.load(step5 / f"rank-0000{rank}.pt", weights_only=True)["engine"]
+        assert sum(m.numel() for m in shard["masters"]) == pytest.approx(psi / 2, rel=0.02)
+        assert all(m.dtype == torch.float32 for m in shard["masters"])
+
+    shutil.copytree(step5, tmp_path / "ckpt" / step5.name)
+    _, resumed = run_job(tmp_path, layout(data=2, zeroStage=3) + [
+        f"spec.checkpoint.path={tmp_path / 'ckpt'}", "spec.checkpoint.interval=5"], job=SMALL)
+    assert resumed["resumed_from_step"] == 5
+    assert resumed["losses"] == straight["losses"]
+    assert resumed["grad_norms"] == straight["grad_norms"]
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+# Per-rank model-state bytes, fp32 Adam, N data-parallel ranks: (params, grads, optimizer) in units of Ψ bytes.
+# The ZeRO paper: stage 0 4 + 4 + 8 (Adam's two fp32 moments); stage 1 shards optimizer state (8/N), stage 2 also
+# gradients (4/N), stage 3 also parameters (4/N). Two things DeepSpeed does differently, counted as they are held:
+# - its optimizer state includes an fp32 master copy of the rank's partition, kept even when the model is fp32:
+#   optimizer = 12/N (the paper's K = 12 of mixed precision), not 8/N;
+# - at gradient_accumulation_steps 1 it reduces ZeRO-1 gradients bucket by bucket during backward into each
+#   partition's owner and frees them, exactly as ZeRO-2 does: stage 1 holds 4/N of gradients, not 4.
+ZERO_FORMULA = {
+    0: lambda n: (4, 4, 8),  # DDP (TorchEngine)
+    1: lambda n: (4, 4 / n, 12 / n),
+    2: lambda n: (4, 4 / n, 12 / n),
+    3: lambda n: (4 / n, 4 / n, 12 / n),
+}
+# ZeRO-1/2 keep the whole gradient of a parameter that straddles a partition boundary (up to two per rank, each at
+# most one MLP matrix, 4d² of a layer's 12d²): at most 2N/(3L) over 4Ψ/N, so their runs use 24 layers (observed
+# ≤ 6%). ZeRO-3 partitions every tensor separately; the norm gains and biases it keeps whole on every rank are
+# 1.2% of this model, ≤ 5% over 4Ψ/N at N = 4.
+FORMULA_LAYERS = {0: 2, 1: 24, 2: 24, 3: 2}
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_bytes_match_zero_formula(stage, dp, runs):
+    layers = FORMULA_LAYERS[stage]
+    if (stage, dp) == (3, 2):
+        _, metrics = zero_fp32(runs, 3)
+    else:
+        _, metrics = runs(f"memory-z{stage}-dp{dp}", layout(data=dp, zeroStage=stage) + [
+            f"spec.model.layers={layers}", "spec.training.steps=2", "spec.training.evalSteps=1"])
+    psi = param_count({**SMALL["spec"]["model"], "layers": layers})
+    expected = dict(zip(("params", "grads", "optimizer"), (psi * k for k in ZERO_FORMULA[stage](dp))))
+    assert len(metrics["model_state_bytes"]) == dp
+    for rank in metrics["model_state_bytes"]:
+        for kind, want in expected.items():
+            assert rank[kind] == pytest.approx(want, rel=0.1), f"rank {rank['rank']} {kind}: {rank[kind]} vs {want}"
