@@ -32,9 +32,13 @@ def _path(obj: Mapping[str, Any], *, named: bool) -> str:
 
 
 async def ensure(obj: Mapping[str, Any]) -> bool:
-    """Create `obj`; one that exists already (409) is fine. True when this call created it.
+    """Create `obj`; True when this call created it.
 
-    A ConfigMap that exists is brought up to date (a new attempt may follow a spec change)."""
+    One that exists already (409) is fine if this job owns it (an earlier pass, or an operator killed midway,
+    created it); a ConfigMap that exists is brought up to date (a new attempt may follow a spec change). A name
+    held by an object this job does not own, typically one of a same-named job deleted moments ago that the
+    garbage collector or its kubelet has not removed yet, is an error until it goes: taken as ours, it would
+    vanish under the gang."""
     try:
         await client().request("POST", _path(obj, named=False), body=obj)
         return True
@@ -43,10 +47,33 @@ async def ensure(obj: Mapping[str, Any]) -> bool:
             raise MissingResource(f"the cluster does not serve {obj['kind']} ({obj['apiVersion']}): {exc.message}")
         if exc.status != 409:
             raise
+        conflict = exc
+    try:
+        existing = await client().request("GET", _path(obj, named=True))
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        existing = None
+    if not _owned_alike(obj, existing):
+        meta = obj["metadata"]
+        held = "no longer exists" if existing is None else "is not this job's (an earlier job's, being deleted?)"
+        raise ApiError(409, conflict.reason, f"{obj['kind']} {meta['namespace']}/{meta['name']} already exists but "
+                       f"{held}: retrying until the name is free")
     if obj["kind"] == "ConfigMap":
         await client().request("PATCH", _path(obj, named=True), body={"data": obj.get("data") or {}},
                                content_type=MERGE_PATCH)
     return False
+
+
+def _owned_alike(obj: Mapping[str, Any], existing: Mapping[str, Any] | None) -> bool:
+    """`existing` is alive and has the owner `obj` would have."""
+    if existing is None or (existing.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return _owner_uids(existing) >= _owner_uids(obj)
+
+
+def _owner_uids(obj: Mapping[str, Any]) -> set[str]:
+    return {ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []}
 
 
 async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]) -> list[str]:

@@ -3,7 +3,9 @@
 Triggers: the job's creation, spec changes and operator restarts (resume); any change of a pod labelled with
 the job's name; and a periodic resync timer, which also polls training progress, notices a stalled job, the
 active deadline and the TTL, and repairs whatever a dropped or silent watch hid. Deleting a job needs no
-handler (and no finalizer): its ownerReferences let Kubernetes' garbage collector take the gang.
+handler: its ownerReferences let Kubernetes' garbage collector take the gang. (kopf puts its finalizer on each
+job because of the timer, and takes it off when the job is deleted: while the operator is down, a deleted job
+waits for it.)
 
 Settings (environment): PARATRAIN_RESYNC_SECONDS (default 10), PARATRAIN_METRICS_PORT (default 9090; 0: off).
 """

@@ -24,12 +24,14 @@ async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-async def list_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
+async def list_pods(namespace: str, job_name: str, job_uid: str) -> list[dict[str, Any]]:
     """Every pod of the job, any attempt (fresh from the API, not a watch cache: decisions must not act on a
-    stale view, e.g. create a gang while the old one is still terminating)."""
+    stale view, e.g. create a gang while the old one is still terminating). Only pods the job owns: those of a
+    same-named job deleted moments ago carry the same label and names, but are not this job's to count."""
     data = await client().request("GET", api_path("v1", "pods", namespace),
                                   params={"labelSelector": f"{contract.LABEL_JOB}={job_name}"})
-    return list((data or {}).get("items") or [])
+    return [pod for pod in (data or {}).get("items") or []
+            if any(ref.get("uid") == job_uid for ref in pod["metadata"].get("ownerReferences") or [])]
 
 
 async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:

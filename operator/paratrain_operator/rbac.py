@@ -10,6 +10,8 @@ Why each rule:
   gang restarts, suspension, failure and deadline. No patch/update: pods are never modified.
 - configmaps, services: the gang's spec ConfigMap and headless Service; a ConfigMap is patched when a new
   attempt follows a spec change.
+- get on everything the operator creates: a create answered 409 (already exists) is checked, since the name
+  may be held by a same-named job's object that is about to be deleted.
 - events: the operator's own Events on the job (create only).
 - podgroups (Volcano, scheduler-plugins): only for `spec.scheduling.gang`; without them such a job fails with a
   clear message and everything else works.
@@ -27,12 +29,12 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (API_GROUP, PLURAL, ("get", "list", "watch", "patch", "delete")),
     (API_GROUP, f"{PLURAL}/status", ("patch",)),
     (API_GROUP, f"{PLURAL}/finalizers", ("update",)),
-    ("", "pods", ("list", "watch", "create", "delete")),
-    ("", "configmaps", ("create", "patch")),
-    ("", "services", ("create",)),
+    ("", "pods", ("get", "list", "watch", "create", "delete")),
+    ("", "configmaps", ("get", "create", "patch")),
+    ("", "services", ("get", "create")),
     ("", "events", ("create",)),
-    ("scheduling.volcano.sh", "podgroups", ("create",)),
-    ("scheduling.x-k8s.io", "podgroups", ("create",)),
+    ("scheduling.volcano.sh", "podgroups", ("get", "create")),
+    ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
 )
 # Cluster-scoped reads kopf needs even when the operator serves only some namespaces.
 CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (

@@ -61,7 +61,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     namespace, name = meta["namespace"], meta["name"]
     prev = body.get("status") or {}
     state, now = GangState.from_status(prev), clock_now()
-    pods = [gang.pod_view(p) for p in await observe.list_pods(namespace, name)]
+    pods = [gang.pod_view(p) for p in await observe.list_pods(namespace, name, meta["uid"])]
     objects: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
