@@ -7,7 +7,6 @@ One cluster (and operator) serves this module; each test uses its own namespace.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import signal
 import time
@@ -18,8 +17,7 @@ import pytest
 from paratrain import contract
 from paratrain_operator import rbac
 
-from .support.cluster import Cluster, fake_job, fake_trainer_command
-from .support.emulator import parse_route
+from .support.cluster import Cluster, condition, fake_job, fake_trainer_command
 from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,20 +29,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     yield c
     c.close()
     assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
-
-
-@pytest.fixture
-def ns(cluster: Cluster, request: pytest.FixtureRequest) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_")).strip("-")
-    return cluster.namespace(f"{slug[:40]}-{hashlib.sha1(request.node.name.encode()).hexdigest()[:6]}")
-
-
-def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
-
-
-def reasons(cluster: Cluster, ns: str, name: str) -> list[str]:
-    return [e["reason"] for e in sorted(cluster.events(ns, name), key=lambda e: int(e["metadata"]["resourceVersion"]))]
 
 
 def wait_running(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -59,7 +43,7 @@ def test_a_job_succeeds_with_final_progress_events_and_metrics(cluster: Cluster,
     assert status["pods"]["succeeded"] == 2 and status["observedGeneration"] == 1
     assert status["startTime"] <= status["completionTime"]
     assert condition(status, "Succeeded")["status"] == "True" and condition(status, "Running")["status"] == "False"
-    assert reasons(cluster, ns, "ok") == ["CreatingGang", "GangRunning", "Succeeded"]
+    assert cluster.event_reasons(ns, "ok") == ["CreatingGang", "GangRunning", "Succeeded"]
     assert cluster.pod_creations(ns) == ["ok-0-0", "ok-0-1"]
     pod = cluster.pods(ns, "ok")[0]
     assert pod["metadata"]["ownerReferences"][0]["uid"] == cluster.job(ns, "ok")["metadata"]["uid"]
@@ -79,7 +63,7 @@ def test_an_invalid_spec_fails_naming_the_field_and_creates_nothing(cluster: Clu
     time.sleep(1.5)  # a few resync periods: still nothing
     assert cluster.pods(ns) == [] and cluster.pod_creations(ns) == []
     assert cluster.api.objects("v1/configmaps", ns) == [] and cluster.api.objects("v1/services", ns) == []
-    assert reasons(cluster, ns, "bad") == ["InvalidSpec"]
+    assert cluster.event_reasons(ns, "bad") == ["InvalidSpec"]
 
 
 def test_a_killed_pod_restarts_the_whole_gang_once(cluster: Cluster, ns: str):
@@ -92,7 +76,7 @@ def test_a_killed_pod_restarts_the_whole_gang_once(cluster: Cluster, ns: str):
                                  "message": "pod crash-0-1 exited with code 137 (killed by SIGKILL)"}
     assert cluster.pod_creations(ns) == ["crash-0-0", "crash-0-1", "crash-1-0", "crash-1-1"]  # each once
     assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == ["crash-1-0", "crash-1-1"]
-    assert reasons(cluster, ns, "crash") == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang",
+    assert cluster.event_reasons(ns, "crash") == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang",
                                              "GangRunning", "Succeeded"]
     assert 'paratrain_gang_restarts_total{namespace="%s"} 1.0' % ns in cluster.metrics()
 
@@ -122,18 +106,29 @@ def test_a_failure_the_restart_cures_ends_in_success(cluster: Cluster, ns: str):
     assert status["restarts"] == 1 and status["failure"]["exitCode"] == contract.EXIT_RETRYABLE
 
 
-@pytest.mark.parametrize("how", ["evicted", "deleted"])
+@pytest.mark.parametrize("how", ["evicted", "deleted", "force-deleted"])
 def test_an_evicted_or_deleted_pod_is_a_retryable_failure(cluster: Cluster, ns: str, how: str):
+    """A node evicting a pod (or losing it), `kubectl delete pod` (graceful: the pod is seen terminating) and
+    `--force --grace-period=0` (it is just gone): each counts as one retryable failure and the whole gang is
+    restarted."""
     cluster.submit(ns, how, fake_job(steps=30))
     wait_running(cluster, ns, how)
     if how == "evicted":
         cluster.api.call(cluster.kubelet.evict, ns, f"{how}-0-0")
     else:
-        cluster.api.delete("v1/pods", ns, f"{how}-0-0")  # kubectl delete pod: graceful
+        cluster.api.delete("v1/pods", ns, f"{how}-0-0", **({"gracePeriodSeconds": 0} if how == "force-deleted"
+                                                            else {}))
     status = cluster.wait_phase(ns, how, "Succeeded", 60)
-    assert status["restarts"] == 1
-    assert status["failure"]["reason"] == {"evicted": "Evicted", "deleted": "PodDeleted"}[how]
-    assert status["failure"]["pod"] == f"{how}-0-0"
+    assert (status["restarts"], status["attempt"]) == (1, 1)
+    expected = {"evicted": {"reason": "Evicted", "message": f"pod {how}-0-0 failed: Evicted: The node was low on "
+                                                            "resource: memory.", "exitCode": 137},
+                "deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 was deleted while running"},
+                "force-deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 disappeared"}}[how]
+    assert status["failure"] == {"pod": f"{how}-0-0", **expected}
+    # The whole gang was restarted (the survivor too), each pod created once.
+    assert cluster.pod_creations(ns) == [f"{how}-0-0", f"{how}-0-1", f"{how}-1-0", f"{how}-1-1"]
+    assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == [f"{how}-1-0", f"{how}-1-1"]
+    assert cluster.event_reasons(ns, how).count("RestartingGang") == 1
 
 
 def test_a_silent_job_gets_the_stalled_condition(cluster: Cluster, ns: str):
@@ -144,7 +139,7 @@ def test_a_silent_job_gets_the_stalled_condition(cluster: Cluster, ns: str):
     stalled = condition(status, "Stalled")
     assert stalled["reason"] == "ProgressStalled" and "last at step 2" in stalled["message"]
     assert status["phase"] == "Running" and status["progress"]["step"] == 2
-    assert "Stalled" in reasons(cluster, ns, "stuck")
+    assert "Stalled" in cluster.event_reasons(ns, "stuck")
     cluster.api.delete("paratrain.dev/v1alpha1/paralleltrainjobs", ns, "stuck")
 
 
@@ -159,7 +154,7 @@ def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_one(cluster: Cluster
     cluster.api.patch(jobs, ns, "pause", {"spec": {"runPolicy": {"suspend": False}}})
     status = cluster.wait_phase(ns, "pause", "Succeeded", 60)
     assert status["attempt"] == 1 and status["restarts"] == 0  # a resume is not a failure
-    assert reasons(cluster, ns, "pause")[-4:] == ["Resumed", "CreatingGang", "GangRunning", "Succeeded"]
+    assert cluster.event_reasons(ns, "pause")[-4:] == ["Resumed", "CreatingGang", "GangRunning", "Succeeded"]
 
 
 def test_a_job_created_suspended_waits_without_pods(cluster: Cluster, ns: str):
@@ -177,34 +172,12 @@ def test_the_active_deadline_fails_the_job_and_stops_it(cluster: Cluster, ns: st
 
 
 def test_ttl_after_finished_deletes_the_job_and_its_gang(cluster: Cluster, ns: str):
-    cluster.submit(ns, "brief", fake_job(steps=2, run_policy={"ttlSecondsAfterFinished": 1}))
+    cluster.submit(ns, "brief", fake_job(steps=2, run_policy={"ttlSecondsAfterFinished": 3}))
+    cluster.wait_phase(ns, "brief", "Succeeded", 30)
+    time.sleep(1)  # within the TTL: the job and its completed pods (their logs) are kept
+    assert cluster.job(ns, "brief") is not None and len(cluster.pods(ns)) == 2
     wait_for(lambda: cluster.job(ns, "brief") is None, 30, "the job to be deleted after its TTL")
     wait_for(lambda: not cluster.pods(ns) and not cluster.api.objects("v1/configmaps", ns), 15, "the gang to go")
-
-
-def test_deleting_a_job_mid_training_removes_its_whole_gang(cluster: Cluster, ns: str):
-    cluster.submit(ns, "gone", fake_job(steps=100))
-    wait_running(cluster, ns, "gone")
-    cluster.api.delete("paratrain.dev/v1alpha1/paralleltrainjobs", ns, "gone")
-    wait_for(lambda: not cluster.pods(ns) and not cluster.api.objects("v1/services", ns)
-             and not cluster.api.objects("v1/configmaps", ns), 15, "the gang to be garbage-collected")
-    wait_for(lambda: not [p for p in cluster.api.call(cluster.kubelet.running) if p.startswith(f"{ns}/")], 10,
-             "processes to end")
-    time.sleep(1.5)
-    assert cluster.pod_creations(ns) == ["gone-0-0", "gone-0-1"]  # nothing re-created for a deleted job
-
-
-def test_api_errors_are_retried_without_duplicates(cluster: Cluster, ns: str):
-    emulator = cluster.api.emulator
-    creates = emulator.inject("POST", rf"/namespaces/{ns}/pods$", status=500, times=2)
-    throttled = emulator.inject("PATCH", rf"/namespaces/{ns}/paralleltrainjobs/flaky-api/status$", status=429,
-                                times=2, retry_after=1)
-    conflict = emulator.inject("POST", rf"/namespaces/{ns}/configmaps$", status=409, times=1)
-    cluster.submit(ns, "flaky-api", fake_job(steps=3))
-    status = cluster.wait_phase(ns, "flaky-api", "Succeeded", 60)
-    assert creates.faulted == 2 and throttled.faulted == 2 and conflict.faulted == 1
-    assert status["restarts"] == 0 and cluster.pod_creations(ns) == ["flaky-api-0-0", "flaky-api-0-1"]
-    assert cluster.api.objects("v1/configmaps", ns)  # a 409 on create was re-checked, not taken as success
 
 
 def test_a_gang_the_api_server_rejects_fails_the_job_visibly(cluster: Cluster, ns: str):
@@ -230,20 +203,9 @@ def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluste
 
 
 def test_every_api_call_the_operator_made_is_allowed_by_its_declared_rbac(cluster: Cluster):
-    """Runs last: by now the operator has created, restarted, suspended, failed and deleted gangs. Only the
-    operator talks HTTP to this cluster (the kubelet and the tests call the emulator in-process)."""
+    """Runs last: by now the operator has created, restarted, suspended, failed and deleted gangs."""
     allowed = {(group, resource, verb) for group, resource, verbs in (*rbac.RULES, *rbac.CLUSTER_RULES)
                for verb in verbs}
-    used = set()
-    for method, where, _ in list(cluster.api.emulator.log):
-        path, _, query = where.partition("?")
-        route = parse_route(path)
-        if route is None:
-            continue  # discovery: allowed to every authenticated user
-        named = route.name is not None
-        verb = {"GET": "watch" if "watch=true" in query else "get" if named else "list", "POST": "create",
-                "PATCH": "patch", "PUT": "update", "DELETE": "delete" if named else "deletecollection"}[method]
-        resource = route.resource.plural + (f"/{route.subresource}" if route.subresource else "")
-        used.add((route.resource.group, resource, verb))
+    used = cluster.api_calls()
     assert ("", "pods", "create") in used and ("paratrain.dev", "paralleltrainjobs/status", "patch") in used
     assert used <= allowed, sorted(used - allowed)

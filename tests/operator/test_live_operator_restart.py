@@ -38,7 +38,9 @@ def test_killed_after_creating_one_of_three_pods(cluster: Cluster):
     cluster.start_operator()
     status = cluster.wait_phase(ns, "big", "Succeeded", 60)
     assert cluster.pod_creations(ns) == ["big-0-0", "big-0-1", "big-0-2"]  # each pod created exactly once
-    assert status["restarts"] == 0 and status["attempt"] == 0
+    assert cluster.creations(ns, "configmaps") == ["big-spec"] and cluster.creations(ns, "services") == ["big"]
+    assert status["restarts"] == 0 and status["attempt"] == 0 and "failure" not in status
+    assert status["pods"]["succeeded"] == 3 and status["progressText"] == "3/3"
 
 
 def test_killed_in_the_middle_of_a_gang_restart(cluster: Cluster):

@@ -17,6 +17,7 @@ from typing import Any
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
 from paratrain.api.crd import crd_manifest
 
+from .emulator import parse_route
 from .kubelet import Kubelet
 from .server import ApiServer, wait_for
 
@@ -43,6 +44,10 @@ def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_poli
     return {"nodes": nodes, "parallelism": {"data": nodes}, "training": {"batchSize": 4 * nodes, "warmupSteps": 0},
             "runPolicy": run_policy or {},
             "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
+
+
+def condition(status: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
 
 
 class Cluster:
@@ -121,6 +126,17 @@ class Cluster:
     def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
         return [e for e in self.api.objects("v1/events", namespace) if e["involvedObject"]["name"] == name]
 
+    def event_reasons(self, namespace: str, name: str) -> list[str]:
+        """The reasons of the job's Events, oldest first."""
+        events = sorted(self.events(namespace, name), key=lambda e: int(e["metadata"]["resourceVersion"]))
+        return [e["reason"] for e in events]
+
+    def passes(self, namespace: str, name: str) -> int:
+        """The operator's reconcile passes of a job so far: each starts with a GET of the job (kopf only lists,
+        watches and patches)."""
+        path = f"/apis/{JOBS.rsplit('/', 1)[0]}/namespaces/{namespace}/{PLURAL}/{name}"
+        return sum(method == "GET" and where == path for method, where, _ in list(self.api.emulator.log))
+
     def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
         def reached() -> dict[str, Any] | None:
             status = self.status(namespace, name)
@@ -132,15 +148,35 @@ class Cluster:
 
     def pod_creations(self, namespace: str) -> list[str]:
         """The name of every pod the API created in `namespace`, once per creation (a name twice: re-created)."""
+        return self.creations(namespace, "pods")
+
+    def creations(self, namespace: str, plural: str) -> list[str]:
+        """The name of every object of resource `plural` created in `namespace`, once per creation."""
         def collect() -> list[str]:
             names = []
             for (res, ns, name), obj in self.api.emulator.objects.items():
-                if res.plural == "pods" and ns == namespace:
+                if res.plural == plural and ns == namespace:
                     history = list(obj.history)
                     names += [name for i, v in enumerate(history)
                               if v is not None and (i == 0 or history[i - 1] is None)]
             return sorted(names)
         return self.api.call(collect)
+
+    def api_calls(self) -> set[tuple[str, str, str]]:
+        """(apiGroup, resource, verb) of every API request so far, discovery aside. Only the operator and kubectl
+        talk HTTP to the emulator (the kubelet and the tests call it in-process)."""
+        used = set()
+        for method, where, _ in list(self.api.emulator.log):
+            path, _, query = where.partition("?")
+            route = parse_route(path)
+            if route is None:
+                continue  # discovery: allowed to every authenticated user
+            named = route.name is not None
+            verb = {"GET": "watch" if "watch=true" in query else "get" if named else "list", "POST": "create",
+                    "PATCH": "patch", "PUT": "update", "DELETE": "delete" if named else "deletecollection"}[method]
+            resource = route.resource.plural + (f"/{route.subresource}" if route.subresource else "")
+            used.add((route.resource.group, resource, verb))
+        return used
 
     def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
         cmd = ["kubectl", f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kube-cache'}", *args]

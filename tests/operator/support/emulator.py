@@ -213,6 +213,7 @@ class Fault:
     retry_after: int | None = None
     seen: int = 0  # matching requests so far
     faulted: int = 0
+    faulted_at: list[float] = field(default_factory=list)  # time.monotonic() of each faulted request
     released: bool = False
 
     def matches(self, method: str, path: str) -> bool:
@@ -288,6 +289,7 @@ class Emulator(kmock.KubernetesEmulator):
             if fault.seen <= fault.after or (fault.times is not None and fault.faulted >= fault.times):
                 continue
             fault.faulted += 1
+            fault.faulted_at.append(time.monotonic())
             while fault.hold and not fault.released:
                 await asyncio.sleep(0.02)
             if fault.status is None:

@@ -1,0 +1,193 @@
+"""Operator faults (issue 5, part 2) against the API emulator and the test kubelet, with the stand-in trainer:
+API errors on creates and status patches, a deleted job (at once re-created under its name), a finished job
+poked by every trigger a pass has, dropped watch streams. docs/reliability.md maps each fault to its test;
+the operator-restart faults are in test_live_operator_restart.py, a silent watch and a deleted or evicted pod
+in test_live.py.
+
+One cluster (and operator, resync every second) serves this module; each test uses its own namespace.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain_operator import rbac
+
+from .support.cluster import JOBS, Cluster, condition, fake_job, fake_trainer_command
+from .support.server import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+# Volcano's PodGroup, served as its CRD would serve it: a gang-scheduled job's objects include one.
+VOLCANO_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podgroups.scheduling.volcano.sh"},
+    "spec": {"group": "scheduling.volcano.sh", "scope": "Namespaced",
+             "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup", "shortNames": ["pg"]},
+             "versions": [{"name": "v1beta1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object",
+                                                          "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+GANG_KINDS = ("configmaps", "services", "podgroups", "pods")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), command=fake_trainer_command)
+    c.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", VOLCANO_CRD)
+    yield c
+    c.close()
+    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+    allowed = {(group, resource, verb) for group, resource, verbs in (*rbac.RULES, *rbac.CLUSTER_RULES)
+               for verb in verbs}
+    assert c.api_calls() <= allowed, sorted(c.api_calls() - allowed)  # faults take no extra rights
+
+
+def gang_objects(cluster: Cluster, ns: str, job: str) -> set[tuple[str, str]]:
+    """(resource, name) of every object in `ns` labelled with the job's name or owned by any job of that name."""
+    out = set()
+    for plural in GANG_KINDS:
+        resource = "scheduling.volcano.sh/v1beta1/podgroups" if plural == "podgroups" else f"v1/{plural}"
+        for obj in cluster.api.objects(resource, ns):
+            meta = obj["metadata"]
+            if (meta.get("labels") or {}).get("paratrain.dev/job-name") == job or any(
+                    ref.get("kind") == "ParallelTrainJob" and ref.get("name") == job
+                    for ref in meta.get("ownerReferences") or []):
+                out.add((plural, meta["name"]))
+    return out
+
+
+def creations(cluster: Cluster, ns: str) -> dict[str, list[str]]:
+    return {plural: cluster.creations(ns, plural) for plural in GANG_KINDS}
+
+
+# ---- API errors ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [500, 429, 409])
+def test_api_errors_on_creates_and_status_patches_are_retried_and_lose_nothing(cluster: Cluster, ns: str,
+                                                                                code: int):
+    """500 and 429 (with Retry-After: 1): the status patch fails 4 times in a row, more than the client's
+    in-place retries (3), so the whole pass fails and is redone later; each create (ConfigMap, Service, pod)
+    fails twice. 409: the status patch conflicts, and each create answers "already exists" although nothing
+    exists: a create must be checked, not assumed done (each failed pass is redone after kopf's backoff)."""
+    name = f"api-{code}"
+    retry_after = 1 if code == 429 else None
+
+    def inject(method: str, path: str, times: int):
+        return cluster.api.emulator.inject(method, path, status=code, times=times, retry_after=retry_after)
+
+    patches, creates = (1, 1) if code == 409 else (4, 2)
+    faults = {"status patch": inject("PATCH", rf"/namespaces/{ns}/paralleltrainjobs/{name}/status$", patches),
+              "ConfigMap create": inject("POST", rf"/namespaces/{ns}/configmaps$", creates),
+              "Service create": inject("POST", rf"/namespaces/{ns}/services$", creates),
+              "pod create": inject("POST", rf"/namespaces/{ns}/pods$", creates)}
+    cluster.submit(ns, name, fake_job(steps=10))
+    status = cluster.wait_phase(ns, name, "Succeeded", 60)
+
+    assert {what: f.faulted for what, f in faults.items()} == {what: f.times for what, f in faults.items()}
+    if code != 409:  # retried with backoff (0.5 s, 1 s, 2 s; at least Retry-After), never hammered
+        least = 0.95 if code == 429 else 0.45
+        for what, fault in faults.items():
+            gaps = [round(b - a, 2) for a, b in zip(fault.faulted_at, fault.faulted_at[1:])]
+            assert min(gaps) >= least, f"{what} retried after {gaps} s"
+    # Nothing lost, nothing twice: each object of the gang created exactly once, and still there.
+    gang = creations(cluster, ns)
+    assert gang == {"configmaps": [f"{name}-spec"], "services": [name], "podgroups": [],
+                    "pods": [f"{name}-0-0", f"{name}-0-1"]}
+    assert gang_objects(cluster, ns, name) == {(plural, n) for plural, names in gang.items() for n in names}
+    # The status is right in the end: every field the faults could have left stale or lost.
+    assert (status["restarts"], status["attempt"], status["gangCreated"]) == (0, 0, True)
+    assert status["pods"] == {"expected": 2, "pending": 0, "running": 0, "succeeded": 2, "failed": 0,
+                              "terminating": 0}
+    assert status["progress"]["step"] == 10 and status["progressText"] == "10/10" and "failure" not in status
+    assert condition(status, "Succeeded")["status"] == "True" and condition(status, "Running")["status"] == "False"
+    assert status["observedGeneration"] == 1 and status["startTime"] <= status["completionTime"]
+    reasons = cluster.event_reasons(ns, name)
+    assert reasons[-1] == "Succeeded" and reasons.count("Succeeded") == 1 and "GangRunning" in reasons
+    assert set(reasons) == {"CreatingGang", "GangRunning", "Succeeded"}, reasons
+
+
+# ---- a deleted job, a finished job ------------------------------------------------------------------------
+
+def test_deleting_a_job_mid_training_removes_every_object_of_its_gang(cluster: Cluster, ns: str):
+    cluster.submit(ns, "gone", {**fake_job(steps=100), "scheduling": {"gang": "volcano"}})
+    cluster.wait_phase(ns, "gone", "Running", 30)
+    gang = gang_objects(cluster, ns, "gone")
+    assert {plural for plural, _ in gang} == set(GANG_KINDS), gang  # ConfigMap, Service, PodGroup, pods
+    created = creations(cluster, ns)
+    cluster.api.delete(JOBS, ns, "gone")
+    wait_for(lambda: not gang_objects(cluster, ns, "gone"), 15, "every object of the gang to be collected")
+    wait_for(lambda: not [p for p in cluster.api.call(cluster.kubelet.running) if p.startswith(f"{ns}/")], 10,
+             "the gang's processes to end")
+    time.sleep(1.5)  # the pod events of the collection have been handled: nothing came back
+    assert creations(cluster, ns) == created and not gang_objects(cluster, ns, "gone")
+
+
+def test_a_job_recreated_at_once_under_its_name_starts_clean(cluster: Cluster, ns: str):
+    """`kubectl delete` then `kubectl apply` of the same job while the old gang is still terminating (its pods
+    frozen, so they take their grace period): the new job is not confused by the old job's pods."""
+    cluster.submit(ns, "again", fake_job(steps=100))
+    cluster.wait_phase(ns, "again", "Running", 30)
+    for rank in (0, 1):
+        cluster.api.call(cluster.kubelet.pause, ns, f"again-0-{rank}")
+    cluster.api.delete(JOBS, ns, "again")
+    wait_for(lambda: cluster.job(ns, "again") is None, 10, "the operator to let the job go (kopf's finalizer)")
+    assert any(p["metadata"].get("deletionTimestamp") for p in cluster.pods(ns))  # the old gang: still there
+    uid = cluster.submit(ns, "again", fake_job(steps=5))["metadata"]["uid"]
+    status = cluster.wait_phase(ns, "again", "Succeeded", 60)
+    assert (status["restarts"], status["attempt"]) == (0, 0) and "failure" not in status, status
+    assert cluster.event_reasons(ns, "again").count("RestartingGang") == 0
+    for pod in cluster.pods(ns, "again"):  # the pods now there are the new job's
+        assert [ref["uid"] for ref in pod["metadata"]["ownerReferences"]] == [uid]
+
+
+@pytest.mark.parametrize("end", ["Succeeded", "Failed"])
+def test_a_finished_job_is_never_given_new_pods(cluster: Cluster, ns: str, end: str):
+    """Every trigger of a pass, after the end: its pods deleted (by hand, or by the pod garbage collector), a spec
+    change, resyncs."""
+    name = end.lower()
+    spec = fake_job(steps=3) if end == "Succeeded" else fake_job(steps=100, exit_code=127, exit_step=1, exit_rank=1)
+    cluster.submit(ns, name, spec)
+    before = cluster.wait_phase(ns, name, end, 30)
+    wait_for(lambda: all(p["status"].get("phase") in ("Succeeded", "Failed") for p in cluster.pods(ns)), 15,
+             "the job's pods to have stopped")
+    created, reasons, passes = creations(cluster, ns), cluster.event_reasons(ns, name), cluster.passes(ns, name)
+    for pod in cluster.pods(ns):
+        cluster.api.delete("v1/pods", ns, pod["metadata"]["name"], gracePeriodSeconds=0)
+    cluster.api.patch(JOBS, ns, name, {"spec": {"runPolicy": {"backoffLimit": 7}}})
+    wait_for(lambda: cluster.passes(ns, name) >= passes + 4, 15, "more reconcile passes")
+    time.sleep(0.5)
+    assert creations(cluster, ns) == created and cluster.pods(ns) == []
+    after = cluster.status(ns, name)
+    assert {k: after.get(k) for k in ("phase", "attempt", "restarts", "completionTime", "failure")} == \
+        {k: before.get(k) for k in ("phase", "attempt", "restarts", "completionTime", "failure")}
+    assert cluster.event_reasons(ns, name) == reasons  # not even a CreatingGang Event
+
+
+# ---- dropped watch streams --------------------------------------------------------------------------------
+
+def test_pod_changes_after_dropped_watches_are_acted_on(tmp_path: Path):
+    """An operator without a resync (an hour): only its watches can tell it what happens. Every stream is
+    dropped (as an API server restart does), and pods change while it reconnects."""
+    c = Cluster(tmp_path, command=fake_trainer_command, resync_seconds=3600)
+    try:
+        ns = c.namespace("dropped")
+        c.submit(ns, "drop", fake_job(steps=30))
+        c.wait_phase(ns, "drop", "Running", 30)
+        watches = sum("watch=true" in where for _, where, _ in list(c.api.emulator.log))
+        assert c.api.call(c.api.emulator.drop_watches) >= 2  # the jobs' and the pods' streams at least
+        c.api.call(c.kubelet.kill, ns, "drop-0-1", signal.SIGKILL)
+        status = wait_for(lambda: (s := c.status(ns, "drop")).get("restarts") == 1 and s, 15,
+                          "the failure to be acted on")
+        assert status["failure"]["pod"] == "drop-0-1"
+        assert c.api.call(c.api.emulator.drop_watches) >= 2  # again, while the new gang starts
+        c.wait_phase(ns, "drop", "Succeeded", 30)
+        assert sum("watch=true" in where for _, where, _ in list(c.api.emulator.log)) >= watches + 4  # reconnected
+        assert c.pod_creations(ns) == ["drop-0-0", "drop-0-1", "drop-1-0", "drop-1-1"]
+        assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+    finally:
+        c.close()
