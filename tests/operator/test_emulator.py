@@ -105,6 +105,15 @@ def test_watches_resume_from_a_resource_version(api: ApiServer):
     code, events = http(api, "GET", f"/api/v1/namespaces/ns/configmaps?watch=true&resourceVersion={since}"
                                     "&fieldSelector=metadata.name%3Dw&timeoutSeconds=1")
     assert [e["type"] for e in events] == ["MODIFIED", "MODIFIED", "DELETED"]
+    api.call(api.emulator.drop_watches, expire_history=True)  # resuming from before now: 410 Gone
+    code, events = http(api, "GET", f"/api/v1/namespaces/ns/configmaps?watch=true&resourceVersion={since}"
+                                    "&timeoutSeconds=1")
+    assert code == 200 and [(e["type"], e["object"]["code"]) for e in events] == [("ERROR", 410)]
+    now = http(api, "GET", "/api/v1/namespaces/ns/configmaps")[1]["metadata"]["resourceVersion"]
+    api.create(CMS, {"metadata": {"name": "w2"}}, "ns")
+    code, events = http(api, "GET", f"/api/v1/namespaces/ns/configmaps?watch=true&resourceVersion={now}"
+                                    "&timeoutSeconds=1")
+    assert [e["type"] for e in events] == ["ADDED"]  # from a fresh list's version: served
 
 
 def test_owner_references_cascade_and_dangling_owners_are_collected(api: ApiServer):

@@ -80,11 +80,13 @@ def test_api_errors_on_creates_and_status_patches_are_retried_and_lose_nothing(c
     def inject(method: str, path: str, times: int):
         return cluster.api.emulator.inject(method, path, status=code, times=times, retry_after=retry_after)
 
-    patches, creates = (1, 1) if code == 409 else (4, 2)
+    # 409: the Service's second 409 lands in the pass that creates the last pod, after which no pass would
+    # create it again: a 409 taken for "exists" would lose it for good.
+    patches, configmaps, services, pods = (1, 1, 2, 1) if code == 409 else (4, 2, 2, 2)
     faults = {"status patch": inject("PATCH", rf"/namespaces/{ns}/paralleltrainjobs/{name}/status$", patches),
-              "ConfigMap create": inject("POST", rf"/namespaces/{ns}/configmaps$", creates),
-              "Service create": inject("POST", rf"/namespaces/{ns}/services$", creates),
-              "pod create": inject("POST", rf"/namespaces/{ns}/pods$", creates)}
+              "ConfigMap create": inject("POST", rf"/namespaces/{ns}/configmaps$", configmaps),
+              "Service create": inject("POST", rf"/namespaces/{ns}/services$", services),
+              "pod create": inject("POST", rf"/namespaces/{ns}/pods$", pods)}
     cluster.submit(ns, name, fake_job(steps=10))
     status = cluster.wait_phase(ns, name, "Succeeded", 60)
 
@@ -170,24 +172,53 @@ def test_a_finished_job_is_never_given_new_pods(cluster: Cluster, ns: str, end: 
 
 # ---- dropped watch streams --------------------------------------------------------------------------------
 
+def open_watches(cluster: Cluster) -> set[str]:
+    """The resources the operator is watching right now (its streams still open)."""
+    return {where.partition("?")[0].rsplit("/", 1)[-1] for _, where, status in list(cluster.api.emulator.log)
+            if status is None and "watch=true" in where}
+
+
 def test_pod_changes_after_dropped_watches_are_acted_on(tmp_path: Path):
     """An operator without a resync (an hour): only its watches can tell it what happens. Every stream is
-    dropped (as an API server restart does), and pods change while it reconnects."""
+    dropped (as by a load balancer or an API server going away), twice, and pods change while it reconnects:
+    it resumes from the last resourceVersion it saw and misses nothing."""
     c = Cluster(tmp_path, command=fake_trainer_command, resync_seconds=3600)
+    watched = lambda: {"pods", "paralleltrainjobs"} <= open_watches(c)  # noqa: E731
     try:
         ns = c.namespace("dropped")
         c.submit(ns, "drop", fake_job(steps=30))
         c.wait_phase(ns, "drop", "Running", 30)
-        watches = sum("watch=true" in where for _, where, _ in list(c.api.emulator.log))
-        assert c.api.call(c.api.emulator.drop_watches) >= 2  # the jobs' and the pods' streams at least
+        wait_for(watched, 10, "the operator's watches")
+        assert c.api.call(c.api.emulator.drop_watches) >= 2
         c.api.call(c.kubelet.kill, ns, "drop-0-1", signal.SIGKILL)
         status = wait_for(lambda: (s := c.status(ns, "drop")).get("restarts") == 1 and s, 15,
                           "the failure to be acted on")
         assert status["failure"]["pod"] == "drop-0-1"
+        wait_for(watched, 10, "the operator to watch again")
         assert c.api.call(c.api.emulator.drop_watches) >= 2  # again, while the new gang starts
         c.wait_phase(ns, "drop", "Succeeded", 30)
-        assert sum("watch=true" in where for _, where, _ in list(c.api.emulator.log)) >= watches + 4  # reconnected
         assert c.pod_creations(ns) == ["drop-0-0", "drop-0-1", "drop-1-0", "drop-1-1"]
         assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
     finally:
         c.close()
+
+
+def test_pods_gone_while_the_watch_history_expired_are_noticed_by_the_resync(cluster: Cluster, ns: str):
+    """An API server restart whose watch cache moved on: resuming answers 410 Gone and the operator must list
+    again. The whole gang is force-deleted while that list is held, so the list shows nothing and no event will
+    ever say so: the resync notices the gang is gone and restarts it."""
+    cluster.submit(ns, "relist", fake_job(steps=30))
+    cluster.wait_phase(ns, "relist", "Running", 30)
+    wait_for(lambda: {"pods", "paralleltrainjobs"} <= open_watches(cluster), 10, "the operator's watches")
+    relist = cluster.api.emulator.inject("GET", r"^/api/v1/pods$", status=None, hold=True)  # kopf's pod list
+    expired = cluster.api.emulator.expired_watches
+    cluster.api.create("v1/configmaps", {"metadata": {"name": "later"}}, ns)  # history moves past the operator's
+    assert cluster.api.call(cluster.api.emulator.drop_watches, expire_history=True) >= 2
+    wait_for(lambda: relist.faulted, 10, "the operator to list pods again")
+    assert cluster.api.emulator.expired_watches > expired  # it lists because resuming answered 410
+    for rank in (0, 1):
+        cluster.api.delete("v1/pods", ns, f"relist-0-{rank}", gracePeriodSeconds=0)
+    relist.release()
+    status = cluster.wait_phase(ns, "relist", "Succeeded", 60)
+    assert status["restarts"] == 1 and status["failure"]["reason"] == "PodDeleted"
+    assert cluster.pod_creations(ns) == ["relist-0-0", "relist-0-1", "relist-1-0", "relist-1-1"]

@@ -10,7 +10,8 @@ subresource (the main resource ignores status, `/status` changes only status); w
 resourceVersion and send ADDED/MODIFIED/DELETED; PUT, deletecollection; CRDs that register their resource;
 server-side Table output with a CRD's printer columns (what `kubectl get` prints); core discovery `v1`.
 
-Fault injection (`inject`, `drop_watches`, `mute_watches`) lets tests break the API the way real clusters do.
+Fault injection (`inject`, `drop_watches` (optionally expiring the history a watch resumes from: 410 Gone),
+`mute_watches`) lets tests break the API the way real clusters do.
 All of it runs on one event loop (see `ApiServer`), so each request's read-modify-write is atomic.
 """
 
@@ -255,6 +256,8 @@ class Emulator(kmock.KubernetesEmulator):
         self.printer_columns: dict[kmock.resource, list[dict[str, Any]]] = {}
         self.pod_logs: dict[tuple[str, str], Any] = {}  # (namespace, pod) → Path, filled by the kubelet
         self._rv = 0
+        self._expired_before = 0  # watches resuming from an older resourceVersion get 410 Gone
+        self.expired_watches = 0  # how many did
         self._changes: list[_Change] = []
         self._watches: set[_Watch] = set()
         self._listeners: set[asyncio.Event] = set()  # in-process clients (the kubelet): never faulted
@@ -690,6 +693,13 @@ class Emulator(kmock.KubernetesEmulator):
             position = self._rv
         else:
             position = int(since)
+            if position < self._expired_before:  # what an API server says once its watch cache moved on
+                status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
+                          "reason": "Expired", "message": f"too old resource version: {position} "
+                                                          f"({self._expired_before})"}
+                await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+                self.expired_watches += 1
+                return response
         deadline = time.monotonic() + float(q["timeoutSeconds"]) if q.get("timeoutSeconds") else None
         watch = _Watch(res, route.namespace)
         self._watches.add(watch)
@@ -726,8 +736,11 @@ class Emulator(kmock.KubernetesEmulator):
         res = kmock.resource(resource) if resource else None
         return [w for w in self._watches if res is None or w.resource == res]
 
-    def drop_watches(self, resource: str | None = None) -> int:
-        """End open watch streams (all, or of one resource such as "v1/pods"), as an API server restart does."""
+    def drop_watches(self, resource: str | None = None, *, expire_history: bool = False) -> int:
+        """End open watch streams (all, or of one resource such as "v1/pods"), as an API server restart does.
+        With `expire_history`, a watch resuming from before now gets 410 Gone (its client must list again)."""
+        if expire_history:
+            self._expired_before = self._rv
         watches = self._select_watches(resource)
         for watch in watches:
             watch.dropped = True

@@ -52,7 +52,9 @@ MAX_TERMINATION_MESSAGE = 4096
 # Every process of a container inherits this (torchrun starts its workers in sessions of their own, so a
 # process group is not a container; the marker finds them all, even once reparented).
 CONTAINER_MARKER = "TEST_KUBELET_CONTAINER"
-_LOOPBACK = itertools.count(2)  # pod IPs 127.0.0.2, 127.0.0.3, ...
+# Pod IPs 127.P.0.2, 127.P.0.3, ... with P from the process id: test runs of other engineers (or pytest
+# processes) on the same machine get other IPs, so their pods' fixed ports (progress) never collide.
+_LOOPBACK = itertools.count((os.getpid() % 254 + 1) << 16 | 2)
 
 
 @dataclass
