@@ -54,7 +54,7 @@ def test_install_dry_run_prints_notes() -> None:
     release = config.install(str(CHART_DIR), "paratrain", {}, dry_run="client")
     assert "CustomResourceDefinition" in release["manifest"]
     assert "kubectl get ptj" in release["notes"]
-    assert f"rollout status deployment/paratrain" in release["notes"]
+    assert "rollout status deployment/paratrain" in release["notes"]
 
 
 # ---- renders ----------------------------------------------------------------------------------------------------

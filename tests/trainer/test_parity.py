@@ -50,7 +50,7 @@ def test_loss_actually_falls(reference):
 
 @pytest.mark.parametrize("precision,rtol", [("bf16", 5e-3), ("fp16", 1e-3)])
 def test_mixed_precision_layout_matches_fp32(precision, rtol, reference, tmp_path):
-    _, metrics = run_job(tmp_path, layout(data=2, tensor=2) + [f"spec.nodes=4", f"spec.precision={precision}"])
+    _, metrics = run_job(tmp_path, layout(data=2, tensor=2) + ["spec.nodes=4", f"spec.precision={precision}"])
     assert metrics["skipped_steps"] == 0
     assert_parity(metrics, reference, rtol=rtol)
 

@@ -44,8 +44,8 @@ class ZeroOneOptimizer:
         self.owner: list[tuple[nn.Parameter, int]] = []
         owned_groups = []
         # Largest first onto the least-loaded rank: balanced partitions, deterministic on every rank.
-        flat = [(p, gi) for gi, g in enumerate(param_groups) for p in g["params"]]
-        for p, gi in sorted(flat, key=lambda item: -local(item[0]).numel()):
+        flat = [p for g in param_groups for p in g["params"]]
+        for p in sorted(flat, key=lambda q: -local(q).numel()):
             r = loads.index(min(loads))
             loads[r] += local(p).numel()
             self.owner.append((p, ranks[r]))
