@@ -14,10 +14,11 @@ SPEC_PATH_IN_POD = f"{SPEC_MOUNT_DIR}/{SPEC_FILE_NAME}"
 MASTER_PORT = 29500
 PROGRESS_PORT = 29400
 
-# Variables the trainer reads (besides torchrun's worker env).
-ENV_SPEC = "PARATRAIN_SPEC"  # path of the job YAML
+# The trainer's env besides torchrun's worker env.
 ENV_JOB_NAME = "PARATRAIN_JOB_NAME"
-ENV_RESTART_ATTEMPT = "PARATRAIN_RESTART_ATTEMPT"  # gang restarts so far; logged, and part of pod names
+# The pod's gang attempt (as in its name; bumped by restarts and resumes): for the user's code and logs, since
+# the trainer itself does not read it.
+ENV_RESTART_ATTEMPT = "PARATRAIN_RESTART_ATTEMPT"
 ENV_PROGRESS_PORT = "PARATRAIN_PROGRESS_PORT"  # rank 0 serves GET /progress here when set
 ENV_PROGRESS_HOST = "POD_IP"  # where the progress server binds (the downward API's status.podIP in pods)
 ENV_EVENTS_FILE = "PARATRAIN_EVENTS_FILE"  # rank 0 appends one JSON line per event (local launcher reads it)
@@ -94,5 +95,6 @@ def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str,
 
 
 def train_command() -> list[str]:
-    """The pod's container command: torchrun (flags from PET_*) starting `paratrain train` per GPU."""
+    """The pod's container command: `paratrain node`, torchrun (flags from PET_*) starting `paratrain train` per GPU
+    with the workers' exit codes passed through (see paratrain.node)."""
     return ["paratrain", "node", "--spec", SPEC_PATH_IN_POD]
