@@ -94,7 +94,7 @@ class Kube:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5))
         if body is not None and content_type is None:
             content_type = "application/json"
-        for attempt, delay in enumerate((*RETRY_DELAYS, None)):
+        for delay in (*RETRY_DELAYS, None):
             try:
                 return await self._once(method, path, body, params, content_type)
             except ApiError as exc:

@@ -39,7 +39,6 @@ from .gang import GangState, PodView
 
 PHASE_CONDITIONS = (gang.RUNNING, gang.RESTARTING, gang.SUSPENDED, gang.SUCCEEDED, gang.FAILED)
 STALLED = "Stalled"
-CONDITION_TYPES = (*PHASE_CONDITIONS, STALLED)
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "observedGeneration", "attempt", "restarts", "gangCreated",
               "startTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
