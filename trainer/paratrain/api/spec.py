@@ -7,6 +7,7 @@ Per-field bounds live on the fields (they become OpenAPI constraints in the CRD)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -291,11 +292,10 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
     if spec.scheduling.queue and spec.scheduling.gang != "volcano":
         out.append(("spec.scheduling.queue", "queue is a Volcano setting and needs scheduling.gang 'volcano'"))
-    names = [v.name for v in spec.pod.volumes]
-    for dup in sorted({n for n in names if names.count(n) > 1}):
+    for dup in _repeated(v.name for v in spec.pod.volumes):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
     mounts = [v.mount_path for v in spec.pod.volumes]
-    for dup in sorted({m for m in mounts if mounts.count(m) > 1}):
+    for dup in _repeated(mounts):
         out.append(("spec.pod.volumes", f"mountPath {dup} is used by more than one volume"))
     for reserved in RESERVED_MOUNT_PATHS:
         if reserved in mounts:
@@ -311,10 +311,15 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         if is_reserved_env(env.name):
             out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: paratrain and torchrun set it "
                         "(set NCCL_/TORCH_ tuning through the operator's defaults)"))
-    env_names = [e.name for e in spec.pod.env]
-    for dup in sorted({n for n in env_names if env_names.count(n) > 1}):
+    for dup in _repeated(e.name for e in spec.pod.env):
         out.append(("spec.pod.env", f"env name {dup!r} is set more than once"))
     return out
+
+
+def _repeated(items: Iterable[str]) -> list[str]:
+    """The values occurring more than once, sorted."""
+    seen = list(items)
+    return sorted({x for x in seen if seen.count(x) > 1})
 
 
 class ObjectMeta(BaseModel):
@@ -332,9 +337,8 @@ class ParallelTrainJob(BaseModel):
     status: dict[str, Any] | None = None
 
     def dump(self) -> dict[str, Any]:
-        out = {"apiVersion": self.api_version, "kind": self.kind,
-               "metadata": self.metadata.model_dump(mode="json", exclude_none=True), "spec": self.spec.dump()}
-        return out
+        return {"apiVersion": self.api_version, "kind": self.kind,
+                "metadata": self.metadata.model_dump(mode="json", exclude_none=True), "spec": self.spec.dump()}
 
 
 def layout_label(spec: Spec) -> str:
