@@ -8,14 +8,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from paratrain import contract
-from paratrain.api import API_GROUP, API_VERSION, PLURAL
+from paratrain.api import API_GROUP_VERSION, PLURAL
 
 from .clock import now, to_iso
 from .gang import Event
 from .kube import ApiError, api_path, client
 
 log = logging.getLogger("paratrain.operator")
-JOB_API = f"{API_GROUP}/{API_VERSION}"
 # The kinds the renderer builds. A PodGroup's CRD (Volcano's or scheduler-plugins') may be missing (404).
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups"}
 MERGE_PATCH = "application/merge-patch+json"
@@ -100,7 +99,7 @@ async def delete_job(namespace: str, name: str, uid: str) -> None:
     """Delete the job (its gang goes with it through ownerReferences); the uid guards a same-named new job."""
     options = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
     try:
-        await client().request("DELETE", api_path(JOB_API, PLURAL, namespace, name), body=options)
+        await client().request("DELETE", api_path(API_GROUP_VERSION, PLURAL, namespace, name), body=options)
     except ApiError as exc:
         if exc.status not in (404, 409):
             raise
@@ -109,7 +108,7 @@ async def delete_job(namespace: str, name: str, uid: str) -> None:
 async def patch_status(namespace: str, name: str, patch: Mapping[str, Any]) -> bool:
     """Merge-patch the status subresource; False when the job is gone."""
     try:
-        await client().request("PATCH", api_path(JOB_API, PLURAL, namespace, name, "status"),
+        await client().request("PATCH", api_path(API_GROUP_VERSION, PLURAL, namespace, name, "status"),
                                body={"status": patch}, content_type=MERGE_PATCH)
         return True
     except ApiError as exc:
@@ -125,8 +124,8 @@ async def post_event(job: Mapping[str, Any], event: Event) -> None:
     body = {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": JOB_API, "kind": job.get("kind", "ParallelTrainJob"), "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "involvedObject": {"apiVersion": API_GROUP_VERSION, "kind": job.get("kind", "ParallelTrainJob"),
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
         "type": event.type, "reason": event.reason, "message": event.message[:EVENT_MESSAGE_LIMIT],
         "source": {"component": "paratrain-operator"}, "reportingComponent": "paratrain.dev/operator",
         "reportingInstance": socket.gethostname(), "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from paratrain import contract
-from paratrain.api import API_GROUP, API_VERSION, PLURAL
+from paratrain.api import API_GROUP_VERSION, PLURAL
 
 from .kube import ApiError, api_path, client
 
@@ -17,7 +17,7 @@ PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return await client().request("GET", api_path(f"{API_GROUP}/{API_VERSION}", PLURAL, namespace, name))
+        return await client().request("GET", api_path(API_GROUP_VERSION, PLURAL, namespace, name))
     except ApiError as exc:
         if exc.status == 404:
             return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratrain import contract
-from paratrain.api import API_GROUP, API_VERSION, KIND, ParallelTrainJob, layout_label
+from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, layout_label
 
 ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
 ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
@@ -83,7 +83,7 @@ def owner_reference(job: ParallelTrainJob) -> dict[str, Any] | None:
     uid = (job.metadata.model_extra or {}).get("uid")
     if not uid:
         return None
-    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.metadata.name, "uid": str(uid),
+    return {"apiVersion": API_GROUP_VERSION, "kind": KIND, "name": job.metadata.name, "uid": str(uid),
             "controller": True, "blockOwnerDeletion": True}
 
 

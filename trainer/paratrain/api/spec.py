@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 API_GROUP = "paratrain.dev"
 API_VERSION = "v1alpha1"
+API_GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"  # a job's apiVersion
 KIND = "ParallelTrainJob"
 PLURAL = "paralleltrainjobs"
 SHORT_NAME = "ptj"
