@@ -59,8 +59,6 @@ CROSS_FIELD_CASES = [
     ("1f1b-microbatches", {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 2}},
      {"spec.parallelism.microbatches"}),
     ("zero-needs-data", {"parallelism": {"zeroStage": 1}}, {"spec.parallelism.zeroStage"}),
-    ("zero2-with-pipeline", {"nodes": 4, "parallelism": {"data": 2, "pipeline": 2, "zeroStage": 2,
-                                                         "microbatches": 2}}, {"spec.parallelism.zeroStage"}),
     ("min-lr", {"training": {"learningRate": 0.001, "minLearningRate": 0.01}}, {"spec.training.minLearningRate"}),
     ("warmup", {"training": {"steps": 5, "warmupSteps": 10}}, {"spec.training.warmupSteps"}),
     ("text-needs-path", {"data": {"source": "text"}}, {"spec.data.path"}),

@@ -33,6 +33,8 @@ LAYOUTS = {
     "pp2-1f1b": layout(pipeline=2, microbatches=4, pipelineSchedule="1F1B"),
     "dp2xpp2-zero1": layout(data=2, pipeline=2, microbatches=2, zeroStage=1),
     "dp2xtp2-zero3-fsdp2": layout(data=2, tensor=2, zeroStage=3),
+    "dp2xpp2-zero2-fsdp2": layout(data=2, pipeline=2, microbatches=2, zeroStage=2),
+    "dp2xpp2-zero3-fsdp2": layout(data=2, pipeline=2, microbatches=2, zeroStage=3),
     "dp2xtp2xpp2-zero1": layout(data=2, tensor=2, pipeline=2, microbatches=2, zeroStage=1),
 }
 

@@ -171,9 +171,6 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"{P}.zeroStage == 0 || {P}.data >= 2",
               f"zeroStage {{{P}.zeroStage}} shards over data-parallel ranks and needs parallelism.data >= 2",
               ".parallelism.zeroStage"),
-        _rule(f"{P}.zeroStage < 2 || {P}.pipeline == 1",
-              f"zeroStage {{{P}.zeroStage}} with pipeline > 1 is not supported (gradient sharding conflicts with "
-              "per-microbatch accumulation); use zeroStage 0 or 1", ".parallelism.zeroStage"),
         _rule(f"{T}.minLearningRate <= {T}.learningRate",
               f"minLearningRate({{{T}.minLearningRate}}) must be <= learningRate({{{T}.learningRate}})",
               ".training.minLearningRate"),

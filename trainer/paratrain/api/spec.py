@@ -278,9 +278,6 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     if p.zero_stage > 0 and p.data == 1:
         out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} shards over data-parallel ranks and "
                     "needs parallelism.data >= 2"))
-    if p.zero_stage in (2, 3) and p.pipeline > 1:
-        out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} with pipeline > 1 is not supported "
-                    "(gradient sharding conflicts with per-microbatch accumulation); use zeroStage 0 or 1"))
     if t.min_learning_rate > t.learning_rate:
         out.append(("spec.training.minLearningRate", f"minLearningRate({t.min_learning_rate}) must be <= "
                     f"learningRate({t.learning_rate})"))

@@ -4,6 +4,9 @@
 - stage 1: each dp rank keeps optimizer state for its partition of the parameters only (ZeroOneOptimizer);
 - stage 2: also gradients sharded — FSDP2 without resharding after forward (parameters whole during fwd/bwd);
 - stage 3: also parameters sharded — FSDP2 resharding after forward.
+
+Under pipeline parallel the stage module is sharded; torch's PipelineStage drives FSDP2 so that gradients are
+reduce-scattered once, after the last microbatch's backward, not once per microbatch.
 """
 
 from __future__ import annotations
