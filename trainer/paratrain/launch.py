@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from . import contract
-from .api import ParallelTrainJob, layout_label
+from .api import ParallelTrainJob, Problem, SpecError, layout_label
 
 STOP_GRACE_SECONDS = 5.0
 
@@ -139,8 +139,26 @@ def _duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def preflight(job: ParallelTrainJob) -> None:
+    """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
+    import torch
+
+    from .train.parallelize import uses_deepspeed
+    from .train.precision import check_device_supports
+
+    spec = job.spec
+    gpu = (spec.resources.gpus_per_node > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu"
+           and torch.cuda.is_available())
+    try:
+        check_device_supports(spec.precision, torch.device("cuda" if gpu else "cpu"), uses_deepspeed(spec))
+    except ValueError as exc:
+        path, _, message = str(exc).partition(": ")
+        raise SpecError([Problem(path, message)]) from None
+
+
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
               progress: bool = True) -> int:
+    preflight(job)
     spec = job.spec
     work = Path(workdir or Path("runs") / job.metadata.name).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,12 @@ if MUTANT:
             return schedule
 
         parallelize.build_schedule = _unscaled
+    elif MUTANT == "cpu_without_native_fp16":
+        # A CPU without AVX512-FP16/AMX-FP16 (e.g. an AMD EPYC with avx512_bf16): oneDNN's own probe says no,
+        # so both paratrain's check and DeepSpeed's see what they would see there.
+        import torch
+
+        torch.ops.mkldnn._is_mkldnn_fp16_supported = lambda: False
     elif MUTANT.startswith("crash:"):
         # crash:<rank>:<step> — SIGKILL that rank as it starts that (0-based) step: a node dying mid-training.
         import signal

@@ -93,13 +93,13 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .data import load_corpus
     from .dims import ParallelDims
     from .loop import Trainer
-    from .parallelize import build_engine
+    from .parallelize import build_engine, uses_deepspeed
     from .precision import check_device_supports
     from .progress import ProgressReporter, write_json
 
     spec = job.spec
     device, backend = _pick_device(job, local_rank)
-    check_device_supports(spec.precision, device)
+    check_device_supports(spec.precision, device, uses_deepspeed(spec))
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     try:

@@ -23,10 +23,24 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
 
 
-def check_device_supports(precision: str, device: torch.device) -> None:
-    """Reject a precision the device cannot run before any training step (the spec field is named)."""
+def cpu_has_native_fp16() -> bool:
+    """Whether oneDNN runs fp16 natively on this CPU (AVX512-FP16 or AMX-FP16). DeepSpeed's CPU accelerator asks
+    exactly this and refuses fp16 without it; autocast instead emulates fp16 on any CPU."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def check_device_supports(precision: str, device: torch.device, deepspeed: bool) -> None:
+    """Reject a precision the device cannot run before any training step (the spec field is named). `deepspeed`:
+    the layout trains through DeepSpeed (deepspeed_engine.py), whose fp16 on CPU needs native fp16."""
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError("spec.precision: bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16")
+    if precision == "fp16" and deepspeed and device.type == "cpu" and not cpu_has_native_fp16():
+        raise ValueError("spec.precision: fp16 with ZeRO on a data-parallel-only layout trains through DeepSpeed, "
+                         "which on CPU needs native fp16 (AVX512-FP16 or AMX-FP16), and this CPU has none; "
+                         "use bf16 or fp32, or train on GPUs")
     if precision != "fp32":
         try:
             with autocast(precision, device.type):
