@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane on loopback, for tests and for trying the operator without a cluster:
+# etcd, kube-apiserver (secure port, x509 client certs, RBAC), kube-controller-manager (garbage collector,
+# namespace and service-account controllers) and kube-scheduler, built from pinned sources by scripts/testbin.sh.
+#
+#   scripts/test-cluster.sh up DIR     start it; writes DIR/kubeconfig (admin) and exits 0 once /readyz is ok
+#   scripts/test-cluster.sh down DIR   stop every process `up` started in DIR
+#   scripts/test-cluster.sh env DIR    print the shell variables of a running one (KUBECONFIG, PATH, ...)
+#
+# No kubelet runs: nodes are registered by whoever runs pods (the tests' kubelet, tests/operator/support/).
+# DIR also holds: pki/ (CA, serving and client certificates, the service-account signing key), one log per
+# component (DIR/logs/), pids, and ports. Gang scheduling is on: the GenericWorkload feature gate and the
+# scheduling.k8s.io/v1beta1 API (Workload, PodGroup).
+set -euo pipefail
+
+usage() { echo "usage: $0 up|down|env DIR" >&2; exit 2; }
+[[ $# -eq 2 ]] || usage
+cmd="$1"
+mkdir -p "$2"
+DIR="$(cd "$2" && pwd)"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+FEATURE_GATES="GenericWorkload=true"
+READY_TIMEOUT="${PARATRAIN_TEST_CLUSTER_TIMEOUT:-120}"
+
+stop_all() {
+  [[ -f "$DIR/pids" ]] || return 0
+  local pid
+  # Reverse start order: the scheduler and controller-manager first, etcd last.
+  for pid in $(tac "$DIR/pids"); do kill "$pid" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    local alive=0
+    for pid in $(cat "$DIR/pids"); do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [[ $alive == 0 ]] && break
+    sleep 0.1
+  done
+  for pid in $(cat "$DIR/pids"); do kill -9 "$pid" 2>/dev/null || true; done
+  rm -f "$DIR/pids"
+}
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# One certificate signed by the cluster CA: NAME, subject, optional subjectAltName.
+issue_cert() {
+  local name="$1" subject="$2" san="${3:-}"
+  openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$name.key" -subj "$subject" -out "$PKI/$name.csr" \
+    2>/dev/null
+  local ext="$PKI/$name.ext"
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=digitalSignature,keyEncipherment"
+    if [[ -n "$san" ]]; then
+      echo "extendedKeyUsage=serverAuth"
+      echo "subjectAltName=$san"
+    else
+      echo "extendedKeyUsage=clientAuth"
+    fi
+  } > "$ext"
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial -days 30 \
+    -extfile "$ext" -out "$PKI/$name.crt" 2>/dev/null
+  rm -f "$PKI/$name.csr" "$ext"
+}
+
+make_pki() {
+  PKI="$DIR/pki"
+  mkdir -p "$PKI"
+  [[ -f "$PKI/ca.crt" ]] && return 0
+  openssl req -x509 -new -newkey rsa:2048 -nodes -keyout "$PKI/ca.key" -subj "/CN=paratrain-test-ca" -days 30 \
+    -out "$PKI/ca.crt" 2>/dev/null
+  issue_cert apiserver "/CN=kube-apiserver" \
+    "IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+  # Identities RBAC knows: system:masters is the admin group; the two components have bootstrap ClusterRoles.
+  issue_cert admin "/O=system:masters/CN=paratrain-test-admin"
+  issue_cert controller-manager "/CN=system:kube-controller-manager"
+  issue_cert scheduler "/CN=system:kube-scheduler"
+  openssl genrsa -out "$PKI/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
+}
+
+# A kubeconfig for one identity, with embedded paths (FILE, certificate name).
+write_kubeconfig() {
+  local file="$1" who="$2"
+  cat > "$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: test
+  cluster: {server: "https://127.0.0.1:$API_PORT", certificate-authority: "$PKI/ca.crt"}
+users:
+- name: $who
+  user: {client-certificate: "$PKI/$who.crt", client-key: "$PKI/$who.key"}
+contexts:
+- name: test
+  context: {cluster: test, user: $who, namespace: default}
+current-context: test
+EOF
+}
+
+start() {  # NAME ARGS...: a component in its own session, so it outlives this script
+  local name="$1"
+  shift
+  setsid "$@" > "$DIR/logs/$name.log" 2>&1 < /dev/null &
+  echo $! >> "$DIR/pids"
+}
+
+readyz() {
+  curl -sf --max-time 2 --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
+    "https://127.0.0.1:$API_PORT/readyz" > /dev/null 2>&1
+}
+
+up() {
+  stop_all
+  BIN="$(bash "$HERE/testbin.sh")"
+  mkdir -p "$DIR/logs"
+  rm -rf "$DIR/etcd"
+  make_pki
+  API_PORT="$(free_port)"
+  local etcd_port etcd_peer
+  etcd_port="$(free_port)"
+  etcd_peer="$(free_port)"
+  printf 'apiserver=%s\netcd=%s\n' "$API_PORT" "$etcd_port" > "$DIR/ports"
+
+  # --unsafe-no-fsync: a throwaway store; fsync on every write makes the tests wait on the disk.
+  start etcd "$BIN/etcd" --name test --data-dir "$DIR/etcd" --unsafe-no-fsync \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-cluster "test=http://127.0.0.1:$etcd_peer" --log-level warn
+
+  # The endpoint reconciler refuses a loopback advertise address; nothing here routes to the `kubernetes` Service.
+  start kube-apiserver "$BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$etcd_port" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
+    --endpoint-reconciler-type none \
+    --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+    --client-ca-file "$PKI/ca.crt" --authorization-mode RBAC \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+    --service-cluster-ip-range 10.96.0.0/24 --allow-privileged=false \
+    --feature-gates "$FEATURE_GATES" --runtime-config "scheduling.k8s.io/v1beta1=true" \
+    --enable-priority-and-fairness=false --profiling=false
+
+  write_kubeconfig "$DIR/kubeconfig" admin
+  write_kubeconfig "$DIR/controller-manager.kubeconfig" controller-manager
+  write_kubeconfig "$DIR/scheduler.kubeconfig" scheduler
+
+  local waited=0
+  until readyz; do
+    if ! kill -0 "$(sed -n 2p "$DIR/pids")" 2>/dev/null; then
+      echo "test-cluster: kube-apiserver exited; its log ($DIR/logs/kube-apiserver.log) ends:" >&2
+      tail -20 "$DIR/logs/kube-apiserver.log" >&2
+      stop_all
+      exit 1
+    fi
+    if (( waited >= READY_TIMEOUT * 10 )); then
+      echo "test-cluster: kube-apiserver not ready after ${READY_TIMEOUT}s; see $DIR/logs/" >&2
+      stop_all
+      exit 1
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+
+  start kube-controller-manager "$BIN/kube-controller-manager" \
+    --kubeconfig "$DIR/controller-manager.kubeconfig" --leader-elect=false \
+    --bind-address 127.0.0.1 --secure-port "$(free_port)" \
+    --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller \
+    --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
+    --feature-gates "$FEATURE_GATES" --concurrent-gc-syncs 5
+  start kube-scheduler "$BIN/kube-scheduler" \
+    --kubeconfig "$DIR/scheduler.kubeconfig" --leader-elect=false \
+    --bind-address 127.0.0.1 --secure-port "$(free_port)" --feature-gates "$FEATURE_GATES"
+  echo "test-cluster: up, kubeconfig $DIR/kubeconfig (apiserver https://127.0.0.1:$API_PORT)" >&2
+}
+
+case "$cmd" in
+  up) up ;;
+  down) stop_all ;;
+  env)
+    echo "export KUBECONFIG=$DIR/kubeconfig"
+    echo "export PATH=$(bash "$HERE/testbin.sh" --path):\$PATH"
+    ;;
+  *) usage ;;
+esac

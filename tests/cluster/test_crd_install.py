@@ -1,0 +1,87 @@
+"""The CRD and the install bundle on a real kube-apiserver (scripts/test-cluster.sh): accepted by `kubectl apply`,
+explained by `kubectl explain`, every cluster example accepted by a server-side dry run, and the defaults the
+server fills in equal to the typed spec's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paratrain.api import API_GROUP_VERSION, PLURAL
+from paratrain.api.spec import Spec
+
+from ..support.control_plane import collection_path, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFEST_EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def crd_installed(control_plane):
+    proc = control_plane.kubectl("apply", "-f", str(REPO / "manifests" / "crd.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    established = control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                                        f"crd/{PLURAL}.paratrain.dev")
+    assert established.returncode == 0, established.stderr
+    return control_plane
+
+
+def test_the_crd_installs_with_kubectl_apply_and_is_established(crd_installed):
+    out = crd_installed.kubectl("get", "crd", f"{PLURAL}.paratrain.dev", "-o", "yaml")
+    conditions = {c["type"]: c["status"] for c in yaml.safe_load(out.stdout)["status"]["conditions"]}
+    assert conditions.get("Established") == "True" and conditions.get("NamesAccepted") == "True", conditions
+
+
+def test_install_bundle_passes_a_server_side_dry_run(crd_installed):
+    # A dry run creates nothing, so the bundle's namespace must exist for the namespaced objects after it.
+    if not crd_installed.api.get("/api/v1/namespaces/paratrain-system").ok:
+        crd_installed.create_namespace("paratrain-system")
+    proc = crd_installed.kubectl("apply", "--dry-run=server", "-f", str(REPO / "manifests" / "install.yaml"))
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("example", MANIFEST_EXAMPLES, ids=[p.name for p in MANIFEST_EXAMPLES])
+def test_every_cluster_example_passes_a_server_side_dry_run(crd_installed, example):
+    proc = crd_installed.kubectl("apply", "--dry-run=server", "-n", "default", "-f", str(example))
+    assert proc.returncode == 0, proc.stderr
+    assert "(server dry run)" in proc.stdout
+
+
+def test_kubectl_explain_describes_the_parallelism_fields(crd_installed):
+    proc = crd_installed.kubectl("explain", "ptj.spec.parallelism")
+    assert proc.returncode == 0, proc.stderr
+    for field in ("data", "tensor", "pipeline", "zeroStage", "microbatches", "pipelineSchedule"):
+        assert f"  {field}\t" in proc.stdout or f"  {field} " in proc.stdout, (field, proc.stdout)
+
+
+def test_the_server_fills_in_the_typed_specs_defaults(crd_installed):
+    """A job with only a name comes back from the real server with every default of paratrain's own Spec."""
+    api = crd_installed.api
+    job = {"apiVersion": API_GROUP_VERSION, "kind": "ParallelTrainJob", "metadata": {"name": "defaults"},
+           "spec": {}}
+    created = api.must(api.create(collection_path(API_GROUP_VERSION, PLURAL, "default"), job, dry_run=True))
+    assert created["spec"] == without_empty(Spec().dump())
+
+
+def without_empty(value):
+    """The typed spec's dump less its empty lists and maps, which the CRD leaves out (it defaults no collection)."""
+    if isinstance(value, dict):
+        return {k: without_empty(v) for k, v in value.items() if v not in ({}, [], None)}
+    return value
+
+
+def test_kubectl_get_shows_the_printer_columns(crd_installed):
+    job = {"apiVersion": API_GROUP_VERSION, "kind": "ParallelTrainJob", "metadata": {"name": "columns"},
+           "spec": {"nodes": 2, "parallelism": {"data": 2}}}
+    api = crd_installed.api
+    api.must(api.create(collection_path(API_GROUP_VERSION, PLURAL, "default"), job))
+    try:
+        out = wait_for(lambda: crd_installed.kubectl("get", "ptj", "columns", "-n", "default", "-o", "wide"), 10,
+                       "kubectl get ptj")
+        header = out.stdout.splitlines()[0].split()
+        assert header[:7] == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "AGE"], out.stdout
+        assert {"NODES", "TOKENS/S", "FAILURE"} <= set(header), out.stdout
+    finally:
+        api.request("DELETE", collection_path(API_GROUP_VERSION, PLURAL, "default") + "/columns")

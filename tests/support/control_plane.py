@@ -1,0 +1,151 @@
+"""The real control plane under the tests: `scripts/test-cluster.sh up DIR` (kube-apiserver, etcd,
+kube-controller-manager, kube-scheduler built from pinned sources), and a minimal client for its API.
+
+The client speaks plain HTTPS with the kubeconfig's client certificate: tests see exactly what the server says
+(status codes, `details.causes`), with no client library deciding what is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_CLUSTER = REPO / "scripts" / "test-cluster.sh"
+TESTBIN = REPO / "scripts" / "testbin.sh"
+T = TypeVar("T")
+
+
+class ControlPlaneUnavailable(RuntimeError):
+    """The control plane cannot be built or started here; the message says how to get it."""
+
+
+def testbin() -> Path:
+    """The folder of the pinned binaries (kubectl included), building them on first use."""
+    if shutil.which("go") is None and subprocess.run(["bash", str(TESTBIN), "--path"],
+                                                     capture_output=True).returncode != 0:
+        raise ControlPlaneUnavailable(
+            "the live tests run on a real Kubernetes control plane built from source, which needs Go 1.26 or newer: "
+            "install it (https://go.dev/doc/install), then `bash scripts/testbin.sh` builds and caches the binaries")
+    proc = subprocess.run(["bash", str(TESTBIN)], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise ControlPlaneUnavailable(f"scripts/testbin.sh failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class ApiResponse:
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def causes(self) -> list[dict[str, Any]]:
+        return (self.body.get("details") or {}).get("causes") or []
+
+
+class KubeApi:
+    """Requests as the kubeconfig's user (admin unless another kubeconfig is given)."""
+
+    def __init__(self, kubeconfig: Path):
+        config = yaml.safe_load(kubeconfig.read_text())
+        cluster = config["clusters"][0]["cluster"]
+        user = config["users"][0]["user"]
+        self.server = cluster["server"]
+        self._tls = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        if "client-certificate" in user:
+            self._tls.load_cert_chain(user["client-certificate"], user["client-key"])
+        self._token = user.get("token")
+
+    def request(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
+                content_type: str = "application/json") -> ApiResponse:
+        url = self.server + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, context=self._tls, timeout=30) as response:
+                return ApiResponse(response.status, json.loads(response.read() or b"{}"))
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = {"message": raw.decode(errors="replace")}
+            return ApiResponse(exc.code, body)
+
+    def get(self, path: str, **query: str) -> ApiResponse:
+        return self.request("GET", path, query=query or None)
+
+    def create(self, path: str, body: dict[str, Any], dry_run: bool = False) -> ApiResponse:
+        return self.request("POST", path, body, {"dryRun": "All"} if dry_run else None)
+
+    def must(self, response: ApiResponse) -> dict[str, Any]:
+        assert response.ok, f"{response.status}: {response.body.get('message', response.body)}"
+        return response.body
+
+
+def collection_path(api_version: str, plural: str, namespace: str | None = None) -> str:
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ControlPlane:
+    """`scripts/test-cluster.sh up DIR` … `down DIR`, as a user would run it."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.bin = testbin()
+        proc = subprocess.run(["bash", str(TEST_CLUSTER), "up", str(workdir)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise ControlPlaneUnavailable(f"scripts/test-cluster.sh up failed ({proc.returncode}):\n{proc.stderr}")
+        self.kubeconfig = workdir / "kubeconfig"
+        self.api = KubeApi(self.kubeconfig)
+        # The namespace controller and service-account controller must be running before tests create pods.
+        wait_for(lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default").ok, 60,
+                 "the default ServiceAccount (controller-manager up)")
+
+    def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
+        return subprocess.run([str(self.bin / "kubectl"), f"--cache-dir={self.workdir / 'kube-cache'}", *args],
+                              capture_output=True, text=True, input=input, timeout=timeout, env=env)
+
+    def create_namespace(self, name: str) -> str:
+        self.api.must(self.api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                              "metadata": {"name": name}}))
+        wait_for(lambda: self.api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default").ok, 30,
+                 f"namespace {name}'s default ServiceAccount")
+        return name
+
+    def close(self) -> None:
+        subprocess.run(["bash", str(TEST_CLUSTER), "down", str(self.workdir)], capture_output=True, timeout=60)
