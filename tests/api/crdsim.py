@@ -136,9 +136,21 @@ def to_cel(schema: dict[str, Any], value: Any) -> Any:
             "string": celtypes.StringType, "boolean": celtypes.BoolType}[kind](value)
 
 
+def _format(template: celtypes.StringType, values: celtypes.ListType) -> celtypes.StringType:
+    """Kubernetes' CEL `string.format` (strings extension), for the `%s` and `%%` the CRD's messages use."""
+    pieces = iter(values)
+    return celtypes.StringType(re.sub(r"%[s%]", lambda m: "%" if m[0] == "%%" else _show(next(pieces)), template))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, celtypes.DoubleType):
+        return repr(float(value))
+    return str(value)
+
+
 @cache
 def program(expression: str) -> Any:
-    return _ENV.program(_ENV.compile(expression))
+    return _ENV.program(_ENV.compile(expression), functions={"format": _format})
 
 
 def evaluate(expression: str, self_value: Any, old_value: Any = None) -> Any:

@@ -13,7 +13,7 @@ from paratrain.api.crd import crd_manifest
 from paratrain.api.spec import RESERVED_MOUNT_PATHS, Spec
 from paratrain.api.status import JobStatus
 
-from .crdsim import apply_defaults, evaluate, program, schema_of_version, schema_problems, to_cel
+from .crdsim import apply_defaults, cel_problems, evaluate, program, schema_of_version, schema_problems, to_cel
 
 # Keywords Kubernetes refuses in a structural schema (or in any CRD schema).
 FORBIDDEN = {"$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not", "patternProperties",
@@ -86,12 +86,16 @@ def test_every_default_is_valid_for_its_own_schema(root: dict[str, Any]) -> None
     for path, node in defaults:
         value = apply_defaults(node, node["default"])
         assert schema_problems(node, value, path) == [], path
+        # What the API server does when the CRD is created: every CEL rule on the raw default, nested defaults not
+        # applied (a rule reading a field that only a nested default provides fails, and the CRD is refused).
+        assert cel_problems(node, to_cel(node, node["default"]), path) == [], path
 
 
 def test_crd_defaults_equal_the_models_defaults(root: dict[str, Any]) -> None:
-    """An omitted spec defaulted by the API server is exactly what pydantic fills in: one source of truth."""
+    """An empty spec defaulted by the API server is exactly what pydantic fills in: one source of truth."""
     spec = root["properties"]["spec"]
-    assert apply_defaults(spec, spec["default"]) == without_empty(Spec().dump())  # lists and maps: no default
+    assert "spec" in root["required"] and "default" not in spec  # see crd_manifest: a default {} is refused
+    assert apply_defaults(spec, {}) == without_empty(Spec().dump())  # lists and maps: no default
     assert apply_defaults(spec, {"parallelism": {"data": 2}})["parallelism"] == {
         **Spec().dump()["parallelism"], "data": 2}
 

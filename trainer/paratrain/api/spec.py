@@ -151,7 +151,9 @@ class Toleration(_Model):
 
 
 class SchedulingSpec(_Model):
-    gang: Literal["none", "volcano", "coscheduling"] = "none"
+    gang: Literal["none", "kubernetes", "volcano", "coscheduling"] = Field("none", description=(
+        "All-or-nothing scheduling of the gang: kubernetes (the native Workload and PodGroup APIs, 1.37 with the "
+        "GenericWorkload gate), volcano, coscheduling (scheduler-plugins), or none."))
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description="Volcano queue.")
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
@@ -331,7 +333,7 @@ class ParallelTrainJob(BaseModel):
     api_version: Literal["paratrain.dev/v1alpha1"] = Field(alias="apiVersion")
     kind: Literal["ParallelTrainJob"]
     metadata: ObjectMeta
-    spec: Spec = Field(default_factory=Spec)
+    spec: Spec  # required, as in the CRD: `spec: {}` is the all-defaults job
     status: dict[str, Any] | None = None
 
     def dump(self) -> dict[str, Any]:
