@@ -16,7 +16,8 @@ from .kube import ApiError, api_path, client
 
 log = logging.getLogger("paratrain.operator")
 # The kinds the renderer builds. A PodGroup's CRD (Volcano's or scheduler-plugins') may be missing (404).
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups"}
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups",
+           "Workload": "workloads"}
 MERGE_PATCH = "application/merge-patch+json"
 EVENT_MESSAGE_LIMIT = 1024
 

@@ -21,6 +21,8 @@ ANNOTATION_LAYOUT = f"{API_GROUP}/layout"
 # Gang schedulers: the scheduler each needs, and how a pod names its group.
 SCHEDULER_NAMES = {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+# The native gang: one Workload per job whose template the PodGroup of each attempt follows.
+WORKLOAD_TEMPLATE = "workers"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
 # Env from the downward API (name → pod field).
@@ -118,7 +120,9 @@ def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: s
 def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> GangPlan:
     name, gang = job.metadata.name, job.spec.scheduling.gang
     labels = gang_labels(name)
-    pod_group = name if gang != "none" else None
+    # A native PodGroup is one scheduling instance, so each gang attempt gets a fresh one; Volcano's and
+    # scheduler-plugins' groups are reused across attempts.
+    pod_group = None if gang == "none" else f"{name}-{attempt}" if gang == "kubernetes" else name
     nodes = tuple(
         NodePlan(rank=rank, pod_name=contract.pod_name(name, attempt, rank),
                  hostname=contract.pod_hostname(name, rank),

@@ -13,8 +13,8 @@ Why each rule:
 - get on everything the operator creates: a create answered 409 (already exists) is checked, since the name
   may be held by a same-named job's object that is about to be deleted.
 - events: the operator's own Events on the job (create only).
-- podgroups (Volcano, scheduler-plugins): only for `spec.scheduling.gang`; without them such a job fails with a
-  clear message and everything else works.
+- workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
+  `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works.
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
 - customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
 Reads of rank 0's progress endpoint are plain HTTP to the pod IP, not API calls.
@@ -33,6 +33,8 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "configmaps", ("get", "create", "patch")),
     ("", "services", ("get", "create")),
     ("", "events", ("create",)),
+    ("scheduling.k8s.io", "workloads", ("get", "create")),
+    ("scheduling.k8s.io", "podgroups", ("get", "create")),
     ("scheduling.volcano.sh", "podgroups", ("get", "create")),
     ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
 )

@@ -21,7 +21,7 @@ from paratrain import contract
 from paratrain.api import ParallelTrainJob
 from paratrain.api.spec import ResourcesSpec, Spec, Volume
 
-from .plan import FIELD_ENV, GangPlan, NodePlan, plan_gang
+from .plan import FIELD_ENV, WORKLOAD_TEMPLATE, GangPlan, NodePlan, plan_gang
 
 TRAINER_UID = 1000  # the trainer images run as this non-root user
 SHM_DIR = "/dev/shm"
@@ -109,7 +109,14 @@ def service(plan: GangPlan) -> dict[str, Any]:
 def pod_group(plan: GangPlan, spec: Spec) -> dict[str, Any]:
     assert plan.pod_group
     return _render(f"podgroup-{plan.gang}.yaml.j2", metadata=metadata(plan, plan.pod_group, plan.labels),
-                   min_member=spec.nodes, scheduling=spec.scheduling)
+                   min_member=spec.nodes, scheduling=spec.scheduling, workload=plan.job_name,
+                   group_template=WORKLOAD_TEMPLATE)
+
+
+def workload(plan: GangPlan, spec: Spec) -> dict[str, Any]:
+    """The native gang's Workload: the job's one pod-group template, all `nodes` pods or none."""
+    return _render("workload.yaml.j2", metadata=metadata(plan, plan.job_name, plan.labels), min_member=spec.nodes,
+                   group_template=WORKLOAD_TEMPLATE, scheduling=spec.scheduling)
 
 
 def resources(r: ResourcesSpec) -> dict[str, Any]:
@@ -161,9 +168,12 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
 
 
 def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> list[dict[str, Any]]:
-    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, PodGroup (if any), Pods."""
+    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, Workload and PodGroup (per
+    the gang scheduler), Pods."""
     plan = plan_gang(job, namespace, attempt)
     objects = [config_map(plan, job), service(plan)]
+    if plan.gang == "kubernetes":
+        objects.append(workload(plan, job.spec))
     if plan.pod_group:
         objects.append(pod_group(plan, job.spec))
     return objects + [pod(plan, node, job.spec) for node in plan.nodes]

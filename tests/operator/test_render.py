@@ -169,6 +169,25 @@ def test_gang_scheduling_objects() -> None:
         assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
 
 
+def test_native_gang_objects_a_fresh_pod_group_per_attempt() -> None:
+    """gang: kubernetes — one Workload (the job's gang template, minCount = nodes) and, per gang attempt, a PodGroup
+    following it that every pod joins through spec.schedulingGroup; the default scheduler binds them."""
+    for attempt in (0, 1):
+        objects = render(job_doc(scheduling={"gang": "kubernetes"}), attempt=attempt)
+        (workload,) = [o for o in objects if o["kind"] == "Workload"]
+        (group,) = [o for o in objects if o["kind"] == "PodGroup"]
+        assert workload["apiVersion"] == group["apiVersion"] == "scheduling.k8s.io/v1beta1"
+        assert workload["metadata"]["name"] == "j"
+        assert workload["spec"]["podGroupTemplates"] == [
+            {"name": "workers", "schedulingPolicy": {"gang": {"minCount": 3}}}]
+        assert group["metadata"]["name"] == f"j-{attempt}"
+        assert group["spec"] == {"workloadRef": {"workloadName": "j", "templateName": "workers"},
+                                 "schedulingPolicy": {"gang": {"minCount": 3}}}
+        for pod in pods(objects):
+            assert pod["spec"]["schedulingGroup"] == {"podGroupName": f"j-{attempt}"}
+            assert "schedulerName" not in pod["spec"]
+
+
 def test_owner_references_only_for_a_job_on_a_cluster() -> None:
     assert all("ownerReferences" not in o["metadata"] for o in render(job_doc()))
     doc = job_doc()

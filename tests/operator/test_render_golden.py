@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 UPDATE = os.environ.get("PARATRAIN_UPDATE_GOLDENS") == "1"
 # (job file, gang attempt): a plain job, a CR with uid and namespace, every cluster knob with Volcano, and
 # coscheduling with a user /tmp at a later attempt.
-CASES = [("minimal.yaml", 0), ("dp2-cpu.yaml", 0), ("gpu-3d-volcano.yaml", 0), ("coscheduling-text.yaml", 3)]
+CASES = [("minimal.yaml", 0), ("dp2-cpu.yaml", 0), ("gpu-3d-volcano.yaml", 0), ("coscheduling-text.yaml", 3),
+         ("native-gang.yaml", 1)]
 
 
 def rendered(job_file: str, attempt: int) -> str:

@@ -42,9 +42,11 @@ PODGROUP_SPEC_SCHEMAS = {
 
 
 def validate(obj: dict[str, Any]) -> None:
-    """Raise on anything the API server would refuse."""
-    if obj["kind"] != "PodGroup":
-        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    """Raise on anything the API server would refuse: of 1.30, the oldest supported, except for Kubernetes' own
+    gang scheduling (scheduling.k8s.io Workload and PodGroup, a pod's schedulingGroup), which needs 1.37."""
+    native_gang = obj["apiVersion"].startswith("scheduling.k8s.io/") or "schedulingGroup" in obj.get("spec", {})
+    if obj["kind"] != "PodGroup" or native_gang:
+        kubernetes_validate.validate(obj, "1.37.0" if native_gang else "1.30.0", strict=True)
         return
     assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, set(obj)
     # ObjectMeta is the same for every kind: check it strictly on a ConfigMap carrying it.

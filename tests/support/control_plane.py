@@ -102,6 +102,21 @@ class KubeApi:
         return response.body
 
 
+def register_node(api: KubeApi, name: str, labels: dict[str, str], capacity: dict[str, str],
+                  taints: list[dict[str, str]] = ()) -> None:
+    """A Ready node with this capacity, as a kubelet registers one. The API server's TaintNodesByCondition admission
+    adds `node.kubernetes.io/not-ready` to every new node; the node lifecycle controller would lift it once the
+    kubelet reports Ready, and this control plane runs none, so the registration lifts it itself."""
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "spec": {"taints": list(taints)},
+            "status": {"capacity": capacity, "allocatable": capacity,
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                       "message": "paratrain test node"}]}}
+    api.must(api.create("/api/v1/nodes", body))
+    api.must(api.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": list(taints) or None}},
+                         content_type="application/merge-patch+json"))
+
+
 def collection_path(api_version: str, plural: str, namespace: str | None = None) -> str:
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
