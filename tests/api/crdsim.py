@@ -148,9 +148,14 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+def _sum(values: celtypes.ListType) -> Any:
+    """Kubernetes' CEL list library `sum()`."""
+    return sum(values[1:], values[0]) if values else celtypes.IntType(0)
+
+
 @cache
 def program(expression: str) -> Any:
-    return _ENV.program(_ENV.compile(expression), functions={"format": _format})
+    return _ENV.program(_ENV.compile(expression), functions={"format": _format, "sum": _sum})
 
 
 def evaluate(expression: str, self_value: Any, old_value: Any = None) -> Any:

@@ -90,6 +90,15 @@ MORE_CASES = [
     ("reserved-spec-mount", {"pod": {"volumes": [vol("a", "/etc/paratrain")]}}, {"spec.pod.volumes"}),
     ("several-at-once", {"nodes": 2, "parallelism": {"zeroStage": 1}, "training": {"steps": 5}},
      {"spec.parallelism", "spec.parallelism.zeroStage", "spec.training.warmupSteps"}),
+    ("annotations-too-big", {"pod": {"annotations": {f"k{i}": "x" * 60_000 for i in range(5)}}},
+     {"spec.pod.annotations"}),
+]
+# Map keys: the CRD's rule sits on the map, parse_job names the key itself (`spec.pod.labels['a b']`).
+KEY_CASES = [
+    ("label-key", {"pod": {"labels": {"a b": "x"}}}, "spec.pod.labels"),
+    ("annotation-key", {"pod": {"annotations": {"x\nkind: Secret": "x"}}}, "spec.pod.annotations"),
+    ("node-selector-key", {"scheduling": {"nodeSelector": {"-pool": "gpu"}}}, "spec.scheduling.nodeSelector"),
+    ("long-key", {"pod": {"labels": {"a" * 64: "x"}}}, "spec.pod.labels"),
 ]
 
 
@@ -110,10 +119,17 @@ def test_python_and_cel_reject_the_same_bad_spec(name: str, spec: dict[str, Any]
             assert message in [m for p, m in python if p == path], (path, message, python)
 
 
+@pytest.mark.parametrize("name,spec,path", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_python_and_cel_reject_the_same_bad_key(name: str, spec: dict[str, Any], path: str) -> None:
+    python = python_problems(job(spec))
+    assert [p for p, _ in admit(CRD, job(spec))] == [path]
+    assert python and all(p.startswith(path + "[") for p, _ in python), python
+
+
 def test_every_cel_rule_rejects_some_case() -> None:
     """No rule is dead or untested: each fires for at least one of the bad specs above."""
     fired: set[str] = set()
-    for _, spec, _ in CROSS_FIELD_CASES + MORE_CASES:
+    for _, spec, _ in CROSS_FIELD_CASES + MORE_CASES + KEY_CASES:
         admit(CRD, job(spec), fired=fired)
     spec_schema = schema_of_version(CRD)["properties"]["spec"]
     rules = set()

@@ -9,10 +9,8 @@
   below that reports under the same field path, with the same message where it can show the values
   (tests/api/test_crd_cel.py checks both reject exactly the same random specs). Duplicate env and volume names
   are rejected by the API server itself (`x-kubernetes-list-type: map` keyed by name), which costs no CEL.
-* Not in the CRD, only in `paratrain.api.load.parse_job` (the operator runs it before creating anything, so such a
-  job goes Failed naming the field, with no pods): the *key* patterns of labels, annotations and nodeSelector.
-  A structural schema cannot constrain map keys, and the CEL cost estimator sees map keys as unbounded strings,
-  so a regular expression over them would exceed the budget.
+* Map keys (labels, annotations, nodeSelector), which a structural schema cannot constrain, are checked by CEL rules
+  (length and label-key pattern), and so is the annotations' total size, which a pod must respect.
 * The gang layout and model shape are immutable after creation (`self == oldSelf`): a running gang and its
   checkpoints are built for them.
 * CEL cost: every list, map and string in the spec has maxItems / maxProperties / maxLength, which is what
@@ -29,8 +27,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, JOB_NAME, KIND, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES,
-    RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
+    API_GROUP, API_VERSION, JOB_NAME, KIND, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES,
+    MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS,
+    RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
 )
 from .status import JobStatus
 
@@ -142,6 +141,16 @@ _RESERVED_KEY = f"k.startsWith({_literal(RESERVED_KEY_PREFIX)})"
 _RESERVED_KEYS = [_rule(f"!self.exists(k, {_RESERVED_KEY})",
                         f"key '{{self.filter(k, {_RESERVED_KEY})[0]}}': keys under {RESERVED_KEY_PREFIX} "
                         "are reserved by paratrain")]
+_GOOD_KEY = f"size(k) <= {LABEL_KEY_MAX_LENGTH} && k.matches({_literal(LABEL_KEY)})"
+# Built directly: the pattern's own braces ({0,61}) would read as placeholders of a _rule message.
+_LABEL_KEYS = [{"rule": f"self.all(k, {_GOOD_KEY})", "messageExpression": _literal(
+    f"key '%s' is not a label key: {LABEL_KEY_MEANING}, at most {LABEL_KEY_MAX_LENGTH} characters")
+    + f".format([self.filter(k, !({_GOOD_KEY}))[0]])"}]
+_ANNOTATION_BYTES = "self.map(k, size(bytes(k)) + size(bytes(self[k])))"
+_ANNOTATIONS_FIT_A_POD = [_rule(
+    f"{_ANNOTATION_BYTES}.sum() <= {MAX_ANNOTATION_BYTES}",
+    f"annotations total {{{_ANNOTATION_BYTES}.sum()}} bytes; a pod's may not exceed {MAX_ANNOTATION_BYTES} "
+    "(the API server's 256 KiB, less paratrain's own)")]
 
 # Where (a dotted path under spec, `[]` for list items) → rules; each twin of one `cross_field_problems` check.
 SPEC_RULES: dict[str, list[dict[str, Any]]] = {
@@ -208,8 +217,9 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"!self.name.startsWith({_literal(RESERVED_VOLUME_PREFIX)})",
               f"volume names starting with '{RESERVED_VOLUME_PREFIX}' are reserved by paratrain", ".name"),
     ],
-    "pod.labels": _RESERVED_KEYS,
-    "pod.annotations": _RESERVED_KEYS,
+    "pod.labels": _LABEL_KEYS + _RESERVED_KEYS,
+    "pod.annotations": _LABEL_KEYS + _RESERVED_KEYS + _ANNOTATIONS_FIT_A_POD,
+    "scheduling.nodeSelector": _LABEL_KEYS,
     # The API server's own toleration rules (Toleration's validator): a pod breaking one is refused.
     "scheduling.tolerations[]": [
         _rule(f"({_given('self.key')} && size(self.key) > 0) || ({_given('self.operator')} && "

@@ -24,8 +24,7 @@ _PATTERN_MEANING = {
     _spec.JOB_NAME: "a DNS label starting with a letter (lowercase letters, digits and '-', ending with a letter or "
                     "digit): the job's Service is named after it",
     _spec.DNS_SUBDOMAIN: "a DNS subdomain (DNS labels joined by '.')",
-    _spec.LABEL_KEY: "a label key ([DNS-subdomain/]name, the name up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at "
-                     "both ends)",
+    _spec.LABEL_KEY: f"a label key ({_spec.LABEL_KEY_MEANING})",
     _spec.LABEL_VALUE: "a label value (up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at both ends, or empty)",
     _spec.ENV_NAME: "an environment variable name (letters, digits and '_', not starting with a digit)",
     _spec.ABS_PATH: "an absolute path (starting with '/', without newlines)",

@@ -47,7 +47,10 @@ ABS_PATH = r"^/[^\x00\n\r]*$"
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-LabelKey = Annotated[str, Field(pattern=LABEL_KEY, max_length=316)]
+LABEL_KEY_MAX_LENGTH = 316  # a 253-character DNS subdomain, '/', a 62-character name
+LABEL_KEY_MEANING = ("[DNS-subdomain/]name, the name up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at both "
+                     "ends")
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]
 
 
@@ -58,8 +61,22 @@ class _Model(BaseModel):
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, validate_default=True
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null on a field that cannot be null is the field left out, as the API server treats it (it
+        fills in the default); a nullable (Optional) field keeps its null."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or _accepts_null(cls, k)}
+
     def dump(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+def _accepts_null(model: type[BaseModel], key: str) -> bool:
+    field = next((f for name, f in model.model_fields.items() if key in (name, f.alias)), None)
+    return field is None or not field.is_required() and field.default is None
 
 
 class Parallelism(_Model):
@@ -132,7 +149,7 @@ class RunPolicy(_Model):
 
 
 class Toleration(_Model):
-    key: str | None = Field(None, max_length=316, pattern=LABEL_KEY)
+    key: str | None = Field(None, max_length=LABEL_KEY_MAX_LENGTH, pattern=LABEL_KEY)
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
