@@ -17,6 +17,7 @@ import aiohttp
 TRANSIENT = frozenset({429, 500, 502, 503, 504})
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # in-place retries of transient errors; then kopf's handler retry takes over
 MAX_RETRY_AFTER = 10.0
+BEARER_TOKEN_KEY = "BearerToken"
 
 
 class ApiError(Exception):
@@ -74,8 +75,11 @@ class Kube:
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "paratrain-operator"}
-        # Calls the loader's refresh hook: a rotated service-account token is re-read.
-        token = self._config.get_api_key_with_prefix("authorization")
+        # Calls the loader's refresh hook: a rotated service-account token is re-read. The `kubernetes` package
+        # keeps the token under "BearerToken" (older releases: "authorization"): without it every call would be
+        # anonymous, and a real API server forbids them all.
+        token = (self._config.get_api_key_with_prefix(BEARER_TOKEN_KEY)
+                 or self._config.get_api_key_with_prefix("authorization"))
         if token:
             headers["Authorization"] = token
         if content_type:
