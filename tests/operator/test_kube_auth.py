@@ -36,4 +36,5 @@ def test_the_pods_service_account_token_is_sent(tmp_path: Path, monkeypatch):
     configuration = kubernetes.client.Configuration()
     kubernetes.config.incluster_config.InClusterConfigLoader(
         token_filename=str(tmp_path / "token"), cert_filename=str(tmp_path / "ca.crt")).load_and_set(configuration)
-    assert Kube(configuration)._headers(None)["Authorization"] == "Bearer service-account-token"
+    scheme, token = Kube(configuration)._headers(None)["Authorization"].split()
+    assert (scheme.lower(), token) == ("bearer", "service-account-token")  # the scheme is case-insensitive
