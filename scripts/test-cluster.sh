@@ -159,8 +159,11 @@ up() {
     waited=$((waited + 1))
   done
 
+  # Each controller acts as its own ServiceAccount (as kubeadm sets it up): the garbage collector's may delete any
+  # kind, which the controller-manager's own identity may not.
   start kube-controller-manager "$BIN/kube-controller-manager" \
     --kubeconfig "$DIR/controller-manager.kubeconfig" --leader-elect=false \
+    --use-service-account-credentials \
     --bind-address 127.0.0.1 --secure-port "$(free_port)" \
     --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \

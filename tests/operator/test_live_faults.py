@@ -1,8 +1,8 @@
 """Operator faults (issue 5, part 2) against the API emulator and the test kubelet, with the stand-in trainer:
 API errors on creates and status patches, a deleted job (at once re-created under its name), a finished job
-poked by every trigger a pass has, dropped watch streams. docs/reliability.md maps each fault to its test;
-the operator-restart faults are in test_live_operator_restart.py, a silent watch and a deleted or evicted pod
-in test_live.py.
+poked by every trigger a pass has, dropped and silent watch streams, a gang the API server rejects.
+docs/reliability.md maps each fault to its test; the operator-restart faults are in
+test_live_operator_restart.py, a deleted or evicted pod in test_live.py (real control plane).
 
 One cluster (and operator, resync every second) serves this module; each test uses its own namespace.
 """
@@ -222,3 +222,25 @@ def test_pods_gone_while_the_watch_history_expired_are_noticed_by_the_resync(clu
     status = cluster.wait_phase(ns, "relist", "Succeeded", 60)
     assert status["restarts"] == 1 and status["failure"]["reason"] == "PodDeleted"
     assert cluster.pod_creations(ns) == ["relist-0-0", "relist-0-1", "relist-1-0", "relist-1-1"]
+
+
+def test_a_gang_the_api_server_rejects_fails_the_job_visibly(cluster: Cluster, ns: str):
+    rejected = cluster.api.emulator.inject("POST", rf"/namespaces/{ns}/pods$", status=422, after=1, times=None)
+    cluster.submit(ns, "refused", fake_job(steps=50))
+    status = cluster.wait_phase(ns, "refused", "Failed")
+    assert status["reason"] == "RejectedByAPI" and "injected fault" in status["message"]
+    wait_for(lambda: not cluster.pods(ns), 15, "the half-created gang to be stopped")
+    assert rejected.faulted == 1  # not retried: the same object would be rejected again
+    cluster.api.emulator.faults.remove(rejected)
+
+
+def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluster, ns: str):
+    cluster.submit(ns, "deaf", fake_job(steps=40))
+    wait_running(cluster, ns, "deaf")
+    assert cluster.api.call(cluster.api.emulator.mute_watches, "v1/pods") >= 1
+    cluster.api.call(cluster.kubelet.kill, ns, "deaf-0-0")
+    status = wait_for(lambda: (s := cluster.status(ns, "deaf")).get("restarts") == 1 and s, 30,
+                      "the resync to notice the failure")
+    assert status["failure"]["pod"] == "deaf-0-0"
+    cluster.api.call(cluster.api.emulator.drop_watches)  # reconnects get unmuted streams
+    cluster.wait_phase(ns, "deaf", "Succeeded", 60)

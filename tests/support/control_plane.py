@@ -67,9 +67,9 @@ class KubeApi:
         cluster = config["clusters"][0]["cluster"]
         user = config["users"][0]["user"]
         self.server = cluster["server"]
-        self._tls = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self.tls = ssl.create_default_context(cafile=cluster["certificate-authority"])
         if "client-certificate" in user:
-            self._tls.load_cert_chain(user["client-certificate"], user["client-key"])
+            self.tls.load_cert_chain(user["client-certificate"], user["client-key"])
         self._token = user.get("token")
 
     def request(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
@@ -81,7 +81,7 @@ class KubeApi:
             headers["Authorization"] = f"Bearer {self._token}"
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, context=self._tls, timeout=30) as response:
+            with urllib.request.urlopen(req, context=self.tls, timeout=30) as response:
                 return ApiResponse(response.status, json.loads(response.read() or b"{}"))
         except urllib.error.HTTPError as exc:
             raw = exc.read()

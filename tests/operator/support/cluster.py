@@ -1,5 +1,9 @@
-"""A whole test cluster: API emulator + test kubelet (one thread) + the real operator (`python -m
-paratrain_operator`, a subprocess, as the Helm chart runs it) + kubectl against it."""
+"""A whole test cluster: an API server + the test kubelet + the real operator (`python -m paratrain_operator`, a
+subprocess, as the Helm chart runs it) + kubectl against it.
+
+`ClusterBase` is what every live test uses; `Cluster` puts it on the API emulator (kmock, with fault hooks), and
+`real_cluster.RealCluster` on the real control plane (scripts/test-cluster.sh).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
 from paratrain.api.crd import crd_manifest
 
+from ...support.control_plane import testbin
 from .emulator import parse_route
 from .kubelet import Kubelet
 from .server import ApiServer, wait_for
@@ -50,58 +55,87 @@ def condition(status: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
     return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
 
 
-class Cluster:
-    def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
-                 resync_seconds: float = 1.0, install_crd: bool = True):
-        self.workdir = workdir
-        self.api = ApiServer().__enter__()
-        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
-        if install_crd:
-            self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
-        self.kubelet = Kubelet(self.api.emulator, workdir, command=command)
-        self._kubelet_run = self.api.start(self.kubelet.run)
-        self.resync_seconds = resync_seconds
-        self.operator: subprocess.Popen[bytes] | None = None
-        self.operator_log = workdir / "operator.log"
+class OperatorProcess:
+    """The operator as the chart runs it, with its liveness and metrics endpoints on free ports."""
+
+    def __init__(self, kubeconfig: Path, log: Path, resync_seconds: float):
+        self.kubeconfig, self.log, self.resync_seconds = kubeconfig, log, resync_seconds
+        self.process: subprocess.Popen[bytes] | None = None
         self.health_port = self.metrics_port = 0
-        self.start_operator()
 
-    # ---- the operator ------------------------------------------------------------------------------------
-
-    def start_operator(self) -> None:
+    def start(self) -> None:
         self.health_port, self.metrics_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "paratrain_operator", "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
                "--metrics-port", str(self.metrics_port), "--resync-seconds", str(self.resync_seconds), "--verbose"]
-        with open(self.operator_log, "ab") as log:
-            self.operator = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         wait_for(self.healthy, 30, "the operator's liveness endpoint")
 
     def healthy(self) -> bool:
-        if self.operator is not None and self.operator.poll() is not None:
-            raise AssertionError(f"the operator exited with {self.operator.returncode}:\n{self.log_tail()}")
-        return self.http(f"http://127.0.0.1:{self.health_port}/healthz") is not None
+        if self.process is not None and self.process.poll() is not None:
+            raise AssertionError(f"the operator exited with {self.process.returncode}:\n{self.log_tail()}")
+        return http(f"http://127.0.0.1:{self.health_port}/healthz") is not None
 
-    def kill_operator(self, sig: int = signal.SIGKILL) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(sig)
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
             try:
-                self.operator.wait(15)
+                self.process.wait(15)
             except subprocess.TimeoutExpired:  # a graceful stop that hangs is still a stop
-                self.operator.kill()
-                self.operator.wait(5)
-        self.operator = None
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
 
     def metrics(self) -> str:
-        return self.http(f"http://127.0.0.1:{self.metrics_port}/metrics") or ""
+        return http(f"http://127.0.0.1:{self.metrics_port}/metrics") or ""
 
-    @staticmethod
-    def http(url: str) -> str | None:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.read().decode()
-        except OSError:
-            return None
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def http(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+class ClusterBase:
+    """Jobs, pods and the operator, over `self.api` (create / object / objects / patch / delete / call) and
+    `self.kubelet`; subclasses set both and `self.kubeconfig`, then call `start_operator`."""
+
+    api: Any
+    kubelet: Kubelet
+    kubeconfig: Path
+
+    def __init__(self, workdir: Path, resync_seconds: float):
+        self.workdir = workdir
+        self.operator_log = workdir / "operator.log"
+        self.resync_seconds = resync_seconds
+        self._operator: OperatorProcess | None = None
+
+    # ---- the operator ------------------------------------------------------------------------------------
+
+    def operator_kubeconfig(self) -> Path:
+        return self.kubeconfig
+
+    def start_operator(self) -> None:
+        self._operator = OperatorProcess(self.operator_kubeconfig(), self.operator_log, self.resync_seconds)
+        self._operator.start()
+
+    @property
+    def operator(self) -> subprocess.Popen[bytes] | None:
+        return self._operator.process if self._operator else None
+
+    def kill_operator(self, sig: int = signal.SIGKILL) -> None:
+        if self._operator:
+            self._operator.kill(sig)
+
+    def metrics(self) -> str:
+        return self._operator.metrics() if self._operator else ""
 
     # ---- jobs and pods -----------------------------------------------------------------------------------
 
@@ -131,12 +165,6 @@ class Cluster:
         events = sorted(self.events(namespace, name), key=lambda e: int(e["metadata"]["resourceVersion"]))
         return [e["reason"] for e in events]
 
-    def passes(self, namespace: str, name: str) -> int:
-        """The operator's reconcile passes of a job so far: each starts with a GET of the job (kopf only lists,
-        watches and patches)."""
-        path = f"/apis/{JOBS.rsplit('/', 1)[0]}/namespaces/{namespace}/{PLURAL}/{name}"
-        return sum(method == "GET" and where == path for method, where, _ in list(self.api.emulator.log))
-
     def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
         def reached() -> dict[str, Any] | None:
             status = self.status(namespace, name)
@@ -145,6 +173,49 @@ class Cluster:
             return wait_for(reached, timeout, f"{namespace}/{name} to be {phase}", interval=0.2)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnostics(namespace, name)}") from None
+
+    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [self.kubectl_binary(), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kube-cache'}",
+               *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    @staticmethod
+    def kubectl_binary() -> str:
+        return str(testbin() / "kubectl")  # the pinned kubectl scripts/testbin.sh builds
+
+    # ---- teardown and diagnostics ------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = 60) -> str:
+        return self._operator.log_tail(lines) if self._operator else ""
+
+    def diagnostics(self, namespace: str, name: str) -> str:
+        pods = {p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in self.pods(namespace)}
+        logs = ""
+        for log in sorted((self.workdir / "logs").glob(f"{namespace}_*.log")):
+            logs += f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]) + "\n"
+        return (f"status: {json.dumps(self.status(namespace, name), indent=1)}\npods: {pods}\n"
+                f"--- operator log\n{self.log_tail()}\n{logs}")
+
+
+class Cluster(ClusterBase):
+    """On the API emulator: the kubelet runs on the emulator's loop, and tests can inject API faults."""
+
+    def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
+                 resync_seconds: float = 1.0, install_crd: bool = True):
+        super().__init__(workdir, resync_seconds)
+        self.api = ApiServer().__enter__()
+        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
+        if install_crd:
+            self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
+        self.kubelet = Kubelet(self.api.emulator, workdir, command=command)
+        self._kubelet_run = self.api.start(self.kubelet.run)
+        self.start_operator()
+
+    def passes(self, namespace: str, name: str) -> int:
+        """The operator's reconcile passes of a job so far: each starts with a GET of the job (kopf only lists,
+        watches and patches)."""
+        path = f"/apis/{JOBS.rsplit('/', 1)[0]}/namespaces/{namespace}/{PLURAL}/{name}"
+        return sum(method == "GET" and where == path for method, where, _ in list(self.api.emulator.log))
 
     def pod_creations(self, namespace: str) -> list[str]:
         """The name of every pod the API created in `namespace`, once per creation (a name twice: re-created)."""
@@ -178,27 +249,8 @@ class Cluster:
             used.add((route.resource.group, resource, verb))
         return used
 
-    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = ["kubectl", f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kube-cache'}", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-
-    # ---- teardown and diagnostics ------------------------------------------------------------------------
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.operator_log.read_text(errors="replace") if self.operator_log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def diagnostics(self, namespace: str, name: str) -> str:
-        pods = {p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in self.pods(namespace)}
-        logs = ""
-        for log in sorted((self.workdir / "logs").glob(f"{namespace}_*.log")):
-            logs += f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]) + "\n"
-        return (f"status: {json.dumps(self.status(namespace, name), indent=1)}\npods: {pods}\n"
-                f"--- operator log\n{self.log_tail()}\n{logs}")
-
     def close(self) -> None:
         self.kill_operator(signal.SIGTERM)
         self.api.call(self.kubelet.stop)
         self._kubelet_run.cancel()
         self.api.close()
-

@@ -14,8 +14,11 @@ It adds OMP_NUM_THREADS=1 and PARATRAIN_DEVICE=cpu, and reports Running, then Su
 container's exit code (128+N for signal N) and termination message. As with a container, all processes the
 program starts belong to it (found by an env marker: torchrun puts its workers in sessions of their own) and
 end with its main process. A deleted pod's main process gets SIGTERM, every process SIGKILL after the grace
-period (capped), then the kubelet confirms the deletion, as a real one does. It talks to the emulator
-in-process, so injected API faults hit the operator only.
+period (capped), then the kubelet confirms the deletion, as a real one does.
+
+Its API (`api`: listen, changes, fetch, patch_object, delete_object, pod_logs) is the emulator itself, in-process,
+so injected API faults hit the operator only; or, on the real control plane, `real_cluster.NodeApi`, which shows
+it only the pods the scheduler bound to its node (there the binding patch changes nothing).
 
 Hooks for tests: `kill` (the container crashes), `evict` (the node evicts the pod), `pause`/`unpause`
 (SIGSTOP/SIGCONT: a hung pod), `command` (replace every container's command, e.g. with a stand-in trainer).
@@ -39,7 +42,7 @@ from typing import Any
 
 import kmock
 
-from .emulator import PODS, ApiError, Emulator, now_iso
+from .emulator import PODS, ApiError, now_iso
 
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 SECRETS = kmock.resource("", "v1", "secrets")
@@ -73,10 +76,10 @@ class _Container:
 
 
 class Kubelet:
-    def __init__(self, emulator: Emulator, workdir: Path, *, node_name: str = "test-node",
+    def __init__(self, api: Any, workdir: Path, *, node_name: str = "test-node",
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None, max_grace: float = 5.0,
                  extra_env: Mapping[str, str] | None = None):
-        self.emulator, self.workdir, self.node_name = emulator, workdir, node_name
+        self.api, self.workdir, self.node_name = api, workdir, node_name
         self.command, self.max_grace = command, max_grace
         self.extra_env = {"OMP_NUM_THREADS": "1", "PARATRAIN_DEVICE": "cpu", **(extra_env or {})}
         self.containers: dict[tuple[str, str], _Container] = {}
@@ -90,11 +93,11 @@ class Kubelet:
     # ---- the loop ----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        wake = self.emulator.listen()
+        wake = self.api.listen()
         position = 0
         try:
             while not self._stopping:
-                events, position = self.emulator.changes(position, PODS)
+                events, position = self.api.changes(position, PODS)
                 for event in events:
                     await self._on_event(event["type"], event["object"])
                 wake.clear()
@@ -136,7 +139,7 @@ class Kubelet:
 
     def _status(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
         try:
-            self.emulator.patch_object(PODS, namespace, name, {"status": status}, subresource="status")
+            self.api.patch_object(PODS, namespace, name, {"status": status}, subresource="status")
             return True
         except ApiError:  # the pod is gone already
             return False
@@ -145,7 +148,7 @@ class Kubelet:
         meta, spec = pod["metadata"], pod.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
         try:
-            self.emulator.patch_object(PODS, ns, name, {"spec": {"nodeName": self.node_name}})
+            self.api.patch_object(PODS, ns, name, {"spec": {"nodeName": self.node_name}})
         except ApiError:
             return
         ip = self._ip(ns, spec.get("subdomain"), spec.get("hostname"), name)
@@ -162,7 +165,7 @@ class Kubelet:
                                                              "message": str(exc), "finishedAt": now_iso()}})]})
             return
         self.containers[(ns, name)] = launched
-        current = self.emulator.fetch(PODS, ns, name)
+        current = self.api.fetch(PODS, ns, name)
         if current is None:  # deleted while starting (the stop found nothing to stop and confirmed it)
             self._signal(launched, signal.SIGKILL)
         running = {"running": {"startedAt": launched.started_at}}
@@ -195,7 +198,7 @@ class Kubelet:
         if c.evicted:
             status.update(phase="Failed", reason=c.evicted[0], message=c.evicted[1])
         self._status(c.namespace, c.pod, status)
-        current = self.emulator.fetch(PODS, c.namespace, c.pod)
+        current = self.api.fetch(PODS, c.namespace, c.pod)
         if current and current["metadata"].get("deletionTimestamp"):
             self._confirm_deletion(c.namespace, c.pod)
 
@@ -217,7 +220,7 @@ class Kubelet:
 
     def _confirm_deletion(self, namespace: str, name: str) -> None:
         with contextlib.suppress(ApiError):
-            self.emulator.delete_object(PODS, namespace, name, {"gracePeriodSeconds": 0})
+            self.api.delete_object(PODS, namespace, name, {"gracePeriodSeconds": 0})
 
     # ---- hooks for tests ---------------------------------------------------------------------------------
 
@@ -297,7 +300,7 @@ class Kubelet:
             path.mkdir(parents=True, exist_ok=True)
             for kind, res, key in (("configMap", CONFIGMAPS, "name"), ("secret", SECRETS, "secretName")):
                 if volume.get(kind):
-                    source = self.emulator.fetch(res, ns, volume[kind][key])
+                    source = self.api.fetch(res, ns, volume[kind][key])
                     if source is None:
                         raise ValueError(f"{kind} {volume[kind][key]} not found")
                     data = dict(source.get("data") or {})
@@ -326,7 +329,7 @@ class Kubelet:
                     }.get(path, "")
         for kind, res in (("configMapKeyRef", CONFIGMAPS), ("secretKeyRef", SECRETS)):
             if ref := source.get(kind):
-                obj = self.emulator.fetch(res, meta["namespace"], ref["name"]) or {}
+                obj = self.api.fetch(res, meta["namespace"], ref["name"]) or {}
                 value = (obj.get("data") or {}).get(ref["key"])
                 if value is None:
                     return None if ref.get("optional") else ""
@@ -375,7 +378,7 @@ class Kubelet:
         if not argv:
             raise ValueError("the container has no command (images' entrypoints are not emulated)")
         c.log.parent.mkdir(parents=True, exist_ok=True)
-        self.emulator.pod_logs[(ns, name)] = c.log
+        self.api.pod_logs[(ns, name)] = c.log
         cwd = localise(container["workingDir"]) if container.get("workingDir") else str(pod_dir)
         with open(c.log, "ab") as log:
             c.process = await asyncio.create_subprocess_exec(*argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
