@@ -153,10 +153,12 @@ class Checkpointer:
             return f"{name} is corrupt or truncated (checksum mismatch)"
         return None
 
-    def _load_own_file(self, ckpt: Path, device: torch.device) -> tuple[dict | None, str | None]:
+    def _load_own_file(self, ckpt: Path) -> tuple[dict | None, str | None]:
+        """Onto the CPU whatever the training device: RNG states must be CPU tensors (torch.set_rng_state and
+        torch.cuda.set_rng_state refuse others), and the engines copy the rest onto their parameters' device."""
         path = ckpt / rank_file_name(self.rank)
         try:
-            return torch.load(path, map_location=device, weights_only=True), None
+            return torch.load(path, map_location="cpu", weights_only=True), None
         except pickle.UnpicklingError as exc:
             # torch's message goes on to suggest weights_only=False; only its reason is worth repeating.
             reason = str(exc).partition("WeightsUnpickler error: ")[2].split(". ")[0] or "not a weights-only file"
@@ -169,7 +171,7 @@ class Checkpointer:
         dist.all_gather_object(problems, problem)
         return [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
 
-    def load_latest(self, device: torch.device) -> tuple[dict, dict] | None:
+    def load_latest(self) -> tuple[dict, dict] | None:
         """Collective: (this rank's state, manifest) of the newest checkpoint every rank accepts, or None."""
         for ckpt in self.candidates():
             manifest = _read_manifest(ckpt)
@@ -180,7 +182,7 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(problems))
                 continue
-            state, refusal = self._load_own_file(ckpt, device)
+            state, refusal = self._load_own_file(ckpt)
             refusals = self._every_rank(refusal)
             if refusals:
                 raise CheckpointError(f"checkpoint {ckpt} refused: {'; '.join(refusals)}. It is left in place; "
