@@ -130,7 +130,7 @@ class DeepSpeedEngine:
         self.last_grad_bytes = self._grad_bytes()
         for group in self.zero.param_groups:
             group["lr"] = lr
-        self.ds.step()
+        _step_then_update_loss_scale(self.ds, self.zero)
         self.last_param_bytes = self._param_bytes()
         norm = self.ds.get_global_grad_norm()
         return StepResult(applied=self.ds.was_step_applied(), grad_norm=float(norm))
@@ -206,6 +206,23 @@ class DeepSpeedEngine:
                    if torch.is_tensor(v) and v.dim() > 0]
         return {"params": self.last_param_bytes, "grads": self.last_grad_bytes,
                 "optimizer": _storage_bytes([*moments, *self.masters])}
+
+
+def _step_then_update_loss_scale(ds, zero) -> None:
+    """`ds.step()`, with the loss scale updated after the gradients are unscaled rather than before.
+
+    DeepSpeed's ZeRO optimizers (0.19.8, stages 1-3) update the dynamic loss scale and then unscale with the
+    updated one: on every step that doubles the scale, gradients are divided by twice the scale their loss was
+    multiplied by, so half the gradient is applied (unless clipping binds), and ZeRO-3 reports half the norm.
+    """
+    overflows: list[bool] = []
+    zero._update_scale = overflows.append  # the instance attribute shadows the method for this one step
+    try:
+        ds.step()
+    finally:
+        del zero._update_scale
+    for overflow in overflows:
+        zero._update_scale(overflow)
 
 
 def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: GPTConfig) -> DeepSpeedEngine:

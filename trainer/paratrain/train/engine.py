@@ -104,12 +104,13 @@ class TorchEngine:
     def optimizer_step(self, lr: float) -> StepResult:
         params = self.params
         scaled_norm = global_grad_norm(params, self.dims)
-        grad_norm = scaled_norm / self.scaler.factor
+        loss_scale = self.scaler.factor  # what this step's loss was multiplied by; update() may grow the scale
+        grad_norm = scaled_norm / loss_scale
         applied = self.scaler.update(scaled_norm)
         if applied:
             # One multiply both unscales (fp16) and clips: clip_grad_norm_'s coefficient, clamped at 1.
             clip = min(1.0, self.grad_clip / (grad_norm + 1e-6)) if self.grad_clip > 0 else 1.0
-            coef = clip / self.scaler.factor
+            coef = clip / loss_scale
             if coef != 1.0:
                 for p in params:
                     if p.grad is not None:
