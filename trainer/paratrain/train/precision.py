@@ -25,7 +25,8 @@ def autocast(precision: str, device_type: str):
 
 def check_device_supports(precision: str, device: torch.device) -> None:
     """Reject a precision the device cannot run before any training step (the spec field is named)."""
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # Without including_emulation=False, torch also says yes for pre-Ampere GPUs that only emulate bf16 (slowly).
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ValueError("spec.precision: bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16")
     if precision != "fp32":
         try:
