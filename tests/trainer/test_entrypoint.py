@@ -7,8 +7,13 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
-from paratrain.train.entrypoint import is_peer_failure
+from paratrain import contract
+from paratrain.api import parse_job
+from paratrain.train.entrypoint import is_peer_failure, pick_device, train_main
+
+from .harness import TINY_JOB
 
 TIMEOUT = datetime.timedelta(seconds=1)
 
@@ -91,3 +96,24 @@ def gloo_assertion() -> BaseException:
 @pytest.mark.parametrize("make", [shape_bug, bug_that_talks_about_the_network, gloo_assertion])
 def test_a_bug_in_this_rank_is_not(make):
     assert not is_peer_failure(make())
+
+
+def gpu_job() -> dict:
+    return {**TINY_JOB, "spec": {**TINY_JOB["spec"], "resources": {"gpusPerNode": 1}}}
+
+
+def test_a_gpu_job_without_cuda_fails_permanently_naming_the_field(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(contract.ENV_DEVICE, raising=False)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(gpu_job()))
+    assert train_main(str(spec)) == contract.EXIT_INVALID_SPEC
+    assert "spec.resources.gpusPerNode: the job asks for 1 GPU(s) per node, but no CUDA device" in caplog.text
+
+
+def test_paratrain_device_cpu_runs_a_gpu_job_on_the_cpu(monkeypatch):
+    """How the tests' stand-in kubelet runs GPU jobs on a machine without GPUs."""
+    monkeypatch.setenv(contract.ENV_DEVICE, "cpu")
+    assert pick_device(parse_job(gpu_job()), local_rank=0) == (torch.device("cpu"), "gloo")

@@ -30,16 +30,19 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-def _pick_device(job: ParallelTrainJob, local_rank: int):
+def pick_device(job: ParallelTrainJob, local_rank: int):
+    """(device, backend): this rank's GPU with NCCL when the spec asks for GPUs, else the CPU with gloo."""
     import torch
 
-    want_gpu = job.spec.resources.gpus_per_node > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu"
-    if want_gpu and torch.cuda.is_available():
+    gpus = job.spec.resources.gpus_per_node
+    if gpus > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu":
+        if not torch.cuda.is_available():
+            # Permanent, not a silent fallback: a job sized for GPUs would train on CPU orders of magnitude slower.
+            raise ValueError(f"spec.resources.gpusPerNode: the job asks for {gpus} GPU(s) per node, but no CUDA "
+                             "device is visible to this process; set gpusPerNode: 0 to train on CPU (or "
+                             f"{contract.ENV_DEVICE}=cpu to force the CPU for this run)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
-    if want_gpu:
-        log.warning("resources.gpusPerNode=%d but no CUDA device is visible: training on CPU with gloo",
-                    job.spec.resources.gpus_per_node)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
     return torch.device("cpu"), "gloo"
 
@@ -116,7 +119,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .progress import ProgressReporter, write_json
 
     spec = job.spec
-    device, backend = _pick_device(job, local_rank)
+    device, backend = pick_device(job, local_rank)
     check_device_supports(spec.precision, device)
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
