@@ -128,9 +128,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         dims = ParallelDims(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world, device_type=device.type)
         corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
                              spec.training.seed, spec.model.block_size)
-        # Dropout masks: the same within a tensor-parallel group (its activations are replicated and must stay
-        # equal), different across data-parallel replicas and pipeline stages.
-        torch.manual_seed(spec.training.seed + 1009 * dims.dp_rank + dims.pp_rank)
+        torch.manual_seed(dims.dropout_seed(spec.training.seed))
         engine = build_engine(spec, dims, device, corpus.vocab_size)
         reporter = None
         if rank == 0:
