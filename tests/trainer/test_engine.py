@@ -81,3 +81,15 @@ def test_deepspeed_fp16_growth_step_applies_the_whole_gradient(stage, one_rank_g
     fp16 = second_step_update(engine, weights)
     assert engine.zero.loss_scale == 2.0**11
     assert_same_update(fp16, second_step_update(*deepspeed_engine("fp32", stage)))
+
+
+@pytest.mark.parametrize("first,then", [("bf16", "fp16"), ("fp16", "bf16")])
+def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then, one_rank_group, monkeypatch):
+    """bf16's scaler is the constant 1, fp16's a dynamic one: an fp16 run resumed from bf16 must not start at
+    scale 1 (its gradients would underflow), a bf16 run resumed from fp16 must not scale at all."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    checkpoint = deepspeed_engine(first, 1)[0].state_dict()
+    engine, _ = deepspeed_engine(then, 1)
+    scale = engine.zero.loss_scale
+    engine.load_state_dict(checkpoint)
+    assert engine.zero.loss_scale == scale

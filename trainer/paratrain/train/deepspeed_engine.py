@@ -152,8 +152,7 @@ class DeepSpeedEngine:
             "masters": [m.detach().clone() for m in self.masters],
             "adam": [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inner.state[m].items()}
                      for m in self.masters],
-            "lossScaler": {k: float(getattr(self.zero.loss_scaler, k)) for k in LOSS_SCALER_STATE
-                           if hasattr(self.zero.loss_scaler, k)},
+            "lossScaler": _loss_scaler_state(self.zero.loss_scaler),
             "counters": {k: int(getattr(self.ds, k)) for k in ENGINE_COUNTERS},
         }
 
@@ -168,8 +167,12 @@ class DeepSpeedEngine:
             # torch's AdamW keeps `step` on the CPU unless capturable/fused.
             inner.state[master] = {k: (v.cpu() if k == "step" else v.to(master.device)) if torch.is_tensor(v)
                                    else v for k, v in adam.items()}
-        for k, v in state["lossScaler"].items():
-            setattr(self.zero.loss_scaler, k, type(getattr(self.zero.loss_scaler, k))(v))
+        scaler, saved = self.zero.loss_scaler, state["lossScaler"]
+        # A checkpoint of another precision holds another kind of scaler (fp16's dynamic one, or fp32/bf16's
+        # constant 1): this run keeps the one it started with.
+        if saved.keys() == _loss_scaler_state(scaler).keys():
+            for k, v in saved.items():
+                setattr(scaler, k, type(getattr(scaler, k))(v))
         for k, v in state["counters"].items():
             setattr(self.ds, k, v)
         self._refresh_weights()
@@ -206,6 +209,10 @@ class DeepSpeedEngine:
                    if torch.is_tensor(v) and v.dim() > 0]
         return {"params": self.last_param_bytes, "grads": self.last_grad_bytes,
                 "optimizer": _storage_bytes([*moments, *self.masters])}
+
+
+def _loss_scaler_state(scaler) -> dict[str, float]:
+    return {k: float(getattr(scaler, k)) for k in LOSS_SCALER_STATE if hasattr(scaler, k)}
 
 
 def _step_then_update_loss_scale(ds, zero) -> None:
