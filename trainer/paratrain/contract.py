@@ -91,6 +91,8 @@ def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str,
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        # torchrun's static rendezvous: its agent on node 0 hosts the TCPStore at MASTER_PORT, every rank is a client.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
 
 
