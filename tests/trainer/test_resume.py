@@ -1,6 +1,7 @@
 """Resume is exact: a run killed after a checkpoint and started again reproduces the uninterrupted run's curve."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,18 @@ def test_killed_run_resumes_exactly(data, zero, tmp_path):
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
     events = [json.loads(line) for line in (crashed_dir / "work" / "events.jsonl").read_text().splitlines()]
     assert {"event": "resume", "step": 4}.items() <= next(e for e in events if e["event"] == "resume").items()
+
+
+@pytest.mark.parametrize("zero,first,then", [(0, "fp32", "bf16"), (1, "fp16", "bf16")],
+                         ids=["dp2-ddp-fp32-to-bf16", "dp2-zero1-deepspeed-fp16-to-bf16"])
+def test_run_resumes_under_another_precision(zero, first, then, tmp_path):
+    """spec.precision may change between restarts (bf16 after fp16 overflow trouble, say): both engines keep fp32
+    master weights and optimizer state in every precision, so the checkpoint loads and training goes on."""
+    overrides = _checkpointed(tmp_path, 2, zero)
+    _, straight = run_job(tmp_path / "straight", overrides + [f"spec.precision={first}"])
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000010")  # the restart finds step 8, the newest left
+
+    _, resumed = run_job(tmp_path / "resumed", overrides + [f"spec.precision={then}"])
+    assert resumed["resumed_from_step"] == 8
+    assert resumed["skipped_steps"] == 0
+    assert_close_curves(resumed["losses"], straight["losses"], rtol=5e-3)  # bf16 rounding: test_parity's bound

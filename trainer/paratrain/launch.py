@@ -1,4 +1,5 @@
-"""`paratrain run`: a job's whole gang as local processes, each with the worker env torchrun gives pods' workers.
+"""`paratrain run`: a job's whole gang as local processes, each with the worker env torchrun gives pods' workers,
+meeting at a rendezvous store the launcher hosts, as torchrun's agent does.
 
 Shows a live progress line read from rank 0's event file, prints a summary, and if any rank fails stops the
 others and exits with that rank's code.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,21 +23,25 @@ from .api import ParallelTrainJob, Problem, SpecError, layout_label
 STOP_GRACE_SECONDS = 5.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """The gang's TCPStore, hosted by the launcher as torchrun's agent hosts it for a pod's workers (the workers'
+    TORCHELASTIC_USE_AGENT_STORE makes every rank a client). It listens on a port the kernel picks when it binds, so
+    no other process can take the port between choosing it and listening on it, as with a port chosen first and
+    bound later by rank 0. It serves until it is garbage-collected: hold it while the gang runs."""
+    import torch.distributed as dist  # here only: the rest of the launcher runs without torch
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _threads_per_rank(world: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
 
 
-def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None) -> list[subprocess.Popen]:
+def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, port: int) -> list[subprocess.Popen]:
+    """Every rank as a process, meeting at the rendezvous store on `port`."""
     spec = job.spec
     spec_file = workdir / contract.SPEC_FILE_NAME
     spec_file.write_text(yaml.safe_dump(job.dump(), sort_keys=False))
-    port = free_port()
     (workdir / "logs").mkdir(exist_ok=True)
     events = workdir / "events.jsonl"
     events.unlink(missing_ok=True)
@@ -143,14 +147,13 @@ def preflight(job: ParallelTrainJob) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
     import torch
 
+    from .train.entrypoint import device_type
     from .train.parallelize import uses_deepspeed
     from .train.precision import check_device_supports
 
     spec = job.spec
-    gpu = (spec.resources.gpus_per_node > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu"
-           and torch.cuda.is_available())
     try:
-        check_device_supports(spec.precision, torch.device("cuda" if gpu else "cpu"), uses_deepspeed(spec))
+        check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
     except ValueError as exc:
         path, _, message = str(exc).partition(": ")
         raise SpecError([Problem(path, message)]) from None
@@ -165,7 +168,8 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
     print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
           f"{spec.training.steps} steps; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
-    procs = start_gang(job, work, metrics_out)
+    store = rendezvous_store()
+    procs = start_gang(job, work, metrics_out, store.port)
     view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
     failed: tuple[int, int] | None = None
     try:

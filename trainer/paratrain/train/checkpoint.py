@@ -57,6 +57,13 @@ def _to_local(obj: Any) -> Any:
     return obj
 
 
+def _sharding(layout: str) -> str:
+    """A layout label without its precision (`dp2·tp2·pp1 z1 bf16` → `dp2·tp2·pp1 z1`): how the state is split over
+    ranks, all a checkpoint's files depend on. Every engine keeps fp32 master weights and optimizer state in every
+    precision, so a run may resume under another precision (say bf16 after fp16 overflow trouble)."""
+    return layout.rpartition(" ")[0]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -86,7 +93,7 @@ class Checkpointer:
     root: Path
     rank: int
     world_size: int
-    layout: str  # a checkpoint only loads into the layout that wrote it (per-rank shards)
+    layout: str  # layout_label: a checkpoint only loads into the layout that wrote it (per-rank shards), any precision
     keep: int = 2
 
     def save(self, step: int, state: dict, meta: dict) -> Path:
@@ -133,12 +140,14 @@ class Checkpointer:
 
     def _check_layout(self, ckpt: Path, manifest: dict) -> None:
         """Raise on every rank (they read the same manifest) if `ckpt` is of another layout."""
-        if manifest.get("worldSize") != self.world_size or manifest.get("layout") != self.layout:
+        written_by = str(manifest.get("layout"))
+        if manifest.get("worldSize") != self.world_size or _sharding(written_by) != _sharding(self.layout):
             raise CheckpointError(
-                f"spec.checkpoint.path: checkpoint {ckpt} was written by layout {manifest.get('layout')} on "
+                f"spec.checkpoint.path: checkpoint {ckpt} was written by layout {written_by} on "
                 f"{manifest.get('worldSize')} ranks, but this job is {self.layout} on {self.world_size} ranks; "
-                "per-rank checkpoints only load into the layout that wrote them. Run that layout again, or give "
-                "this job a new checkpoint.path (training from scratch here would replace those checkpoints).")
+                "per-rank checkpoints only load into the layout that wrote them (of any precision). Run that layout "
+                "again, or give this job a new checkpoint.path (training from scratch here would replace those "
+                "checkpoints).")
 
     def _check_own_file(self, ckpt: Path, manifest: dict | None) -> str | None:
         """None if this rank's file of `ckpt` is sound, else the reason it is not."""
@@ -153,10 +162,12 @@ class Checkpointer:
             return f"{name} is corrupt or truncated (checksum mismatch)"
         return None
 
-    def _load_own_file(self, ckpt: Path, device: torch.device) -> tuple[dict | None, str | None]:
+    def _load_own_file(self, ckpt: Path) -> tuple[dict | None, str | None]:
+        """Onto the CPU whatever the training device: RNG states must be CPU tensors (torch.set_rng_state and
+        torch.cuda.set_rng_state refuse others), and the engines copy the rest onto their parameters' device."""
         path = ckpt / rank_file_name(self.rank)
         try:
-            return torch.load(path, map_location=device, weights_only=True), None
+            return torch.load(path, map_location="cpu", weights_only=True), None
         except pickle.UnpicklingError as exc:
             # torch's message goes on to suggest weights_only=False; only its reason is worth repeating.
             reason = str(exc).partition("WeightsUnpickler error: ")[2].split(". ")[0] or "not a weights-only file"
@@ -169,7 +180,7 @@ class Checkpointer:
         dist.all_gather_object(problems, problem)
         return [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
 
-    def load_latest(self, device: torch.device) -> tuple[dict, dict] | None:
+    def load_latest(self) -> tuple[dict, dict] | None:
         """Collective: (this rank's state, manifest) of the newest checkpoint every rank accepts, or None."""
         for ckpt in self.candidates():
             manifest = _read_manifest(ckpt)
@@ -180,7 +191,7 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(problems))
                 continue
-            state, refusal = self._load_own_file(ckpt, device)
+            state, refusal = self._load_own_file(ckpt)
             refusals = self._every_rank(refusal)
             if refusals:
                 raise CheckpointError(f"checkpoint {ckpt} refused: {'; '.join(refusals)}. It is left in place; "

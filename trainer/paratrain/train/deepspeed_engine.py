@@ -130,7 +130,7 @@ class DeepSpeedEngine:
         self.last_grad_bytes = self._grad_bytes()
         for group in self.zero.param_groups:
             group["lr"] = lr
-        self.ds.step()
+        _step_then_update_loss_scale(self.ds, self.zero)
         self.last_param_bytes = self._param_bytes()
         norm = self.ds.get_global_grad_norm()
         return StepResult(applied=self.ds.was_step_applied(), grad_norm=float(norm))
@@ -152,8 +152,7 @@ class DeepSpeedEngine:
             "masters": [m.detach().clone() for m in self.masters],
             "adam": [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inner.state[m].items()}
                      for m in self.masters],
-            "lossScaler": {k: float(getattr(self.zero.loss_scaler, k)) for k in LOSS_SCALER_STATE
-                           if hasattr(self.zero.loss_scaler, k)},
+            "lossScaler": _loss_scaler_state(self.zero.loss_scaler),
             "counters": {k: int(getattr(self.ds, k)) for k in ENGINE_COUNTERS},
         }
 
@@ -168,8 +167,12 @@ class DeepSpeedEngine:
             # torch's AdamW keeps `step` on the CPU unless capturable/fused.
             inner.state[master] = {k: (v.cpu() if k == "step" else v.to(master.device)) if torch.is_tensor(v)
                                    else v for k, v in adam.items()}
-        for k, v in state["lossScaler"].items():
-            setattr(self.zero.loss_scaler, k, type(getattr(self.zero.loss_scaler, k))(v))
+        scaler, saved = self.zero.loss_scaler, state["lossScaler"]
+        # A checkpoint of another precision holds another kind of scaler (fp16's dynamic one, or fp32/bf16's
+        # constant 1): this run keeps the one it started with.
+        if saved.keys() == _loss_scaler_state(scaler).keys():
+            for k, v in saved.items():
+                setattr(scaler, k, type(getattr(scaler, k))(v))
         for k, v in state["counters"].items():
             setattr(self.ds, k, v)
         self._refresh_weights()
@@ -206,6 +209,27 @@ class DeepSpeedEngine:
                    if torch.is_tensor(v) and v.dim() > 0]
         return {"params": self.last_param_bytes, "grads": self.last_grad_bytes,
                 "optimizer": _storage_bytes([*moments, *self.masters])}
+
+
+def _loss_scaler_state(scaler) -> dict[str, float]:
+    return {k: float(getattr(scaler, k)) for k in LOSS_SCALER_STATE if hasattr(scaler, k)}
+
+
+def _step_then_update_loss_scale(ds, zero) -> None:
+    """`ds.step()`, with the loss scale updated after the gradients are unscaled rather than before.
+
+    DeepSpeed's ZeRO optimizers (0.19.8, stages 1-3) update the dynamic loss scale and then unscale with the
+    updated one: on every step that doubles the scale, gradients are divided by twice the scale their loss was
+    multiplied by, so half the gradient is applied (unless clipping binds), and ZeRO-3 reports half the norm.
+    """
+    overflows: list[bool] = []
+    zero._update_scale = overflows.append  # the instance attribute shadows the method for this one step
+    try:
+        ds.step()
+    finally:
+        del zero._update_scale
+    for overflow in overflows:
+        zero._update_scale(overflow)
 
 
 def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: GPTConfig) -> DeepSpeedEngine:

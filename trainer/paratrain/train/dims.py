@@ -63,6 +63,11 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.coordinate("pp")
 
+    def dropout_seed(self, seed: int) -> int:
+        """This rank's default random stream: the same within a tensor-parallel group (its activations are
+        replicated and must stay equal), different across data-parallel replicas and pipeline stages."""
+        return seed + 1009 * self.dp_rank + self.pp_rank
+
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1

@@ -20,6 +20,7 @@ from .checkpoint import restore_into
 from .data_parallel import allreduce_gradients
 from .dims import ParallelDims
 from .precision import LossScaler, autocast
+from .tensor_parallel import RNGStream
 from .tensors import local, local_bytes
 from .zero import optimizer_state_bytes
 
@@ -63,6 +64,7 @@ class TorchEngine:
     sync_dp_grads: bool  # all-reduce gradients ourselves (composed layouts DDP cannot wrap)
     schedule: object | None = None  # pipelining schedule when pp > 1
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
+    heads_rng: RNGStream | None = None  # tensor parallel's stream for attention dropout
     last_grad_bytes: int = 0
 
     @property
@@ -104,12 +106,13 @@ class TorchEngine:
     def optimizer_step(self, lr: float) -> StepResult:
         params = self.params
         scaled_norm = global_grad_norm(params, self.dims)
-        grad_norm = scaled_norm / self.scaler.factor
+        loss_scale = self.scaler.factor  # what this step's loss was multiplied by; update() may grow the scale
+        grad_norm = scaled_norm / loss_scale
         applied = self.scaler.update(scaled_norm)
         if applied:
             # One multiply both unscales (fp16) and clips: clip_grad_norm_'s coefficient, clamped at 1.
             clip = min(1.0, self.grad_clip / (grad_norm + 1e-6)) if self.grad_clip > 0 else 1.0
-            coef = clip / self.scaler.factor
+            coef = clip / loss_scale
             if coef != 1.0:
                 for p in params:
                     if p.grad is not None:
@@ -131,12 +134,17 @@ class TorchEngine:
             return self._run_schedule(self.schedule.eval, x, y)
 
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict()}
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict()}
+        if self.heads_rng:
+            state["headsRng"] = self.heads_rng.state
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         restore_into(self.module, self.optimizer, state["model"], state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
+        if self.heads_rng and "headsRng" in state:  # checkpoints from before the stream existed have none
+            self.heads_rng.state = state["headsRng"]
 
     def state_bytes(self) -> dict[str, int]:
         opt_bytes = (self.optimizer.state_bytes() if hasattr(self.optimizer, "state_bytes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import sys
 
 from .. import contract
@@ -29,16 +30,28 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-def _pick_device(job: ParallelTrainJob, local_rank: int):
+def device_type(job: ParallelTrainJob) -> str:
+    """"cuda" when the spec asks for GPUs (unless PARATRAIN_DEVICE=cpu forces the CPU), else "cpu"."""
     import torch
 
-    want_gpu = job.spec.resources.gpus_per_node > 0 and os.environ.get(contract.ENV_DEVICE) != "cpu"
-    if want_gpu and torch.cuda.is_available():
+    gpus = job.spec.resources.gpus_per_node
+    if gpus == 0 or os.environ.get(contract.ENV_DEVICE) == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        # Permanent, not a silent fallback: a job sized for GPUs would train on CPU orders of magnitude slower.
+        raise ValueError(f"spec.resources.gpusPerNode: the job asks for {gpus} GPU(s) per node, but no CUDA "
+                         "device is visible to this process; set gpusPerNode: 0 to train on CPU (or "
+                         f"{contract.ENV_DEVICE}=cpu to force the CPU for this run)")
+    return "cuda"
+
+
+def pick_device(job: ParallelTrainJob, local_rank: int):
+    """(device, backend): this rank's GPU with NCCL when the spec asks for GPUs, else the CPU with gloo."""
+    import torch
+
+    if device_type(job) == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
-    if want_gpu:
-        log.warning("resources.gpusPerNode=%d but no CUDA device is visible: training on CPU with gloo",
-                    job.spec.resources.gpus_per_node)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
     return torch.device("cpu"), "gloo"
 
@@ -61,7 +74,7 @@ def train_main(spec_path: str) -> int:
         log.error("%s", exc)
         return contract.EXIT_INVALID_SPEC
     except Exception as exc:  # noqa: BLE001 (classify every failure for the operator)
-        if _is_peer_failure(exc):
+        if is_peer_failure(exc):
             what = (f"a collective timed out (spec.runPolicy.collectiveTimeoutSeconds="
                     f"{job.spec.run_policy.collective_timeout_seconds}): a rank is hung or too slow"
                     if _is_timeout(exc) else "a peer failed")
@@ -71,18 +84,35 @@ def train_main(spec_path: str) -> int:
 
 
 def _is_timeout(exc: BaseException) -> bool:
+    """Only words the log line: `is_peer_failure` has already decided the exit code."""
     text = str(exc).lower()
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
 
-def _is_peer_failure(exc: BaseException) -> bool:
+# gloo (torch 2.13) raises a dead peer ("Connection closed by peer", "Connection reset by peer") and a collective
+# timeout ("Timed out waiting 10000ms for recv operation") as plain RuntimeErrors, from collectives and from DDP's
+# hooks inside backward alike, whose message starts with the gloo transport source file that threw them:
+# "[.../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer ...". gloo's assertion
+# failures read "[enforce fail at ...]" and do not match; neither does a message that merely mentions gloo.
+_GLOO_TRANSPORT_ERROR = re.compile(r"\[(?:[^\]\s]*/)?gloo/transport/[^\]\s]+:\d+\] ")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` says the gang broke (a peer died or hung, the rendezvous store is gone), so a restart may
+    succeed, rather than that this rank's own code failed. Decided by the exception's type and, for gloo, by the
+    source it was raised from; never by words in a message, which a deterministic bug can contain too.
+
+    c10d raises DistNetworkError (a store or peer socket failed), DistStoreError (a store wait timed out: a rank
+    never arrived) and DistBackendError (NCCL errors and timeouts). A collective whose ranks disagree (sizes,
+    order) also surfaces as a dead peer (gloo aborts the rank that notices) or as a timeout: no rank can tell that
+    from a transient fault, and the operator's backoffLimit bounds such restarts.
+    """
     import torch.distributed as dist
 
-    if isinstance(exc, (dist.DistError, ConnectionError, TimeoutError)):
+    if isinstance(exc, (dist.DistNetworkError, dist.DistStoreError, dist.DistBackendError, ConnectionError,
+                        TimeoutError)):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (_is_timeout(exc) or any(
-        s in text for s in ("connection reset", "connection closed", "broken pipe", "peer", "gloo", "nccl")))
+    return isinstance(exc, RuntimeError) and _GLOO_TRANSPORT_ERROR.match(str(exc)) is not None
 
 
 def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int:
@@ -98,7 +128,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .progress import ProgressReporter, write_json
 
     spec = job.spec
-    device, backend = _pick_device(job, local_rank)
+    device, backend = pick_device(job, local_rank)
     check_device_supports(spec.precision, device, uses_deepspeed(spec))
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
@@ -107,9 +137,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         dims = ParallelDims(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world, device_type=device.type)
         corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
                              spec.training.seed, spec.model.block_size)
-        # Dropout masks: the same within a tensor-parallel group (its activations are replicated and must stay
-        # equal), different across data-parallel replicas and pipeline stages.
-        torch.manual_seed(spec.training.seed + 1009 * dims.dp_rank + dims.pp_rank)
+        torch.manual_seed(dims.dropout_seed(spec.training.seed))
         engine = build_engine(spec, dims, device, corpus.vocab_size)
         reporter = None
         if rank == 0:

@@ -63,7 +63,7 @@ class Trainer:
     def resume(self) -> None:
         if not self.checkpointer:
             return
-        restored = self.checkpointer.load_latest(self.device)
+        restored = self.checkpointer.load_latest()
         if restored is None:
             return
         state, manifest = restored

@@ -10,6 +10,7 @@ Written so each parallel mode can be applied from outside:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
         self.wo = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
         self.dropout = cfg.dropout
+        self.heads_rng = None  # tensor parallel's RNGStream for the heads this rank holds; None: the default stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -44,9 +46,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self._attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, local C)
         return F.dropout(self.wo(y), self.dropout, self.training)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        with self.heads_rng.fork() if dropout and self.heads_rng else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 class MLP(nn.Module):

@@ -17,7 +17,7 @@ from .engine import TorchEngine
 from .model import GPT, GPTConfig, init_weights
 from .pipeline import build_schedule, split_stage
 from .precision import LossScaler
-from .tensor_parallel import apply_tp
+from .tensor_parallel import HEADS_SEED_OFFSET, RNGStream, apply_tp
 from .zero import ZeroOneOptimizer, apply_fsdp
 
 
@@ -53,8 +53,10 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
         model = GPT(gpt_config(spec, vocab_size))
     if dims.pp_enabled:
         split_stage(model, dims.pp_rank, dims.pp)
+    heads_rng = None
     if dims.tp_enabled:
-        apply_tp(model, dims.get_mesh("tp"))
+        heads_rng = RNGStream(dims.dropout_seed(t.seed) + HEADS_SEED_OFFSET + dims.coordinate("tp"), device)
+        apply_tp(model, dims.get_mesh("tp"), heads_rng)
     if zero_stage >= 2:
         apply_fsdp(model, dims.get_mesh("dp"), zero_stage)
     model.to_empty(device=device)
@@ -80,7 +82,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     engine = TorchEngine(
         model=wrapped, module=model, optimizer=optimizer, dims=dims, precision=spec.precision,
         grad_clip=t.grad_clip, sync_dp_grads=dims.dp_enabled and composed and zero_stage < 2,
-        scaler=LossScaler(enabled=spec.precision == "fp16"),
+        scaler=LossScaler(enabled=spec.precision == "fp16"), heads_rng=heads_rng,
     )
     if dims.pp_enabled:
         p = spec.parallelism

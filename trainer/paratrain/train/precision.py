@@ -35,7 +35,8 @@ def cpu_has_native_fp16() -> bool:
 def check_device_supports(precision: str, device: torch.device, deepspeed: bool) -> None:
     """Reject a precision the device cannot run before any training step (the spec field is named). `deepspeed`:
     the layout trains through DeepSpeed (deepspeed_engine.py), whose fp16 on CPU needs native fp16."""
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # Without including_emulation=False, torch also says yes for pre-Ampere GPUs that only emulate bf16 (slowly).
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ValueError("spec.precision: bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16")
     if precision == "fp16" and deepspeed and device.type == "cpu" and not cpu_has_native_fp16():
         raise ValueError("spec.precision: fp16 with ZeRO on a data-parallel-only layout trains through DeepSpeed, "

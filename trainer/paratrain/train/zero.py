@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from .tensors import local, local_bytes
 
@@ -29,10 +29,13 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> None:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     if dp_mesh.device_type == "cpu":
-        # gloo has no AVG reduce-scatter; FSDP2 may then return summed gradients (torch#162338). Sum explicitly and
-        # divide once ourselves, so the result is the mean on every backend.
-        model.set_force_sum_reduction_for_comms(True)
-        model.set_gradient_divide_factor(float(dp_mesh.size()))
+        # gloo's AVG reduce-scatter returned summed gradients in some torch versions (torch#162338; 2.13 averages).
+        # Sum explicitly and divide once ourselves, so the result is the mean on every backend. Each sharded module
+        # reduce-scatters its own parameters' gradients under its own settings: set them on every one.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(float(dp_mesh.size()))
 
 
 class ZeroOneOptimizer:

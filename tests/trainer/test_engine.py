@@ -1,0 +1,95 @@
+"""Both engines' optimizer step, in the test process (one rank)."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from paratrain.api.spec import Spec
+from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config
+from paratrain.train.dims import ParallelDims
+from paratrain.train.engine import TorchEngine
+from paratrain.train.model import GPT, GPTConfig, init_weights
+from paratrain.train.precision import LossScaler
+
+CFG = GPTConfig(vocab_size=32, block_size=8, layers=1, heads=2, embed_dim=16)
+
+
+def tiny_gpt() -> GPT:
+    model = GPT(CFG)
+    init_weights(model, seed=1)
+    return model
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
+def second_step_update(engine, weights: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """What the second of two steps changes in the weights. The optimizers are SGD at lr 1, which applies the
+    unscaled gradient itself (Adam would hide a wrongly scaled gradient: its update barely depends on the scale)."""
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        before = weights()
+        engine.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        assert engine.optimizer_step(lr=1.0).applied
+    return weights() - before
+
+
+def torch_engine(precision: str) -> tuple[TorchEngine, Callable[[], torch.Tensor]]:
+    """fp16's scale grows after 2 clean steps: at the second step."""
+    model = tiny_gpt()
+    engine = TorchEngine(model=model, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                         dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision=precision, grad_clip=0.0,
+                         sync_dp_grads=False,
+                         scaler=LossScaler(enabled=precision == "fp16", scale=2.0**10, growth_interval=2))
+    return engine, lambda: flat(model.parameters())
+
+
+def deepspeed_engine(precision: str, stage: int) -> tuple[DeepSpeedEngine, Callable[[], torch.Tensor]]:
+    """The config of a dp2 ZeRO job, run on one rank; fp16's scale grows after 1 clean step (DeepSpeed counts
+    differently from LossScaler): at the second step."""
+    import deepspeed
+
+    spec = Spec(nodes=2, precision=precision, parallelism={"data": 2, "zeroStage": stage})
+    config = deepspeed_config(spec, 1, torch.device("cpu"), CFG.embed_dim)
+    config["fp16"].update(initial_scale_power=10, loss_scale_window=1)
+    config["zero_allow_untested_optimizer"] = True  # SGD
+    model = tiny_gpt()
+    ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+    engine = DeepSpeedEngine(ds=ds, module=model, zero_stage=stage)
+    return engine, lambda: flat(engine.masters)
+
+
+def assert_same_update(fp16: torch.Tensor, fp32: torch.Tensor) -> None:
+    # fp16 rounds matmul inputs (and DeepSpeed's weights) to 11 bits; half the gradient would be off by 50%.
+    assert torch.linalg.vector_norm(fp16 - fp32) <= 1e-2 * torch.linalg.vector_norm(fp32), (
+        f"|fp16 update| / |fp32 update| = {torch.linalg.vector_norm(fp16) / torch.linalg.vector_norm(fp32):.3f}")
+
+
+def test_torch_engine_fp16_growth_step_applies_the_whole_gradient():
+    engine, weights = torch_engine("fp16")
+    fp16 = second_step_update(engine, weights)
+    assert engine.scaler.scale == 2.0**11
+    assert_same_update(fp16, second_step_update(*torch_engine("fp32")))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_fp16_growth_step_applies_the_whole_gradient(stage, one_rank_group, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed asserts the worker env torchrun would set
+    engine, weights = deepspeed_engine("fp16", stage)
+    fp16 = second_step_update(engine, weights)
+    assert engine.zero.loss_scale == 2.0**11
+    assert_same_update(fp16, second_step_update(*deepspeed_engine("fp32", stage)))
+
+
+@pytest.mark.parametrize("first,then", [("bf16", "fp16"), ("fp16", "bf16")])
+def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then, one_rank_group, monkeypatch):
+    """bf16's scaler is the constant 1, fp16's a dynamic one: an fp16 run resumed from bf16 must not start at
+    scale 1 (its gradients would underflow), a bf16 run resumed from fp16 must not scale at all."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    checkpoint = deepspeed_engine(first, 1)[0].state_dict()
+    engine, _ = deepspeed_engine(then, 1)
+    scale = engine.zero.loss_scale
+    engine.load_state_dict(checkpoint)
+    assert engine.zero.loss_scale == scale
