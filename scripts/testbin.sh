@@ -7,12 +7,15 @@
 #   scripts/testbin.sh --path   print the bin folder only (exit 1 if it is incomplete)
 #
 # The cache lives outside the repository (a fresh clone reuses it): $PARATRAIN_TESTBIN_CACHE, default
-# ~/.cache/paratrain/testbin, one folder per Kubernetes version. Needs Go >= 1.26 and the Go module proxy.
+# ~/.cache/paratrain/testbin, one folder per Kubernetes version and build recipe. Needs Go >= 1.26 and the Go
+# module proxy.
 set -euo pipefail
 
 K8S_VERSION="v1.37.2"
+# Bump when the build itself changes (flags, stamping): a cache built the old way is then rebuilt, beside it.
+RECIPE=2
 CACHE="${PARATRAIN_TESTBIN_CACHE:-$HOME/.cache/paratrain/testbin}"
-BIN="$CACHE/k8s-$K8S_VERSION/bin"
+BIN="$CACHE/k8s-$K8S_VERSION-r$RECIPE/bin"
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd)
 
 complete() {
@@ -40,7 +43,7 @@ fi
 
 echo "testbin: building Kubernetes $K8S_VERSION control plane into $BIN (first time only)" >&2
 start=$SECONDS
-work="$CACHE/k8s-$K8S_VERSION/module"
+work="$CACHE/k8s-$K8S_VERSION-r$RECIPE/module"
 mkdir -p "$work" "$BIN"
 cd "$work"
 export GOFLAGS="-mod=mod" GOTOOLCHAIN=local CGO_ENABLED=0
@@ -65,8 +68,18 @@ staging_version="v0.${K8S_VERSION#v1.}"
 etcd_version="$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2}' "$kmod")"
 go get "go.etcd.io/etcd/server/v3@$etcd_version" >/dev/null
 
+# The version the binaries report (/version, `kubectl version`), stamped as Kubernetes' own build does
+# (hack/lib/version.sh): unstamped, they say v0.0.0-master, and clients that check the server's version
+# refuse it (Helm: a chart's `kubeVersion: >=1.30.0-0` is "incompatible with Kubernetes v0.0.0-master").
+minor="${K8S_VERSION#v1.}"
+minor="${minor%%.*}"
+stamp=""
+for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+  stamp+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+done
+
 # -trimpath and no debug info: smaller, reproducible binaries; the tests never debug them.
-go build -trimpath -ldflags "-s -w" -o "$BIN/" \
+go build -trimpath -ldflags "-s -w$stamp" -o "$BIN/" \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \
