@@ -1,7 +1,7 @@
-"""End to end with the real trainer: `kubectl apply` of the CRD and a job → the operator creates the gang →
-each pod runs `torchrun --no-python paratrain train` (the test kubelet runs the rendered command as local
-processes, CPU/gloo) → the job's status tells the truth; and a pod killed mid-training restarts the whole
-gang, which resumes from the latest checkpoint.
+"""End to end with the real trainer on the real control plane: `kubectl apply` of the CRD and a job → the operator
+(as its ServiceAccount) creates the gang → kube-scheduler binds it → each pod runs `paratrain node` (the test
+kubelet runs the rendered command as local processes, CPU/gloo) → the job's status tells the truth; and a pod
+killed mid-training restarts the whole gang, which resumes from the latest checkpoint (`kubectl logs` shows it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import yaml
 
 from paratrain.api.crd import crd_manifest
 
-from .support.cluster import Cluster
+from .support.cluster import ClusterBase as Cluster
+from .support.real_cluster import RealCluster
 from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,26 +40,23 @@ def tiny_job(name: str, namespace: str, checkpoints: Path, steps: int) -> dict[s
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest):
-    c = Cluster(tmp_path, install_crd=getattr(request, "param", True))
+def cluster(control_plane, tmp_path: Path, request: pytest.FixtureRequest):
+    c = RealCluster(control_plane, tmp_path, node=f"trainer-node-{abs(hash(request.node.name)) % 10**6}")
     yield c
     c.close()
-    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
 
 
 def apply(cluster: Cluster, doc: dict[str, Any], path: Path) -> str:
+    """`kubectl apply`, the server's OpenAPI validation included."""
     path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
-    result = cluster.kubectl("apply", "--validate=false", "-f", str(path))
+    result = cluster.kubectl("apply", "-f", str(path))
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-@pytest.mark.parametrize("cluster", [False], ids=["kubectl-installs-the-crd"], indirect=True)
-def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster, tmp_path: Path):
-    # The operator is already running: it notices the CRD arrive.
-    assert "customresourcedefinition.apiextensions.k8s.io/paralleltrainjobs.paratrain.dev created" in apply(
+def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster, ns: str, tmp_path: Path):
+    assert "customresourcedefinition.apiextensions.k8s.io/paralleltrainjobs.paratrain.dev" in apply(
         cluster, crd_manifest(), tmp_path / "crd.yaml")
-    ns = cluster.namespace("research")
     apply(cluster, tiny_job("tiny", ns, tmp_path / "ckpt", steps=12), tmp_path / "job.yaml")
 
     status = cluster.wait_phase(ns, "tiny", "Succeeded", 150)
@@ -78,9 +76,8 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     assert [e["reason"] for e in json.loads(events.stdout)["items"]] == ["CreatingGang", "GangRunning", "Succeeded"]
 
 
-def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_checkpoint(cluster: Cluster,
+def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_checkpoint(cluster: Cluster, ns: str,
                                                                                       tmp_path: Path):
-    ns = cluster.namespace("research")
     checkpoints = tmp_path / "ckpt"
     cluster.submit(ns, "resume", tiny_job("resume", ns, checkpoints, steps=60)["spec"])
     cluster.wait_phase(ns, "resume", "Running", 90)

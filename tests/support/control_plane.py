@@ -103,13 +103,17 @@ class KubeApi:
 
 
 def register_node(api: KubeApi, name: str, labels: dict[str, str], capacity: dict[str, str],
-                  taints: list[dict[str, str]] = ()) -> None:
-    """A Ready node with this capacity, as a kubelet registers one. The API server's TaintNodesByCondition admission
-    adds `node.kubernetes.io/not-ready` to every new node; the node lifecycle controller would lift it once the
-    kubelet reports Ready, and this control plane runs none, so the registration lifts it itself."""
+                  taints: list[dict[str, str]] = (), kubelet_port: int = 0) -> None:
+    """A Ready node with this capacity, as a kubelet registers one (on 127.0.0.1, its API on `kubelet_port`, where
+    the API server fetches `kubectl logs`). The API server's TaintNodesByCondition admission adds
+    `node.kubernetes.io/not-ready` to every new node; the node lifecycle controller would lift it once the kubelet
+    reports Ready, and this control plane runs none, so the registration lifts it itself."""
     body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
             "spec": {"taints": list(taints)},
             "status": {"capacity": capacity, "allocatable": capacity,
+                       "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                                     {"type": "Hostname", "address": name}],
+                       "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
                        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                        "message": "paratrain test node"}]}}
     api.must(api.create("/api/v1/nodes", body))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import http.server
 import json
+import ssl
 import threading
 import urllib.parse
 import urllib.request
@@ -186,6 +188,39 @@ class NodeApi:
             self._loop.call_soon_threadsafe(wake.set)
 
 
+class LogServer:
+    """The one kubelet API the tests use: `GET /containerLogs/NS/POD/CONTAINER`, which the API server proxies for
+    `kubectl logs`. HTTPS with the control plane's serving certificate (the API server does not verify it)."""
+
+    def __init__(self, logs: Mapping[tuple[str, str], Path], pki: Path):
+        logs_ = logs
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+                parts = urllib.parse.urlparse(self.path).path.split("/")
+                path = logs_.get((parts[2], parts[3])) if len(parts) >= 4 and parts[1] == "containerLogs" else None
+                body = path.read_bytes() if path and path.exists() else b""
+                self.send_response(200 if path else 404)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")
+        self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="kubelet-logs", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class RealCluster(ClusterBase):
     def __init__(self, plane: ControlPlane, workdir: Path, *,
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
@@ -194,8 +229,9 @@ class RealCluster(ClusterBase):
         self.plane, self.kubeconfig = plane, plane.kubeconfig
         install_crd(plane)
         self.api = RealApi(plane)
-        register_node(plane.api, node, {"kubernetes.io/hostname": node}, NODE_CAPACITY)
         self.node_api = NodeApi(plane.api, node, self.api._loop)
+        self.logs = LogServer(self.node_api.pod_logs, plane.workdir / "pki")
+        register_node(plane.api, node, {"kubernetes.io/hostname": node}, NODE_CAPACITY, kubelet_port=self.logs.port)
         self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command)
         self._kubelet_run = self.api.start(self.kubelet.run)
         self.start_operator()
@@ -215,6 +251,7 @@ class RealCluster(ClusterBase):
         self.api.call(self.kubelet.stop)
         self._kubelet_run.cancel()
         self.node_api.stop()
+        self.logs.close()
         self.api.close()
         self.plane.api.request("DELETE", f"/api/v1/nodes/{self.kubelet.node_name}")
 
