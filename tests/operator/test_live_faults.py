@@ -236,7 +236,7 @@ def test_a_gang_the_api_server_rejects_fails_the_job_visibly(cluster: Cluster, n
 
 def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: Cluster, ns: str):
     cluster.submit(ns, "deaf", fake_job(steps=40))
-    wait_running(cluster, ns, "deaf")
+    cluster.wait_phase(ns, "deaf", "Running", 30)
     assert cluster.api.call(cluster.api.emulator.mute_watches, "v1/pods") >= 1
     cluster.api.call(cluster.kubelet.kill, ns, "deaf-0-0")
     status = wait_for(lambda: (s := cluster.status(ns, "deaf")).get("restarts") == 1 and s, 30,
