@@ -126,10 +126,11 @@ up() {
     --initial-cluster "test=http://127.0.0.1:$etcd_peer" --log-level warn
 
   # The endpoint reconciler refuses a loopback advertise address; nothing here routes to the `kubernetes` Service.
+  # Kubelets (the tests' log servers) are reached at their InternalIP only: never a DNS lookup of a node name.
   start kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$etcd_port" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
-    --endpoint-reconciler-type none \
+    --endpoint-reconciler-type none --kubelet-preferred-address-types InternalIP \
     --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
     --client-ca-file "$PKI/ca.crt" --authorization-mode RBAC \
     --service-account-issuer https://kubernetes.default.svc \

@@ -59,7 +59,11 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
         cluster, crd_manifest(), tmp_path / "crd.yaml")
     apply(cluster, tiny_job("tiny", ns, tmp_path / "ckpt", steps=12), tmp_path / "job.yaml")
 
-    status = cluster.wait_phase(ns, "tiny", "Succeeded", 150)
+    waited = cluster.kubectl("wait", "-n", ns, "--for=condition=Succeeded", "ptj/tiny", "--timeout=150s",
+                            timeout=170)
+    assert waited.returncode == 0, f"{waited.stderr}\n{cluster.diagnostics(ns, 'tiny')}"
+    assert waited.stdout.strip() == "paralleltrainjob.paratrain.dev/tiny condition met"
+    status = cluster.status(ns, "tiny")
     progress = status["progress"]
     assert progress["step"] == progress["totalSteps"] == 12 and progress["phase"] == "done"  # the final report
     assert progress["loss"] > 0 and progress["valLoss"] > 0 and progress["tokensPerSecond"] > 0
@@ -72,8 +76,10 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     header, row = table.stdout.splitlines()
     assert header.split() == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "AGE"]
     assert re.match(r"tiny\s+Succeeded\s+dp2·tp1·pp1 z0 fp32\s+12/12\s+[\d.]+\s+0\s+\d+s$", row), row
-    events = cluster.kubectl("get", "events", "-n", ns, "-o", "json")
-    assert [e["reason"] for e in json.loads(events.stdout)["items"]] == ["CreatingGang", "GangRunning", "Succeeded"]
+    events = cluster.kubectl("get", "events", "-n", ns, "--field-selector=involvedObject.kind=ParallelTrainJob",
+                             "-o", "json")
+    items = sorted(json.loads(events.stdout)["items"], key=lambda e: int(e["metadata"]["resourceVersion"]))
+    assert [e["reason"] for e in items] == ["CreatingGang", "GangRunning", "Succeeded"]
 
 
 def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_checkpoint(cluster: Cluster, ns: str,

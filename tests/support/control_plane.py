@@ -111,8 +111,7 @@ def register_node(api: KubeApi, name: str, labels: dict[str, str], capacity: dic
     body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
             "spec": {"taints": list(taints)},
             "status": {"capacity": capacity, "allocatable": capacity,
-                       "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                                     {"type": "Hostname", "address": name}],
+                       "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
                        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
                        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                        "message": "paratrain test node"}]}}

@@ -174,10 +174,10 @@ class ClusterBase:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnostics(namespace, name)}") from None
 
-    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         cmd = [self.kubectl_binary(), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.workdir / 'kube-cache'}",
                *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
     @staticmethod
     def kubectl_binary() -> str:
