@@ -45,6 +45,8 @@ INVALID = [
     (["spec.resources.gpusPerNode=2"], "spec.resources.gpusPerNode", "must equal procsPerNode(1)"),
     (["spec.training.learningRate=-1"], "spec.training.learningRate", "greater than 0"),
     (["metadata.name=Bad_Name"], "metadata.name", "DNS label"),
+    (["spec.data.source=text", "spec.data.path=no/such/corpus.txt"], "spec.data.path", "no/such/corpus.txt: no such "
+     "file (looked for"),
 ]
 
 
@@ -71,6 +73,23 @@ def test_set_values_are_yaml_scalars():
     assert [parse_scalar(v) for v in ("2", "true", "1e-3", "1.5", "bf16", "'2'")] == [2, True, 1e-3, 1.5, "bf16", "2"]
     with pytest.raises(ValueError, match="PATH=VALUE"):
         apply_overrides({}, ["spec.nodes"])
+
+
+def test_validate_notes_a_corpus_missing_here_without_failing(tmp_path):
+    """A cluster job's corpus lives on a volume the pods mount, not on the machine that validates it."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.data.source=text", "spec.data.path=/data/c.txt"])))
+    proc = paratrain("validate", str(job))
+    assert proc.returncode == 0 and "note: spec.data.path: /data/c.txt: no such file" in proc.stderr, proc.stderr
+
+
+def test_examples_run_from_a_fresh_clone_without_shared_data(tmp_path):
+    """The examples' corpus ships with the repository: a clone without ../shared finds it."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    for example in ("shakespeare.yaml", "shakespeare-3d.yaml"):
+        job = load_job(clone / "examples" / example)
+        assert (clone / job.spec.data.path).is_file(), job.spec.data.path
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
@@ -108,3 +127,11 @@ def test_render_refuses_what_only_works_locally(tmp_path):
     absolute = paratrain("render", "examples/zero1.yaml", "--set", "spec.checkpoint.path=/checkpoints")
     assert absolute.returncode == 0, absolute.stderr
     assert [d["kind"] for d in yaml.safe_load_all(absolute.stdout)].count("Pod") == 2
+
+
+def test_a_rank_without_the_corpus_fails_naming_the_field():
+    """In a pod (no preflight there), a missing corpus is a permanent spec error (exit 2), not a traceback."""
+    from paratrain.train.data import load_corpus
+
+    with pytest.raises(ValueError, match=r"^spec\.data\.path: /nowhere/c\.txt: no such file"):
+        load_corpus("text", "/nowhere/c.txt", 0.1, 64, 0, 16)

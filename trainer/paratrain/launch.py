@@ -143,6 +143,15 @@ def _duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def missing_data(job: ParallelTrainJob) -> Problem | None:
+    """The text corpus when it is not on this machine (a relative path is relative to the current directory)."""
+    data = job.spec.data
+    if data.source != "text" or not data.path or Path(data.path).is_file():
+        return None
+    return Problem("spec.data.path", f"{data.path}: no such file (looked for {Path(data.path).resolve()}; a relative "
+                                     "path is relative to the current directory)")
+
+
 def preflight(job: ParallelTrainJob) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
     import torch
@@ -152,11 +161,14 @@ def preflight(job: ParallelTrainJob) -> None:
     from .train.precision import check_device_supports
 
     spec = job.spec
+    problems = [p for p in (missing_data(job),) if p]
     try:
         check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
     except ValueError as exc:
         path, _, message = str(exc).partition(": ")
-        raise SpecError([Problem(path, message)]) from None
+        problems.append(Problem(path, message))
+    if problems:
+        raise SpecError(problems)
 
 
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,

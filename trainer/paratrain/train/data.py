@@ -27,7 +27,10 @@ class Corpus:
 def load_corpus(source: str, path: str | None, val_fraction: float, vocab_size: int, seed: int,
                 block_size: int) -> Corpus:
     if source == "text":
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"spec.data.path: {path}: no such file in this pod or process") from None
         chars = sorted(set(text))
         index = {c: i for i, c in enumerate(chars)}
         ids = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
