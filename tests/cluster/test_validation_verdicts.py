@@ -24,8 +24,8 @@ from ..reliability import test_spec_fuzz as fuzz
 from ..support.control_plane import ApiResponse
 
 REPO = Path(__file__).resolve().parents[2]
-JOB_FILES = sorted(glob.glob(str(REPO / "examples/*.yaml")) + glob.glob(str(REPO / "manifests/examples/*.yaml"))
-                   + glob.glob(str(REPO / "tests/operator/jobs/*.yaml")) + glob.glob(str(REPO / "tests/e2e/jobs/*.yaml")))
+JOB_FILES = sorted(path for pattern in ("examples", "manifests/examples", "tests/operator/jobs", "tests/e2e/jobs")
+                   for path in glob.glob(str(REPO / pattern / "*.yaml")))
 # The API server refuses a request body over 3 MiB before any validation (413), naming no field.
 MAX_BODY = 3 * 2**20
 # Where the corpus puts jobs that name no namespace (or one that is not a valid name).
