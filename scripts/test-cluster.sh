@@ -19,7 +19,8 @@ cmd="$1"
 mkdir -p "$2"
 DIR="$(cd "$2" && pwd)"
 HERE="$(cd "$(dirname "$0")" && pwd)"
-FEATURE_GATES="GenericWorkload=true"
+# Kubernetes' own gang scheduling (beta) and its topology constraint for a gang (alpha in 1.37).
+FEATURE_GATES="GenericWorkload=true,TopologyAwareWorkloadScheduling=true"
 READY_TIMEOUT="${PARATRAIN_TEST_CLUSTER_TIMEOUT:-120}"
 
 stop_all() {

@@ -64,6 +64,8 @@ CROSS_FIELD_CASES = [
     ("text-needs-path", {"data": {"source": "text"}}, {"spec.data.path"}),
     ("gpus-per-proc", {"resources": {"gpusPerNode": 2}}, {"spec.resources.gpusPerNode"}),
     ("queue-needs-volcano", {"scheduling": {"queue": "q"}}, {"spec.scheduling.queue"}),
+    ("topology-needs-kubernetes-gang", {"scheduling": {"gang": "volcano", "topologyKey": "kubernetes.io/zone"}},
+     {"spec.scheduling.topologyKey"}),
     ("volume-name-twice", {"pod": {"volumes": [vol("a", "/a"), vol("a", "/b")]}}, {"spec.pod.volumes"}),
     ("mount-path-twice", {"pod": {"volumes": [vol("a", "/a"), vol("b", "/a")]}}, {"spec.pod.volumes"}),
     ("reserved-mount", {"pod": {"volumes": [vol("a", "/dev/shm")]}}, {"spec.pod.volumes"}),

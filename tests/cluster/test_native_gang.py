@@ -17,6 +17,7 @@ from paratrain_operator.render import render_job
 from ..support.control_plane import collection_path, register_node, wait_for
 
 POOL_LABEL = "pool.paratrain.test/name"
+ZONE_LABEL = "topology.kubernetes.io/zone"
 # Three pods of 3 CPUs; each node has 4, so one pod fits a node, and the gang needs three nodes.
 GANG = {"nodes": 3, "parallelism": {"data": 3}, "training": {"batchSize": 9},
         "resources": {"cpu": "3", "memory": "1Gi"}}
@@ -31,10 +32,10 @@ def pool(control_plane, request):
     namespace = control_plane.create_namespace(name)
     nodes: list[str] = []
 
-    def add_node() -> None:
+    def add_node(zone: str = "zone-a") -> None:
         nodes.append(f"{name}-node-{len(nodes)}")
-        register_node(control_plane.api, nodes[-1], {POOL_LABEL: name, "kubernetes.io/hostname": nodes[-1]},
-                      {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        labels = {POOL_LABEL: name, "kubernetes.io/hostname": nodes[-1], ZONE_LABEL: f"{name}-{zone}"}
+        register_node(control_plane.api, nodes[-1], labels, {"cpu": "4", "memory": "8Gi", "pods": "110"},
                       [{"key": POOL_LABEL, "value": name, "effect": "NoSchedule"}])
 
     yield namespace, add_node
@@ -42,18 +43,18 @@ def pool(control_plane, request):
         control_plane.api.request("DELETE", f"/api/v1/nodes/{n}")
 
 
-def gang_job(pool_name: str) -> dict:
-    scheduling = {"gang": "kubernetes", "nodeSelector": {POOL_LABEL: pool_name},
+def gang_job(pool_name: str, **extra: str) -> dict:
+    scheduling = {"gang": "kubernetes", "nodeSelector": {POOL_LABEL: pool_name}, **extra,
                   "tolerations": [{"key": POOL_LABEL, "operator": "Equal", "value": pool_name,
                                    "effect": "NoSchedule"}]}
     return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "gang"},
             "spec": {**GANG, "scheduling": scheduling}}
 
 
-def create_attempt(api, namespace: str, attempt: int) -> list[str]:
+def create_attempt(api, namespace: str, attempt: int, **scheduling: str) -> list[str]:
     """The gang's objects for `attempt` (the Workload, ConfigMap and Service once); returns its pod names."""
     pods = []
-    for obj in render_job(parse_job(gang_job(namespace)), namespace, attempt):
+    for obj in render_job(parse_job(gang_job(namespace, **scheduling)), namespace, attempt):
         path = collection_path(obj["apiVersion"], PLURALS[obj["kind"]], namespace)
         response = api.create(path, obj)
         assert response.ok or response.status == 409, (obj["kind"], response.body.get("message"))
@@ -96,3 +97,21 @@ def test_a_gang_binds_all_or_nothing_and_a_restart_gets_a_fresh_group(control_pl
     for p in restarted:
         pod = api.must(api.get(f"/api/v1/namespaces/{namespace}/pods/{p}"))
         assert pod["spec"]["schedulingGroup"] == {"podGroupName": "gang-1"}
+
+
+def test_a_topology_key_keeps_the_whole_gang_in_one_domain(control_plane, pool):
+    """scheduling.topologyKey: the gang fits the pool only across two zones, so it waits; once one zone can hold it
+    all, it binds there as a whole."""
+    api = control_plane.api
+    namespace, add_node = pool
+    for zone in ("zone-a", "zone-a", "zone-b", "zone-b"):
+        add_node(zone)  # four nodes of one pod each: room for three, but not in one zone
+    pods = create_attempt(api, namespace, attempt=0, topologyKey=ZONE_LABEL)
+    time.sleep(8)
+    assert bound(api, namespace, pods) == dict.fromkeys(pods), "a gang was spread over zones"
+
+    add_node("zone-b")
+    placed = wait_for(lambda: (b := bound(api, namespace, pods)) and all(b.values()) and b, 60,
+                      "the gang to bind in the zone that fits it")
+    zones = {api.must(api.get(f"/api/v1/nodes/{n}"))["metadata"]["labels"][ZONE_LABEL] for n in placed.values()}
+    assert zones == {f"{namespace}-zone-b"}, placed

@@ -186,6 +186,12 @@ def test_native_gang_objects_a_fresh_pod_group_per_attempt() -> None:
         for pod in pods(objects):
             assert pod["spec"]["schedulingGroup"] == {"podGroupName": f"j-{attempt}"}
             assert "schedulerName" not in pod["spec"]
+    zoned = render(job_doc(scheduling={"gang": "kubernetes", "topologyKey": "topology.kubernetes.io/zone"}))
+    (workload,) = [o for o in zoned if o["kind"] == "Workload"]
+    (group,) = [o for o in zoned if o["kind"] == "PodGroup"]
+    one_zone = {"topology": [{"key": "topology.kubernetes.io/zone"}]}
+    assert workload["spec"]["podGroupTemplates"][0]["schedulingConstraints"] == one_zone
+    assert group["spec"]["schedulingConstraints"] == one_zone
 
 
 def test_owner_references_only_for_a_job_on_a_cluster() -> None:

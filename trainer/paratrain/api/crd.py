@@ -196,6 +196,9 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),
         _rule(f"!{_given(f'{S}.queue')} || {S}.gang == 'volcano'",
               "queue is a Volcano setting and needs scheduling.gang 'volcano'", ".scheduling.queue"),
+        _rule(f"!{_given(f'{S}.topologyKey')} || {S}.gang == 'kubernetes'",
+              "topologyKey is a constraint of Kubernetes' own gang scheduling and needs scheduling.gang 'kubernetes'",
+              ".scheduling.topologyKey"),
     ],
     "pod": [
         _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",

@@ -172,6 +172,9 @@ class SchedulingSpec(_Model):
         "All-or-nothing scheduling of the gang: kubernetes (the native Workload and PodGroup APIs, 1.37 with the "
         "GenericWorkload gate), volcano, coscheduling (scheduler-plugins), or none."))
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description="Volcano queue.")
+    topology_key: str | None = Field(None, pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
+        "Keep the whole gang in one domain of this node label (e.g. topology.kubernetes.io/zone, or a rack or "
+        "network-block label): gang 'kubernetes' only, Kubernetes 1.37 with TopologyAwareWorkloadScheduling."))
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
@@ -309,6 +312,9 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
     if spec.scheduling.queue and spec.scheduling.gang != "volcano":
         out.append(("spec.scheduling.queue", "queue is a Volcano setting and needs scheduling.gang 'volcano'"))
+    if spec.scheduling.topology_key and spec.scheduling.gang != "kubernetes":
+        out.append(("spec.scheduling.topologyKey", "topologyKey is a constraint of Kubernetes' own gang scheduling "
+                    "and needs scheduling.gang 'kubernetes'"))
     for dup in _repeated(v.name for v in spec.pod.volumes):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
     mounts = [v.mount_path for v in spec.pod.volumes]
