@@ -56,6 +56,13 @@ class Trainer:
         dp_rank, dp = self.dims.dp_rank, self.dims.dp
         return rank_slice(x, dp_rank, dp).to(self.device), rank_slice(y, dp_rank, dp).to(self.device)
 
+    def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's slice of the step's global batch, in gradientAccumulation equal contiguous parts: the same
+        global batch, and so the same data, whatever the accumulation."""
+        x, y = self._batch(self.corpus.train, step, TRAIN_STREAM)
+        k = self.spec.training.gradient_accumulation
+        return list(zip(x.chunk(k), y.chunk(k), strict=True))
+
     def _emit(self, event: str, **fields) -> None:
         if self.reporter:
             self.reporter.emit(event, **fields)
@@ -97,8 +104,7 @@ class Trainer:
         train_time, t_last = 0.0, time.perf_counter()
         for step in range(r.start_step, t.steps):
             t0 = time.perf_counter()
-            x, y = self._batch(self.corpus.train, step, TRAIN_STREAM)
-            local_loss = self.engine.forward_backward(x, y)
+            local_loss = self.engine.forward_backward(self._micro_batches(step))
             outcome = self.engine.optimizer_step(lr_at(step, t))
             loss = mean_over_reporters(local_loss, self.device)
             dt = time.perf_counter() - t0

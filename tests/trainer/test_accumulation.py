@@ -1,0 +1,37 @@
+"""Gradient accumulation: batch B in k micro-steps of B/k trains exactly as batch B in one, in every layout.
+
+Each layout at gradientAccumulation 2 is compared with the same layout at 1 (fp32, 1e-5 relative: only the
+summation order differs) and with the single-process run (the parity tests' 1e-4). Gradient norms are compared
+too: a missing 1/k weight leaves the Adam update, and so the loss, nearly unchanged but multiplies the norm by k.
+"""
+
+import pytest
+
+from .harness import MUTANTS, layout, run_job
+from .test_parity import assert_parity, reference  # noqa: F401 (the module fixture)
+
+ACCUMULATE = ["spec.training.gradientAccumulation=2"]
+
+LAYOUTS = {
+    "single": layout(),
+    "dp2-ddp": layout(data=2),
+    "dp2-zero2-deepspeed": layout(data=2, zeroStage=2),
+    "dp2xtp2-zero3-fsdp2": layout(data=2, tensor=2, zeroStage=3),
+    "pp2-1f1b": layout(pipeline=2, microbatches=2, pipelineSchedule="1F1B"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_accumulation_matches_one_full_batch(name, reference, tmp_path):  # noqa: F811
+    _, whole = run_job(tmp_path / "k1", LAYOUTS[name])
+    _, accumulated = run_job(tmp_path / "k2", LAYOUTS[name] + ACCUMULATE)
+    assert_parity(accumulated, whole, rtol=1e-5)
+    assert_parity(accumulated, reference, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [layout(), layout(data=2)], ids=["single", "dp2-ddp"])
+def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tmp_path):  # noqa: F811
+    _, metrics = run_job(tmp_path, overrides + ACCUMULATE,
+                         env={"PARATRAIN_TEST_MUTANT": "accumulation_sums_micro_steps", "PYTHONPATH": str(MUTANTS)})
+    with pytest.raises(AssertionError, match="loss curves differ"):
+        assert_parity(metrics, reference, rtol=1e-4)
