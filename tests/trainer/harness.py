@@ -33,13 +33,14 @@ def layout(data: int = 1, tensor: int = 1, pipeline: int = 1, **parallelism) -> 
 
 
 def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expect_ok: bool = True,
-            timeout: float = 300, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
+            timeout: float = 300, env: dict[str, str] | None = None,
+            args: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     tmp.mkdir(parents=True, exist_ok=True)
     job_file = tmp / "job.yaml"
     job_file.write_text(yaml.safe_dump(job or TINY_JOB))
     metrics = tmp / "metrics.json"
     cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-           "--workdir", str(tmp / "work"), "--no-progress"]
+           "--workdir", str(tmp / "work"), "--no-progress", *args]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=job_env(env or {}))
