@@ -1,5 +1,7 @@
 """--metrics-out's performance figures: model FLOPs per token, per-rank peak memory, MFU, the step-time split."""
 
+import json
+
 import pytest
 
 from .harness import TINY_JOB, layout, run_job
@@ -36,10 +38,15 @@ def test_step_time_is_split_into_forward_backward_and_optimizer(dp2_metrics):
     assert split["forward_backward"] > 0 and split["optimizer"] > 0
 
 
-def test_mfu_needs_a_known_peak(dp2_metrics, tmp_path):
+def test_mfu_needs_a_known_peak_and_is_logged_as_an_event(dp2_metrics, tmp_path):
     assert dp2_metrics["mfu"] is None and dp2_metrics["peak_flops_per_device"] is None
     _, metrics = run_job(tmp_path, layout(), args=["--peak-flops", "1e12"])
     assert metrics["peak_flops_per_device"] == 1e12
     expected = metrics["model_flops_per_token"] * metrics["tokens_per_second"] / 1e12
     assert metrics["mfu"] == pytest.approx(expected, rel=1e-9)
     assert 0 < metrics["mfu"] < 1
+    events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    (performance,) = [e for e in events if e["event"] == "performance"]
+    assert performance["mfu"] == metrics["mfu"]
+    assert performance["modelFlopsPerToken"] == metrics["model_flops_per_token"]
+    assert performance["peakMemoryBytes"] == max(metrics["peak_memory_bytes"])
