@@ -35,3 +35,38 @@ def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tm
                          env={"PARATRAIN_TEST_MUTANT": "accumulation_sums_micro_steps", "PYTHONPATH": str(MUTANTS)})
     with pytest.raises(AssertionError, match="loss curves differ"):
         assert_parity(metrics, reference, rtol=1e-4)
+
+
+def test_ddp_reduces_once_per_optimizer_step(one_rank_group):
+    """Parity cannot see how often gradients are reduced (averaging each micro-step's equals averaging the sum):
+    count DDP's bucket reductions, in the test process (one rank), at k = 1 and k = 3."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from paratrain.train.dims import ParallelDims
+    from paratrain.train.engine import TorchEngine
+
+    from .test_engine import CFG, tiny_gpt
+
+    def reductions(accumulation: int) -> int:
+        model = tiny_gpt()
+        ddp = DDP(model)
+        calls = []
+
+        def count_and_keep(state, bucket):
+            calls.append(bucket.index())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        ddp.register_comm_hook(None, count_and_keep)
+        engine = TorchEngine(model=ddp, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision="fp32", grad_clip=0.0,
+                             sync_dp_grads=False, accumulation=accumulation)
+        tokens = torch.randint(CFG.vocab_size, (6, CFG.block_size + 1), generator=torch.Generator().manual_seed(3))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        engine.forward_backward(list(zip(x.chunk(accumulation), y.chunk(accumulation), strict=True)))
+        return len(calls)
+
+    assert reductions(1) >= 1
+    assert reductions(3) == reductions(1)
