@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a job locally as processes (no cluster needed)")
     _add_job_args(run)
-    run.add_argument("--metrics-out", help="write losses, val loss, tokens/s, per-rank state bytes and peak memory, FLOPs and MFU as JSON")
+    run.add_argument("--metrics-out", help="write losses, val loss, tokens/s, per-rank state bytes and peak memory, "
+                     "FLOPs and MFU as JSON")
     run.add_argument("--peak-flops", type=float, metavar="FLOPS",
                      help="one device's peak FLOP/s, for the metrics' mfu (GPUs in paratrain's table need none)")
     run.add_argument("--workdir", help="where logs and relative checkpoint paths go (default: ./runs/<name>)")
