@@ -39,6 +39,14 @@ def test_accumulation_matches_one_full_batch(name, reference, tmp_path):  # noqa
     assert_parity(accumulated, reference, rtol=1e-4)
 
 
+def test_fp16_accumulation_under_pipeline_matches_fp32(reference, tmp_path):  # noqa: F811
+    """The fp16 loss scale and the 1/(k·microbatches) weight share the pipeline's loss_fn; unscaling once per step
+    must undo only the former (test_parity's fp16 bound)."""
+    _, metrics = run_job(tmp_path, layout(pipeline=2, microbatches=2) + ACCUMULATE + ["spec.precision=fp16"])
+    assert metrics["skipped_steps"] == 0
+    assert_parity(metrics, reference, rtol=1e-3)
+
+
 @pytest.mark.parametrize("overrides", [layout(), layout(data=2)], ids=["single", "dp2-ddp"])
 def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tmp_path):  # noqa: F811
     _, metrics = run_job(tmp_path, overrides + ACCUMULATE,
