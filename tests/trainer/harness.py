@@ -33,21 +33,30 @@ def layout(data: int = 1, tensor: int = 1, pipeline: int = 1, **parallelism) -> 
 
 
 def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expect_ok: bool = True,
-            timeout: float = 300, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
+            timeout: float = 300, env: dict[str, str] | None = None,
+            args: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     tmp.mkdir(parents=True, exist_ok=True)
     job_file = tmp / "job.yaml"
     job_file.write_text(yaml.safe_dump(job or TINY_JOB))
     metrics = tmp / "metrics.json"
     cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-           "--workdir", str(tmp / "work"), "--no-progress"]
+           "--workdir", str(tmp / "work"), "--no-progress", *args]
     for item in overrides:
         cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=job_env(env or {}))
     if expect_ok:
         assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     data = json.loads(metrics.read_text()) if metrics.exists() else None
     return proc, data
+
+
+def job_env(extra: dict[str, str]) -> dict[str, str]:
+    """os.environ with `extra`; a PYTHONPATH in `extra` (the mutants) goes in front of the caller's, which may be
+    what points the trainer processes at the code under test."""
+    env = {**os.environ, **extra}
+    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join((extra["PYTHONPATH"], os.environ["PYTHONPATH"]))
+    return env
 
 
 def assert_close_curves(actual: list[float], expected: list[float], rtol: float) -> None:

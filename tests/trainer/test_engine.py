@@ -31,7 +31,7 @@ def second_step_update(engine, weights: Callable[[], torch.Tensor]) -> torch.Ten
     tokens = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1), generator=torch.Generator().manual_seed(2))
     for _ in range(2):
         before = weights()
-        engine.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
         assert engine.optimizer_step(lr=1.0).applied
     return weights() - before
 

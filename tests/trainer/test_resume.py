@@ -9,17 +9,19 @@ import pytest
 from .harness import MUTANTS, assert_close_curves, layout, run_job
 
 
-def _checkpointed(tmp: Path, data: int, zero: int) -> list[str]:
+def _checkpointed(tmp: Path, data: int, zero: int, accumulation: int = 1) -> list[str]:
     return layout(data=data, zeroStage=zero) + [f"spec.checkpoint.path={tmp / 'ckpt'}", "spec.checkpoint.interval=4",
-                                                 "spec.training.steps=10"]
+                                                 "spec.training.steps=10",
+                                                 f"spec.training.gradientAccumulation={accumulation}"]
 
 
-@pytest.mark.parametrize("data,zero", [(2, 0), (2, 1)], ids=["dp2-ddp", "dp2-zero1-deepspeed"])
-def test_killed_run_resumes_exactly(data, zero, tmp_path):
-    _, straight = run_job(tmp_path / "straight", _checkpointed(tmp_path / "straight", data, zero))
+@pytest.mark.parametrize("data,zero,accumulation", [(2, 0, 1), (2, 1, 1), (2, 1, 2)],
+                         ids=["dp2-ddp", "dp2-zero1-deepspeed", "dp2-zero1-deepspeed-accumulating"])
+def test_killed_run_resumes_exactly(data, zero, accumulation, tmp_path):
+    _, straight = run_job(tmp_path / "straight", _checkpointed(tmp_path / "straight", data, zero, accumulation))
 
     crashed_dir = tmp_path / "crashed"
-    overrides = _checkpointed(crashed_dir, data, zero)
+    overrides = _checkpointed(crashed_dir, data, zero, accumulation)
     proc, _ = run_job(crashed_dir, overrides, expect_ok=False,
                       env={"PARATRAIN_TEST_MUTANT": "crash:1:6", "PYTHONPATH": str(MUTANTS)})
     assert proc.returncode != 0, "the launcher must report a killed rank"

@@ -29,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a job locally as processes (no cluster needed)")
     _add_job_args(run)
-    run.add_argument("--metrics-out", help="write losses, val loss, tokens/s and per-rank state bytes as JSON")
+    run.add_argument("--metrics-out", help="write losses, val loss, tokens/s, per-rank state bytes and peak memory, "
+                     "FLOPs and MFU as JSON")
+    run.add_argument("--peak-flops", type=float, metavar="FLOPS",
+                     help="one device's peak FLOP/s, for the metrics' mfu (GPUs in paratrain's table need none)")
     run.add_argument("--workdir", help="where logs and relative checkpoint paths go (default: ./runs/<name>)")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live progress bar")
 
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from .launch import run_local
 
-        return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress)
+        return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress,
+                         peak_flops=args.peak_flops)
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC

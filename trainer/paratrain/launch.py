@@ -37,7 +37,8 @@ def _threads_per_rank(world: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
 
 
-def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, port: int) -> list[subprocess.Popen]:
+def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, port: int,
+               peak_flops: float | None = None) -> list[subprocess.Popen]:
     """Every rank as a process, meeting at the rendezvous store on `port`."""
     spec = job.spec
     spec_file = workdir / contract.SPEC_FILE_NAME
@@ -51,6 +52,8 @@ def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, po
                                                   master_addr="127.0.0.1", master_port=port)}
         env["OMP_NUM_THREADS"] = _threads_per_rank(spec.world_size)
         env[contract.ENV_JOB_NAME] = job.metadata.name
+        if peak_flops is not None:
+            env[contract.ENV_PEAK_FLOPS] = repr(peak_flops)
         if rank == 0:
             env[contract.ENV_EVENTS_FILE] = str(events)
             if metrics_out:
@@ -172,7 +175,7 @@ def preflight(job: ParallelTrainJob) -> None:
 
 
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
-              progress: bool = True) -> int:
+              progress: bool = True, peak_flops: float | None = None) -> int:
     preflight(job)
     spec = job.spec
     work = Path(workdir or Path("runs") / job.metadata.name).resolve()
@@ -181,7 +184,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
           f"{spec.training.steps} steps; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
     store = rendezvous_store()
-    procs = start_gang(job, work, metrics_out, store.port)
+    procs = start_gang(job, work, metrics_out, store.port, peak_flops)
     view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
     failed: tuple[int, int] | None = None
     try:

@@ -62,15 +62,15 @@ if FAULT and "RANK" in os.environ:
         original_fb, original_step = engine.TorchEngine.forward_backward, engine.TorchEngine.optimizer_step
         calls = {"fb": 0, "step": 0}
 
-        def forward_backward(self, x, y):
+        def forward_backward(self, micro_batches):
             step = calls["fb"]
             calls["fb"] += 1
             if RANK != storm_rank or not first <= step < first + count:
-                return original_fb(self, x, y)
+                return original_fb(self, micro_batches)
             real = self.scaler.scale
             self.scaler.scale = real * 2.0**100
             try:
-                return original_fb(self, x, y)
+                return original_fb(self, micro_batches)
             finally:
                 self.scaler.scale = real
 

@@ -10,7 +10,7 @@ MUTANT = os.environ.get("PARATRAIN_TEST_MUTANT")
 if MUTANT:
     import torch.distributed as dist
 
-    from paratrain.train import engine, parallelize, pipeline
+    from paratrain.train import engine, parallelize
 
     if MUTANT == "ddp_skips_allreduce":
         parallelize.apply_ddp = lambda model, dp_mesh: model
@@ -34,14 +34,11 @@ if MUTANT:
         engine.allreduce_gradients = lambda params, dp_mesh: None
 
     elif MUTANT == "pipeline_sums_microbatches":
-        original_build = pipeline.build_schedule
+        engine.loss_weight = lambda accumulation, microbatches: 1.0 / accumulation
 
-        def _unscaled(*args, **kwargs):
-            schedule = original_build(*args, **kwargs)
-            schedule.scale_grads = False
-            return schedule
-
-        parallelize.build_schedule = _unscaled
+    elif MUTANT == "accumulation_sums_micro_steps":
+        # Each micro-step's gradient added at full weight: k times the step's gradient.
+        engine.loss_weight = lambda accumulation, microbatches: 1.0 / microbatches
     elif MUTANT == "cpu_without_native_fp16":
         # A CPU without AVX512-FP16/AMX-FP16 (e.g. an AMD EPYC with avx512_bf16): oneDNN's own probe says no,
         # so both paratrain's check and DeepSpeed's see what they would see there.

@@ -172,9 +172,14 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"{T}.batchSize % {P}.data == 0",
               f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",
               ".training.batchSize"),
-        # Checked only when batchSize divides evenly (the rule above reports the other case).
-        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {P}.microbatches == 0",
+        # Each checked only when the division before it is exact (the rule before reports the other case).
+        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation == 0",
               f"per-rank batch batchSize/data = {{{T}.batchSize / {P}.data}} must be divisible by "
+              f"gradientAccumulation({{{T}.gradientAccumulation}})", ".training.gradientAccumulation"),
+        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation != 0 || "
+              f"{T}.batchSize / {P}.data / {T}.gradientAccumulation % {P}.microbatches == 0",
+              f"per-rank micro-step batch batchSize/data/gradientAccumulation = "
+              f"{{{T}.batchSize / {P}.data / {T}.gradientAccumulation}} must be divisible by "
               f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
         _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
               "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),

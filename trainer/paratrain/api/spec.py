@@ -108,6 +108,9 @@ class DataSpec(_Model):
 class TrainingSpec(_Model):
     steps: int = Field(100, ge=1, le=100_000_000)
     batch_size: int = Field(8, ge=1, le=1_000_000, description="Sequences per optimizer step, over all DP ranks.")
+    gradient_accumulation: int = Field(1, ge=1, le=1024, description=(
+        "Micro-steps per optimizer step, each of batchSize/gradientAccumulation sequences; gradients are reduced "
+        "once per optimizer step."))
     learning_rate: float = Field(1e-3, gt=0.0, le=10.0)
     min_learning_rate: float = Field(1e-4, ge=0.0, le=10.0)
     warmup_steps: int = Field(10, ge=0, le=100_000_000)
@@ -289,9 +292,13 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     if t.batch_size % p.data:
         out.append(("spec.training.batchSize", f"batchSize({t.batch_size}) must be divisible by "
                     f"parallelism.data({p.data})"))
-    elif (t.batch_size // p.data) % p.microbatches:
-        out.append(("spec.parallelism.microbatches", f"per-rank batch batchSize/data = {t.batch_size // p.data} "
-                    f"must be divisible by microbatches({p.microbatches})"))
+    elif (t.batch_size // p.data) % t.gradient_accumulation:
+        out.append(("spec.training.gradientAccumulation", f"per-rank batch batchSize/data = "
+                    f"{t.batch_size // p.data} must be divisible by gradientAccumulation({t.gradient_accumulation})"))
+    elif (t.batch_size // p.data // t.gradient_accumulation) % p.microbatches:
+        out.append(("spec.parallelism.microbatches", f"per-rank micro-step batch batchSize/data/gradientAccumulation "
+                    f"= {t.batch_size // p.data // t.gradient_accumulation} must be divisible by "
+                    f"microbatches({p.microbatches})"))
     if p.microbatches > 1 and p.pipeline == 1:
         out.append(("spec.parallelism.microbatches", "microbatches > 1 needs parallelism.pipeline > 1"))
     if p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":

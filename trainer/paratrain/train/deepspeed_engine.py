@@ -40,7 +40,7 @@ from torch import nn
 
 from ..api import Spec
 from .dims import ParallelDims
-from .engine import StepResult, cross_entropy
+from .engine import Batch, StepResult, cross_entropy
 from .model import GPT, GPTConfig, init_weights
 from .parallelize import param_groups
 from .precision import LossScaler
@@ -72,8 +72,8 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
         zero["overlap_comm"] = False  # no streams to overlap on; DeepSpeed's default elsewhere
     return {
         "train_batch_size": t.batch_size,
-        "train_micro_batch_size_per_gpu": t.batch_size // dp,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": t.batch_size // dp // t.gradient_accumulation,
+        "gradient_accumulation_steps": t.gradient_accumulation,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": spec.precision == "bf16"},
@@ -120,11 +120,18 @@ class DeepSpeedEngine:
             return list(self.zero.fp32_partitioned_groups_flat)
         return list(self.zero.single_partition_of_fp32_groups)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def forward_backward(self, micro_batches: list[Batch]) -> float:
+        """DeepSpeed's own accumulation: backward scales each loss by 1/gradient_accumulation_steps (and the loss
+        scale); step() after every micro-step but the last only counts it (optimizer_step takes the real one)."""
         self.ds.train()
-        loss = cross_entropy(self.ds(x), y)
-        self.ds.backward(loss)  # scales by the loss scale; reduces gradients into their owners' partitions
-        return loss.item()
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            loss = cross_entropy(self.ds(x), y)
+            self.ds.backward(loss)  # reduces gradients into their owners' partitions (ZeRO-1: at the boundary)
+            losses.append(loss.item())
+            if i < len(micro_batches) - 1:
+                self.ds.step()
+        return sum(losses) / len(losses)
 
     def optimizer_step(self, lr: float) -> StepResult:
         self.last_grad_bytes = self._grad_bytes()

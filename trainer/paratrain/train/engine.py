@@ -7,14 +7,17 @@ load_state_dict, state_bytes — so the DeepSpeed engine (deepspeed_engine.py) c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import restore_into
 from .data_parallel import allreduce_gradients
@@ -47,6 +50,15 @@ def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
     return math.sqrt(total_sq.item()) if torch.isfinite(total_sq) else math.inf
 
 
+def loss_weight(accumulation: int, microbatches: int) -> float:
+    """What each (micro-step, microbatch) loss is multiplied by before backward: their gradients then sum to the
+    gradient of the whole step's mean loss, whatever the split."""
+    return 1.0 / (accumulation * microbatches)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class StepResult:
     applied: bool  # False when fp16 overflowed and the step was skipped
@@ -62,6 +74,8 @@ class TorchEngine:
     precision: str
     grad_clip: float
     sync_dp_grads: bool  # all-reduce gradients ourselves (composed layouts DDP cannot wrap)
+    accumulation: int = 1  # micro-steps per optimizer step
+    microbatches: int = 1  # pipeline microbatches per micro-step
     schedule: object | None = None  # pipelining schedule when pp > 1
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
     heads_rng: RNGStream | None = None  # tensor parallel's stream for attention dropout
@@ -71,36 +85,52 @@ class TorchEngine:
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def scaled_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        return lambda logits, targets: cross_entropy(logits, targets) * self.scaler.factor
+    @property
+    def loss_multiplier(self) -> float:
+        """The fp16 loss scale times this split's loss weight; reported losses are divided by it again."""
+        return self.scaler.factor * loss_weight(self.accumulation, self.microbatches)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        """Accumulate this rank's gradients for one batch; return its mean loss where this rank computes it."""
+    def scaled_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda logits, targets: cross_entropy(logits, targets) * self.loss_multiplier
+
+    def forward_backward(self, micro_batches: list[Batch]) -> float | None:
+        """Accumulate this rank's gradients over one optimizer step's micro-batches, reducing them over dp once,
+        in the last micro-step; return their mean loss where this rank computes it."""
         self.model.train()
-        device_type = x.device.type
-        if self.schedule is None:
-            with autocast(self.precision, device_type):
-                loss = cross_entropy(self.model(x), y)
-            (loss * self.scaler.factor).backward()
-            result = loss.item()
-        else:
-            result = self._pipeline_step(x, y, device_type)
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            with self._dp_gradient_sync(i == len(micro_batches) - 1):
+                losses.append(self._micro_step(x, y))
         if self.sync_dp_grads:
             allreduce_gradients(self.params, self.dims.get_mesh("dp"))
-        return result
+        return sum(losses) / len(losses) if losses[0] is not None else None
 
-    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, device_type: str) -> float | None:
-        with autocast(self.precision, device_type):
-            return self._run_schedule(self.schedule.step, x, y)
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        with autocast(self.precision, x.device.type):
+            if self.schedule is not None:
+                return self._run_schedule(self.schedule.step, x, y)
+            loss = cross_entropy(self.model(x), y)
+        (loss * self.loss_multiplier).backward()
+        return loss.item()
+
+    @contextmanager
+    def _dp_gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """DDP and FSDP2 reduce gradients in backward; switch that off for all but the last micro-step. (Under
+        pipeline parallel, torch's PipelineStage drives FSDP2 itself and reduce-scatters after every schedule run:
+        still correct, FSDP2 adds each to the sharded gradient, but once per micro-step.)"""
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
+        with self.model.no_sync() if isinstance(self.model, DDP) and not enabled else nullcontext():
+            yield
 
     def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Call a schedule's step/eval with what this stage feeds it (inputs on the first, targets on the last);
-        return the mean microbatch loss on the last stage. The loss_fn multiplied by the loss scale; undo it."""
+        return the mean microbatch loss on the last stage. The loss_fn multiplied by loss_multiplier; undo it."""
         losses: list[torch.Tensor] = []
         first, last = self.dims.pp_rank == 0, self.dims.is_last_stage
         args = (x,) if first else ()
         run(*args, **({"target": y, "losses": losses} if last else {}))
-        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.scaler.factor if last else None
+        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.loss_multiplier if last else None
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> StepResult:

@@ -123,7 +123,8 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .data import load_corpus
     from .dims import ParallelDims
     from .loop import Trainer
-    from .parallelize import build_engine, uses_deepspeed
+    from .parallelize import build_engine, gpt_config, uses_deepspeed
+    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
     from .precision import check_device_supports
     from .progress import ProgressReporter, write_json
 
@@ -153,14 +154,28 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
         state_bytes: list = [None] * world
         dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
+        peak_memory, peak_memory_kind = peak_memory_bytes(device)
+        peak_memories: list = [None] * world
+        dist.all_gather_object(peak_memories, peak_memory)
         metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
         if rank == 0:
+            flops_per_token = model_flops_per_token(gpt_config(spec, corpus.vocab_size))
+            given_peak = os.environ.get(contract.ENV_PEAK_FLOPS)
+            peak_flops = device_peak_flops(device, float(given_peak) if given_peak else None)
+            utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
+            reporter.emit("performance", modelFlopsPerToken=flops_per_token, mfu=utilisation,
+                          peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
             if metrics_out:
                 write_json(metrics_out, {
                     "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
                     "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
                     "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
                     "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
+                    "model_flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
+                    "mfu": utilisation,
+                    "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
+                    "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
+                                          "optimizer": result.optimizer_seconds},
                 })
             reporter.close()
         dist.barrier()

@@ -40,6 +40,9 @@ class RunResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
     tokens_per_second: float = 0.0
+    # This run's steps (not those before a resume), summed; each part ends in a .item(), which waits for the device.
+    forward_backward_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
     start_step: int = 0
 
 
@@ -55,6 +58,13 @@ class Trainer:
         x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream)
         dp_rank, dp = self.dims.dp_rank, self.dims.dp
         return rank_slice(x, dp_rank, dp).to(self.device), rank_slice(y, dp_rank, dp).to(self.device)
+
+    def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's slice of the step's global batch, in gradientAccumulation equal contiguous parts: the same
+        global batch, and so the same data, whatever the accumulation."""
+        x, y = self._batch(self.corpus.train, step, TRAIN_STREAM)
+        k = self.spec.training.gradient_accumulation
+        return list(zip(x.chunk(k), y.chunk(k), strict=True))
 
     def _emit(self, event: str, **fields) -> None:
         if self.reporter:
@@ -97,9 +107,13 @@ class Trainer:
         train_time, t_last = 0.0, time.perf_counter()
         for step in range(r.start_step, t.steps):
             t0 = time.perf_counter()
-            x, y = self._batch(self.corpus.train, step, TRAIN_STREAM)
-            local_loss = self.engine.forward_backward(x, y)
+            micro_batches = self._micro_batches(step)
+            t_forward = time.perf_counter()
+            local_loss = self.engine.forward_backward(micro_batches)
+            t_optimizer = time.perf_counter()
             outcome = self.engine.optimizer_step(lr_at(step, t))
+            r.forward_backward_seconds += t_optimizer - t_forward
+            r.optimizer_seconds += time.perf_counter() - t_optimizer
             loss = mean_over_reporters(local_loss, self.device)
             dt = time.perf_counter() - t0
             train_time += dt

@@ -82,6 +82,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     engine = TorchEngine(
         model=wrapped, module=model, optimizer=optimizer, dims=dims, precision=spec.precision,
         grad_clip=t.grad_clip, sync_dp_grads=dims.dp_enabled and composed and zero_stage < 2,
+        accumulation=t.gradient_accumulation, microbatches=spec.parallelism.microbatches,
         scaler=LossScaler(enabled=spec.precision == "fp16"), heads_rng=heads_rng,
     )
     if dims.pp_enabled:

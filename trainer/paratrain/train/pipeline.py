@@ -34,6 +34,7 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device, microbatches: int,
                    schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """A schedule that averages the microbatch losses' gradients (scale_grads), matching one full-batch mean."""
+    """A schedule whose loss_fn already weighs each microbatch (engine.loss_weight). Not scale_grads: it divides
+    every gradient the stage holds after each run, so would divide earlier micro-steps' gradients again."""
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
-    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
