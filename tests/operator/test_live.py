@@ -2,7 +2,7 @@
 own ServiceAccount under the RBAC it declares — so any call beyond it fails these tests — with the test kubelet
 running the pods kube-scheduler binds to its node, and a stand-in trainer (tests/operator/support/fake_trainer.py:
 the real one's progress endpoint and exit codes, no torch) so that failure handling is exercised in seconds.
-test_live_trainer.py runs the real trainer; test_live_faults.py injects API faults (emulator).
+test_live_trainer.py runs the real trainer; test_live_faults.py injects API faults (through the fault proxy).
 
 One cluster (and operator) serves this module; each test uses its own namespace.
 """

@@ -1,6 +1,7 @@
 """The operator killed (SIGKILL) at the worst moments, then restarted: it picks up from the job's status and the
-pods it finds, creating nothing twice and counting nothing twice. Each test holds one API request in flight,
-kills the operator while it waits, fails that request, and starts a new operator."""
+pods it finds, creating nothing twice and counting nothing twice. Each test holds one of the operator's API
+requests in flight (the fault proxy in front of the real API server: support/fault_proxy.py), kills the operator
+while it waits, fails that request, and starts a new operator."""
 
 from __future__ import annotations
 
@@ -8,27 +9,28 @@ from pathlib import Path
 
 import pytest
 
-from .support.cluster import Cluster, fake_job, fake_trainer_command
+from .support.cluster import fake_job, fake_trainer_command
+from .support.real_cluster import RealCluster
 from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def cluster(tmp_path: Path):
-    c = Cluster(tmp_path, command=fake_trainer_command)
+def cluster(control_plane, tmp_path: Path):
+    node = tmp_path.name.lower().replace("_", "-")  # unique per test, as its temp dir
+    c = RealCluster(control_plane, tmp_path, command=fake_trainer_command, node=node, faults=True)
     yield c
     c.close()
-    assert not c.api.emulator.internal_errors, c.api.emulator.internal_errors
+    assert not c.proxy.internal_errors, c.proxy.internal_errors
 
 
-def names(cluster: Cluster, ns: str) -> list[str]:
+def names(cluster: RealCluster, ns: str) -> list[str]:
     return sorted(p["metadata"]["name"] for p in cluster.pods(ns))
 
 
-def test_killed_after_creating_one_of_three_pods(cluster: Cluster):
-    ns = cluster.namespace("restart")
-    held = cluster.api.emulator.inject("POST", rf"/namespaces/{ns}/pods$", after=1, hold=True, status=503)
+def test_killed_after_creating_one_of_three_pods(cluster: RealCluster, ns: str):
+    held = cluster.proxy.inject("POST", rf"/namespaces/{ns}/pods$", after=1, hold=True, status=503)
     cluster.submit(ns, "big", fake_job(nodes=3, steps=3))
     wait_for(lambda: held.faulted, 30, "the operator to be creating its second pod")
     cluster.kill_operator()
@@ -43,12 +45,11 @@ def test_killed_after_creating_one_of_three_pods(cluster: Cluster):
     assert status["pods"]["succeeded"] == 3 and status["progressText"] == "3/3"
 
 
-def test_killed_in_the_middle_of_a_gang_restart(cluster: Cluster):
-    ns = cluster.namespace("midrestart")
+def test_killed_in_the_middle_of_a_gang_restart(cluster: RealCluster, ns: str):
     cluster.submit(ns, "job", fake_job(nodes=2, steps=30))
     cluster.wait_phase(ns, "job", "Running", 30)
     # The restart is decided and persisted (attempt 1), then deleting the old gang hangs.
-    held = cluster.api.emulator.inject("DELETE", rf"/namespaces/{ns}/pods/job-0-0$", hold=True, status=503)
+    held = cluster.proxy.inject("DELETE", rf"/namespaces/{ns}/pods/job-0-0$", hold=True, status=503)
     cluster.api.call(cluster.kubelet.kill, ns, "job-0-1")
     wait_for(lambda: held.faulted, 30, "the operator to be deleting the old gang")
     cluster.kill_operator()

@@ -137,6 +137,31 @@ class ClusterBase:
     def metrics(self) -> str:
         return self._operator.metrics() if self._operator else ""
 
+    def operator_requests(self) -> list[list[Any]]:
+        """[method, path?query, status (None while in flight)] of every API request the operator made so far."""
+        raise NotImplementedError
+
+    def passes(self, namespace: str, name: str) -> int:
+        """The operator's reconcile passes of a job so far: each starts with a GET of the job (kopf only lists,
+        watches and patches)."""
+        path = f"/apis/{JOBS.rsplit('/', 1)[0]}/namespaces/{namespace}/{PLURAL}/{name}"
+        return sum(method == "GET" and where == path for method, where, _ in self.operator_requests())
+
+    def api_calls(self) -> set[tuple[str, str, str]]:
+        """(apiGroup, resource, verb) of every API request the operator made so far, discovery aside."""
+        used = set()
+        for method, where, _ in self.operator_requests():
+            path, _, query = where.partition("?")
+            route = parse_route(path)
+            if route is None:
+                continue  # discovery: allowed to every authenticated user
+            named = route.name is not None
+            verb = {"GET": "watch" if "watch=true" in query else "get" if named else "list", "POST": "create",
+                    "PATCH": "patch", "PUT": "update", "DELETE": "delete" if named else "deletecollection"}[method]
+            resource = route.resource.plural + (f"/{route.subresource}" if route.subresource else "")
+            used.add((route.resource.group, resource, verb))
+        return used
+
     # ---- jobs and pods -----------------------------------------------------------------------------------
 
     def namespace(self, name: str) -> str:
@@ -211,12 +236,6 @@ class Cluster(ClusterBase):
         self._kubelet_run = self.api.start(self.kubelet.run)
         self.start_operator()
 
-    def passes(self, namespace: str, name: str) -> int:
-        """The operator's reconcile passes of a job so far: each starts with a GET of the job (kopf only lists,
-        watches and patches)."""
-        path = f"/apis/{JOBS.rsplit('/', 1)[0]}/namespaces/{namespace}/{PLURAL}/{name}"
-        return sum(method == "GET" and where == path for method, where, _ in list(self.api.emulator.log))
-
     def pod_creations(self, namespace: str) -> list[str]:
         """The name of every pod the API created in `namespace`, once per creation (a name twice: re-created)."""
         return self.creations(namespace, "pods")
@@ -233,21 +252,10 @@ class Cluster(ClusterBase):
             return sorted(names)
         return self.api.call(collect)
 
-    def api_calls(self) -> set[tuple[str, str, str]]:
-        """(apiGroup, resource, verb) of every API request so far, discovery aside. Only the operator and kubectl
-        talk HTTP to the emulator (the kubelet and the tests call it in-process)."""
-        used = set()
-        for method, where, _ in list(self.api.emulator.log):
-            path, _, query = where.partition("?")
-            route = parse_route(path)
-            if route is None:
-                continue  # discovery: allowed to every authenticated user
-            named = route.name is not None
-            verb = {"GET": "watch" if "watch=true" in query else "get" if named else "list", "POST": "create",
-                    "PATCH": "patch", "PUT": "update", "DELETE": "delete" if named else "deletecollection"}[method]
-            resource = route.resource.plural + (f"/{route.subresource}" if route.subresource else "")
-            used.add((route.resource.group, resource, verb))
-        return used
+    def operator_requests(self) -> list[list[Any]]:
+        """[method, path?query, status] of every HTTP request the emulator got: the operator's and kubectl's (the
+        kubelet and the tests call it in-process)."""
+        return list(self.api.emulator.log)
 
     def close(self) -> None:
         self.kill_operator(signal.SIGTERM)

@@ -225,6 +225,46 @@ class Fault:
         self.released = True
 
 
+def add_fault(faults: list[Fault], method: str | None, path: str | None, **kwargs: Any) -> Fault:
+    """A fault on the next matching requests (see `Fault`); `path` is a regular expression searched in the request
+    path (not the query), e.g. `r"/pods$"` for pod creation (with method POST)."""
+    fault = Fault(method=method, path=re.compile(path) if path else None, **kwargs)
+    faults.append(fault)
+    return fault
+
+
+async def apply_faults(faults: list[Fault], method: str, path: str) -> None:
+    """Count the request against each matching fault; raise the first fault's error (after holding the request,
+    if it holds). Returns when none faults it, or a held one with no status is released."""
+    for fault in list(faults):
+        if not fault.matches(method, path):
+            continue
+        fault.seen += 1
+        if fault.seen <= fault.after or (fault.times is not None and fault.faulted >= fault.times):
+            continue
+        fault.faulted += 1
+        fault.faulted_at.append(time.monotonic())
+        while fault.hold and not fault.released:
+            await asyncio.sleep(0.02)
+        if fault.status is None:
+            return
+        headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+        reason = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
+                  503: "ServiceUnavailable"}.get(fault.status, "InternalError")
+        raise ApiError(fault.status, reason, f"injected fault: {method} {path}", headers)
+
+
+def expired_watch_event(position: int, expired_before: int) -> bytes:
+    """The line an API server's watch sends once its history no longer reaches back to `position`."""
+    status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
+              "reason": "Expired", "message": f"too old resource version: {position} ({expired_before})"}
+    return json.dumps({"type": "ERROR", "object": status}).encode() + b"\n"
+
+
+def is_watch(query: Mapping[str, str]) -> bool:
+    return query.get("watch") in ("true", "1")
+
+
 @dataclass
 class _Change:
     rv: int
@@ -270,7 +310,7 @@ class Emulator(kmock.KubernetesEmulator):
         entry: list[Any] = [raw.method, raw.path_qs, None]  # logged on arrival: watches stay open a long time
         self.log.append(entry)
         try:
-            await self._apply_faults(raw.method, raw.path)
+            await apply_faults(self.faults, raw.method, raw.path)
             route = parse_route(raw.path)
             if route is None:
                 response = await super().__call__(raw)  # discovery: kmock's
@@ -283,24 +323,6 @@ class Emulator(kmock.KubernetesEmulator):
             response = ApiError(500, "InternalError", f"emulator error: {exc!r}").response()
         entry[2] = response.status
         return response
-
-    async def _apply_faults(self, method: str, path: str) -> None:
-        for fault in list(self.faults):
-            if not fault.matches(method, path):
-                continue
-            fault.seen += 1
-            if fault.seen <= fault.after or (fault.times is not None and fault.faulted >= fault.times):
-                continue
-            fault.faulted += 1
-            fault.faulted_at.append(time.monotonic())
-            while fault.hold and not fault.released:
-                await asyncio.sleep(0.02)
-            if fault.status is None:
-                return
-            headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
-            reason = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
-                      503: "ServiceUnavailable"}.get(fault.status, "InternalError")
-            raise ApiError(fault.status, reason, f"injected fault: {method} {path}", headers)
 
     async def _serve(self, raw: aiohttp.web.BaseRequest, route: Route, body: bytes) -> aiohttp.web.StreamResponse:
         res, q = route.resource, raw.query
@@ -319,7 +341,7 @@ class Emulator(kmock.KubernetesEmulator):
         if route.subresource not in (None, "status"):
             raise ApiError(404, "NotFound", f"subresource {route.subresource} is not served")
         if route.name is None:
-            if method == "GET" and q.get("watch") in ("true", "1"):
+            if method == "GET" and is_watch(q):
                 return await self._serve_watch(raw, route)
             if method == "GET":
                 items = self.select(res, route.namespace, q.get("labelSelector"), q.get("fieldSelector"))
@@ -333,7 +355,7 @@ class Emulator(kmock.KubernetesEmulator):
                 return aiohttp.web.json_response({"kind": f"{info.kind}List", "apiVersion": _api_version(res),
                                                   "metadata": {"resourceVersion": str(self._rv)}, "items": deleted})
         else:
-            if method == "GET" and q.get("watch") in ("true", "1"):
+            if method == "GET" and is_watch(q):
                 return await self._serve_watch(raw, route, name=route.name)
             if method == "GET":
                 obj = self.fetch(res, route.namespace, route.name)
@@ -694,10 +716,7 @@ class Emulator(kmock.KubernetesEmulator):
         else:
             position = int(since)
             if position < self._expired_before:  # what an API server says once its watch cache moved on
-                status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
-                          "reason": "Expired", "message": f"too old resource version: {position} "
-                                                          f"({self._expired_before})"}
-                await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+                await response.write(expired_watch_event(position, self._expired_before))
                 self.expired_watches += 1
                 return response
         deadline = time.monotonic() + float(q["timeoutSeconds"]) if q.get("timeoutSeconds") else None
@@ -726,11 +745,7 @@ class Emulator(kmock.KubernetesEmulator):
     # ---- faults ------------------------------------------------------------------------------------------
 
     def inject(self, method: str | None = None, path: str | None = None, **kwargs: Any) -> Fault:
-        """Fault the next matching requests (see `Fault`); `path` is a regular expression searched in the
-        request path, e.g. `r"/pods$"` for pod creation (with method POST)."""
-        fault = Fault(method=method, path=re.compile(path) if path else None, **kwargs)
-        self.faults.append(fault)
-        return fault
+        return add_fault(self.faults, method, path, **kwargs)
 
     def _select_watches(self, resource: str | None) -> list[_Watch]:
         res = kmock.resource(resource) if resource else None

@@ -1,7 +1,8 @@
 """The live tests' cluster on the real control plane (scripts/test-cluster.sh): the operator runs as its own
 ServiceAccount bound to the RBAC it declares (paratrain_operator.rbac, which the Helm chart renders), so the real
 authorizer judges least privilege; the test kubelet registers a real Node and runs the pods kube-scheduler binds
-to it; the garbage collector, namespace and service-account controllers are Kubernetes' own.
+to it; the garbage collector, namespace and service-account controllers are Kubernetes' own. With `faults=True`
+the operator talks to the API server through a fault-injecting proxy (`self.proxy`, fault_proxy.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import ssl
 import threading
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +27,7 @@ from paratrain_operator import rbac
 from ...support.control_plane import ApiResponse, ControlPlane, KubeApi, register_node, wait_for
 from .cluster import ClusterBase
 from .emulator import ApiError
+from .fault_proxy import FaultProxy
 from .kubelet import Kubelet
 
 T = TypeVar("T")
@@ -160,10 +161,8 @@ class NodeApi:
                 self._stopped.wait(0.5)
 
     def _stream(self, version: str) -> str:
-        query = urllib.parse.urlencode({"watch": "true", "resourceVersion": version, "allowWatchBookmarks": "true",
-                                        "timeoutSeconds": "60"})
-        request = urllib.request.Request(f"{self.http.server}/api/v1/pods?{query}")
-        with urllib.request.urlopen(request, context=self.http.tls, timeout=90) as stream:
+        with self.http.watch("/api/v1/pods", resourceVersion=version, allowWatchBookmarks="true",
+                             timeoutSeconds="60") as stream:
             for line in stream:
                 if self._stopped.is_set():
                     break
@@ -224,7 +223,7 @@ class LogServer:
 class RealCluster(ClusterBase):
     def __init__(self, plane: ControlPlane, workdir: Path, *,
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
-                 resync_seconds: float = 1.0, node: str = "test-node"):
+                 resync_seconds: float = 1.0, node: str = "test-node", faults: bool = False):
         super().__init__(workdir, resync_seconds)
         self.plane, self.kubeconfig = plane, plane.kubeconfig
         install_crd(plane)
@@ -234,20 +233,43 @@ class RealCluster(ClusterBase):
         register_node(plane.api, node, {"kubernetes.io/hostname": node}, NODE_CAPACITY, kubelet_port=self.logs.port)
         self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command)
         self._kubelet_run = self.api.start(self.kubelet.run)
+        self.proxy = FaultProxy(plane.kubeconfig) if faults else None
         self.start_operator()
 
     def operator_kubeconfig(self) -> Path:
-        return operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig")
+        return operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig",
+                                   server=self.proxy.url if self.proxy else None)
+
+    def operator_requests(self) -> list[list[Any]]:
+        return list(self._faults().log)
 
     def pod_creations(self, namespace: str) -> list[str]:
         """The name of every pod created in `namespace`, once per creation (a name twice: re-created)."""
         return sorted(self.node_api.created.get(namespace, []))
 
+    def creations(self, namespace: str, plural: str) -> list[str]:
+        """The name of every object of resource `plural` the operator created in `namespace`, once per creation."""
+        created = list(self._faults().created)
+        return sorted(name for ns, plural_, name in created if ns == namespace and plural_ == plural)
+
+    def bind(self, namespace: str, pod: str) -> None:
+        """Bind a pod to this cluster's node, as the scheduler it names would (one this cluster does not run,
+        such as Volcano)."""
+        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
+                   "target": {"apiVersion": "v1", "kind": "Node", "name": self.kubelet.node_name}}
+        _checked(self.plane.api.request("POST", resource_path("v1/pods", namespace, pod, "binding"), binding))
+
     def kubectl_binary(self) -> str:
         return str(self.plane.bin / "kubectl")
 
+    def _faults(self) -> FaultProxy:
+        assert self.proxy, "only the fault proxy sees the operator's requests: RealCluster(faults=True)"
+        return self.proxy
+
     def close(self) -> None:
         self.kill_operator()
+        if self.proxy:
+            self.proxy.close()
         self.api.call(self.kubelet.stop)
         self._kubelet_run.cancel()
         self.node_api.stop()
@@ -256,15 +278,18 @@ class RealCluster(ClusterBase):
         self.plane.api.request("DELETE", f"/api/v1/nodes/{self.kubelet.node_name}")
 
 
-def install_crd(plane: ControlPlane) -> None:
-    crd = plane.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd_manifest()['metadata']['name']}")
-    if crd.status == 404:
-        plane.api.must(plane.api.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest()))
-    wait_for(lambda: plane.api.get("/apis/paratrain.dev/v1alpha1").ok, 30, "the CRD to be served")
+def install_crd(plane: ControlPlane, manifest: Mapping[str, Any] | None = None) -> None:
+    """Paratrain's CRD, or `manifest`'s, once per control plane; returns once its resource is served."""
+    crd, crds = manifest or crd_manifest(), "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    if plane.api.get(f"{crds}/{crd['metadata']['name']}").status == 404:
+        plane.api.must(plane.api.create(crds, dict(crd)))
+    group, version = crd["spec"]["group"], crd["spec"]["versions"][0]["name"]
+    wait_for(lambda: plane.api.get(f"/apis/{group}/{version}").ok, 30, f"the CRD of {group} to be served")
 
 
-def operator_kubeconfig(plane: ControlPlane, path: Path) -> Path:
-    """A kubeconfig for the operator's ServiceAccount, bound cluster-wide to exactly the rules it declares."""
+def operator_kubeconfig(plane: ControlPlane, path: Path, server: str | None = None) -> Path:
+    """A kubeconfig for the operator's ServiceAccount, bound cluster-wide to exactly the rules it declares; at
+    `server` (plain HTTP: the fault proxy) instead of the API server if given."""
     api = plane.api
     if not api.get(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}").ok:
         plane.create_namespace(OPERATOR_NAMESPACE)
@@ -289,6 +314,8 @@ def operator_kubeconfig(plane: ControlPlane, path: Path) -> Path:
     admin = yaml.safe_load(plane.kubeconfig.read_text())
     admin["users"] = [{"name": OPERATOR_ACCOUNT, "user": {"token": token}}]
     admin["contexts"][0]["context"]["user"] = OPERATOR_ACCOUNT
+    if server:
+        admin["clusters"][0]["cluster"] = {"server": server}
     path.write_text(yaml.safe_dump(admin))
     return path
 
