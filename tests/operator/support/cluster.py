@@ -1,8 +1,8 @@
 """A whole test cluster: an API server + the test kubelet + the real operator (`python -m paratrain_operator`, a
 subprocess, as the Helm chart runs it) + kubectl against it.
 
-`ClusterBase` is what every live test uses; `Cluster` puts it on the API emulator (kmock, with fault hooks), and
-`real_cluster.RealCluster` on the real control plane (scripts/test-cluster.sh).
+`ClusterBase` is what every live test uses; `real_cluster.RealCluster` puts it on the real control plane
+(scripts/test-cluster.sh), with the fault proxy in front of the operator where a test injects API faults.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
-from paratrain.api.crd import crd_manifest
 
 from ...support.control_plane import testbin
 from .emulator import parse_route
 from .kubelet import Kubelet
-from .server import ApiServer, wait_for
+from .server import wait_for
 
 JOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
 REPO = Path(__file__).resolve().parents[3]
@@ -220,45 +219,3 @@ class ClusterBase:
             logs += f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]) + "\n"
         return (f"status: {json.dumps(self.status(namespace, name), indent=1)}\npods: {pods}\n"
                 f"--- operator log\n{self.log_tail()}\n{logs}")
-
-
-class Cluster(ClusterBase):
-    """On the API emulator: the kubelet runs on the emulator's loop, and tests can inject API faults."""
-
-    def __init__(self, workdir: Path, *, command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
-                 resync_seconds: float = 1.0, install_crd: bool = True):
-        super().__init__(workdir, resync_seconds)
-        self.api = ApiServer().__enter__()
-        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
-        if install_crd:
-            self.api.create("apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
-        self.kubelet = Kubelet(self.api.emulator, workdir, command=command)
-        self._kubelet_run = self.api.start(self.kubelet.run)
-        self.start_operator()
-
-    def pod_creations(self, namespace: str) -> list[str]:
-        """The name of every pod the API created in `namespace`, once per creation (a name twice: re-created)."""
-        return self.creations(namespace, "pods")
-
-    def creations(self, namespace: str, plural: str) -> list[str]:
-        """The name of every object of resource `plural` created in `namespace`, once per creation."""
-        def collect() -> list[str]:
-            names = []
-            for (res, ns, name), obj in self.api.emulator.objects.items():
-                if res.plural == plural and ns == namespace:
-                    history = list(obj.history)
-                    names += [name for i, v in enumerate(history)
-                              if v is not None and (i == 0 or history[i - 1] is None)]
-            return sorted(names)
-        return self.api.call(collect)
-
-    def operator_requests(self) -> list[list[Any]]:
-        """[method, path?query, status] of every HTTP request the emulator got: the operator's and kubectl's (the
-        kubelet and the tests call it in-process)."""
-        return list(self.api.emulator.log)
-
-    def close(self) -> None:
-        self.kill_operator(signal.SIGTERM)
-        self.api.call(self.kubelet.stop)
-        self._kubelet_run.cancel()
-        self.api.close()
