@@ -8,7 +8,6 @@ the operator talks to the API server through a fault-injecting proxy (`self.prox
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import http.server
 import json
 import ssl
@@ -16,7 +15,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import kmock
 import yaml
@@ -29,8 +28,8 @@ from .cluster import ClusterBase
 from .emulator import ApiError
 from .fault_proxy import FaultProxy
 from .kubelet import Kubelet
+from .server import OnLoop
 
-T = TypeVar("T")
 OPERATOR_NAMESPACE = "paratrain-system"
 OPERATOR_ACCOUNT = "paratrain-operator"
 MERGE_PATCH = "application/merge-patch+json"
@@ -53,7 +52,7 @@ def _checked(response: ApiResponse) -> dict[str, Any]:
     return response.body
 
 
-class RealApi:
+class RealApi(OnLoop):
     """The tests' view of the real API (the emulator's ApiServer conveniences, same signatures), plus the loop
     the kubelet runs on (`call` runs a function there, as the emulator's `call` does on its loop)."""
 
@@ -62,15 +61,6 @@ class RealApi:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="test-kubelet", daemon=True)
         self._thread.start()
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        async def run() -> Any:
-            result = fn(*args, **kwargs)
-            return await result if asyncio.iscoroutine(result) else result
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
-
-    def start(self, coro_fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop)
 
     def objects(self, resource: str, namespace: str | None = None, labels: str | None = None) -> list[dict[str, Any]]:
         query = {"labelSelector": labels} if labels else None

@@ -23,7 +23,24 @@ from .emulator import Emulator
 T = TypeVar("T")
 
 
-class ApiServer:
+class OnLoop:
+    """Runs work on `self._loop`, an event loop in a thread of its own (the API emulator's, or the test kubelet's)."""
+
+    _loop: asyncio.AbstractEventLoop
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(*args, **kwargs)` (sync or async) on the loop and return its result."""
+        async def run() -> Any:
+            result = fn(*args, **kwargs)
+            return await result if asyncio.iscoroutine(result) else result
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def start(self, coro_fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Start a long-running coroutine (e.g. the kubelet) on the loop."""
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop)
+
+
+class ApiServer(OnLoop):
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -65,17 +82,6 @@ class ApiServer:
         if self._thread.is_alive() and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(10)
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn(*args, **kwargs)` (sync or async) on the emulator's loop and return its result."""
-        async def run() -> Any:
-            result = fn(*args, **kwargs)
-            return await result if asyncio.iscoroutine(result) else result
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
-
-    def start(self, coro_fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Start a long-running coroutine (e.g. the kubelet) on the emulator's loop."""
-        return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop)
 
     # Conveniences for tests (each runs on the loop).
     def objects(self, resource: str, namespace: str | None = None, labels: str | None = None) -> list[dict[str, Any]]:
