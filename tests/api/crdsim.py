@@ -219,3 +219,10 @@ def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None =
     if not any(m.startswith(_BLOCKING) for _, m in problems):
         problems += cel_problems(root, obj, "", old, fired)
     return [(p.removeprefix("."), m) for p, m in problems]
+
+
+def without_empty(value: Any) -> Any:
+    """A spec dump less its empty lists and maps, which the CRD leaves out (it defaults no collection)."""
+    if isinstance(value, dict):
+        return {k: without_empty(v) for k, v in value.items() if v not in ({}, [])}
+    return value

@@ -13,7 +13,8 @@ from paratrain.api.crd import crd_manifest
 from paratrain.api.spec import RESERVED_MOUNT_PATHS, Spec
 from paratrain.api.status import JobStatus
 
-from .crdsim import apply_defaults, cel_problems, evaluate, program, schema_of_version, schema_problems, to_cel
+from .crdsim import (apply_defaults, cel_problems, evaluate, program, schema_of_version, schema_problems, to_cel,
+                     without_empty)
 
 # Keywords Kubernetes refuses in a structural schema (or in any CRD schema).
 FORBIDDEN = {"$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not", "patternProperties",
@@ -98,12 +99,6 @@ def test_crd_defaults_equal_the_models_defaults(root: dict[str, Any]) -> None:
     assert apply_defaults(spec, {}) == without_empty(Spec().dump())  # lists and maps: no default
     assert apply_defaults(spec, {"parallelism": {"data": 2}})["parallelism"] == {
         **Spec().dump()["parallelism"], "data": 2}
-
-
-def without_empty(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: without_empty(v) for k, v in value.items() if v not in ({}, [])}
-    return value
 
 
 def test_bounds_carried_over(root: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import yaml
 from paratrain.api import API_GROUP_VERSION, PLURAL
 from paratrain.api.spec import Spec
 
+from ..api.crdsim import without_empty
 from ..support.control_plane import collection_path, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,13 +64,6 @@ def test_the_server_fills_in_the_typed_specs_defaults(crd_installed):
            "spec": {}}
     created = api.must(api.create(collection_path(API_GROUP_VERSION, PLURAL, "default"), job, dry_run=True))
     assert created["spec"] == without_empty(Spec().dump())
-
-
-def without_empty(value):
-    """The typed spec's dump less its empty lists and maps, which the CRD leaves out (it defaults no collection)."""
-    if isinstance(value, dict):
-        return {k: without_empty(v) for k, v in value.items() if v not in ({}, [], None)}
-    return value
 
 
 def test_kubectl_get_shows_the_printer_columns(crd_installed):
