@@ -164,7 +164,8 @@ def preflight(job: ParallelTrainJob) -> None:
     from .train.precision import check_device_supports
 
     spec = job.spec
-    problems = [p for p in (missing_data(job),) if p]
+    missing = missing_data(job)
+    problems = [missing] if missing else []
     try:
         check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
     except ValueError as exc:
