@@ -28,6 +28,7 @@ FINISHED = frozenset({SUCCEEDED, FAILED})
 DISRUPTIONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
                          "UnexpectedAdmissionError", "DeletionByPodGC", "TerminationByKubelet"})
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+_STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a deleted pod's container
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,11 @@ def classify(pod: PodView) -> Failure | None:
     """A failed or vanishing pod → Failure (retryable or permanent); None for a pod that is fine."""
     if pod.phase == SUCCEEDED:
         return None
+    if pod.terminating and (pod.phase != FAILED or pod.exit_code in _STOP_SIGNAL_EXITS):
+        # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
+        # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
+        return Failure("PodDeleted", f"pod {pod.name} was deleted while running", pod=pod.name,
+                       at=pod.finished_at)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
@@ -143,9 +149,6 @@ def classify(pod: PodView) -> Failure | None:
         code = pod.exit_code
         return Failure(pod.reason or "Error", f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
                        pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
-                       at=pod.finished_at)
-    if pod.terminating:
-        return Failure("PodDeleted", f"pod {pod.name} was deleted while running", pod=pod.name,
                        at=pod.finished_at)
     return None
 

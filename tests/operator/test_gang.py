@@ -109,6 +109,21 @@ def test_evicted_or_deleted_pods_are_retryable_failures(victim):
     assert plan.state.failure.pod == "job-0-1"
 
 
+@pytest.mark.parametrize("seen", [
+    dict(phase="Running", terminating=True),
+    dict(phase="Failed", terminating=True, exit_code=143, reason="Error"),  # the kubelet's SIGTERM landed first
+    dict(phase="Failed", terminating=True, exit_code=137, reason="Error"),  # ... or its SIGKILL
+])
+def test_a_deleted_pod_is_reported_as_deleted_whichever_state_is_seen(seen):
+    failure = decide([pod(0), pod(1, **seen), pod(2)], RUNNING).state.failure
+    assert (failure.reason, failure.message) == ("PodDeleted", "pod job-0-1 was deleted while running")
+
+
+def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure():
+    failure = decide([pod(0), pod(1, phase="Failed", terminating=True, exit_code=3), pod(2)], RUNNING).state.failure
+    assert (failure.reason, failure.exit_code) == ("Error", 3)
+
+
 def test_a_pod_that_vanished_from_a_complete_gang_counts_as_deleted():
     plan = decide([pod(0), pod(2)], RUNNING)
     assert plan.state.phase == "Restarting" and plan.state.failure.reason == "PodDeleted"
