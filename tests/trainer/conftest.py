@@ -1,5 +1,10 @@
+import json
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
+
+from .harness import layout, run_job
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +14,27 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def job_runs(tmp_path_factory):
+    """Jobs shared across test modules, each run once per session: `job_runs(name, overrides, env=..., spec=...)`
+    → (run_dir, metrics). Runs are keyed by what they run, not by `name` (which only names the directory), so two
+    modules asking for the same layout share one run. "{run_dir}" in an override is the job's own directory."""
+    done: dict[str, tuple[Path, dict]] = {}
+
+    def get(name: str, overrides: list[str], env: dict | None = None, spec: dict | None = None):
+        key = json.dumps([overrides, env, spec], sort_keys=True)
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp(name)
+            _, metrics = run_job(run_dir, [o.format(run_dir=run_dir) for o in overrides], job=spec, env=env)
+            done[key] = run_dir, metrics
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(job_runs):
+    """The single-process fp32 run of the parity job that every layout is compared with."""
+    return job_runs("reference", layout())[1]

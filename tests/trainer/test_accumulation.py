@@ -18,7 +18,7 @@ from paratrain.train.zero import apply_fsdp
 
 from .harness import MUTANTS, layout, run_job
 from .test_engine import CFG, tiny_gpt
-from .test_parity import assert_parity, reference  # noqa: F401 (the module fixture)
+from .test_parity import assert_parity
 
 ACCUMULATE = ["spec.training.gradientAccumulation=2"]
 
@@ -32,14 +32,14 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_accumulation_matches_one_full_batch(name, reference, tmp_path):  # noqa: F811
-    _, whole = run_job(tmp_path / "k1", LAYOUTS[name])
+def test_accumulation_matches_one_full_batch(name, reference, job_runs, tmp_path):
+    _, whole = job_runs(name, LAYOUTS[name])  # the parity tests' run of the same layout, where there is one
     _, accumulated = run_job(tmp_path / "k2", LAYOUTS[name] + ACCUMULATE)
     assert_parity(accumulated, whole, rtol=1e-5)
     assert_parity(accumulated, reference, rtol=1e-4)
 
 
-def test_fp16_accumulation_under_pipeline_matches_fp32(reference, tmp_path):  # noqa: F811
+def test_fp16_accumulation_under_pipeline_matches_fp32(reference, tmp_path):
     """The fp16 loss scale and the 1/(k·microbatches) weight share the pipeline's loss_fn; unscaling once per step
     must undo only the former (test_parity's fp16 bound)."""
     _, metrics = run_job(tmp_path, layout(pipeline=2, microbatches=2) + ACCUMULATE + ["spec.precision=fp16"])
@@ -48,7 +48,7 @@ def test_fp16_accumulation_under_pipeline_matches_fp32(reference, tmp_path):  # 
 
 
 @pytest.mark.parametrize("overrides", [layout(), layout(data=2)], ids=["single", "dp2-ddp"])
-def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tmp_path):  # noqa: F811
+def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tmp_path):
     _, metrics = run_job(tmp_path, overrides + ACCUMULATE,
                          env={"PARATRAIN_TEST_MUTANT": "accumulation_sums_micro_steps", "PYTHONPATH": str(MUTANTS)})
     with pytest.raises(AssertionError, match="loss curves differ"):

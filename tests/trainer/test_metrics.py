@@ -17,9 +17,8 @@ def tiny_flops_per_token() -> int:
 
 
 @pytest.fixture(scope="module")
-def dp2_metrics(tmp_path_factory):
-    _, metrics = run_job(tmp_path_factory.mktemp("dp2"), layout(data=2))
-    return metrics
+def dp2_metrics(job_runs):
+    return job_runs("dp2-ddp", layout(data=2))[1]  # test_parity's run of this layout
 
 
 def test_flops_per_token_is_the_formula(dp2_metrics):

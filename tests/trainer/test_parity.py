@@ -14,13 +14,6 @@ import pytest
 from .harness import MUTANTS, assert_close_curves, layout, run_job
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The single-process fp32 run every layout is compared with."""
-    _, metrics = run_job(tmp_path_factory.mktemp("reference"), layout())
-    return metrics
-
-
 def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
     assert_close_curves(metrics["losses"], reference["losses"], rtol)
     assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)
@@ -40,8 +33,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_fp32_layout_matches_single_process(name, reference, tmp_path):
-    _, metrics = run_job(tmp_path, LAYOUTS[name])
+def test_fp32_layout_matches_single_process(name, reference, job_runs):
+    _, metrics = job_runs(name, LAYOUTS[name])
     assert_parity(metrics, reference, rtol=1e-4)
 
 

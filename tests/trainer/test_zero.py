@@ -42,21 +42,10 @@ def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
     assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Jobs shared by several tests, each run once: `runs(name, overrides, env=..., spec=...)`; "{run_dir}" in
-    an override is the job's own directory."""
-    done: dict[str, tuple[Path, dict]] = {}
-
-    def get(name: str, overrides: list[str], env: dict | None = None, spec: dict | None = None):
-        if name not in done:
-            run_dir = tmp_path_factory.mktemp(name)
-            overrides = [o.format(run_dir=run_dir) for o in overrides]
-            _, metrics = run_job(run_dir, overrides, job=spec or SMALL, env=env)
-            done[name] = run_dir, metrics
-        return done[name]
-
-    return get
+@pytest.fixture
+def runs(job_runs):
+    """The session's shared runs (conftest.job_runs), of the SMALL job unless a spec is given."""
+    return lambda name, overrides, env=None, spec=None: job_runs(name, overrides, env=env, spec=spec or SMALL)
 
 
 def zero_fp32(runs, stage: int):
@@ -65,8 +54,9 @@ def zero_fp32(runs, stage: int):
         "spec.checkpoint.path={run_dir}/ckpt", "spec.checkpoint.interval=5"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def reference(runs):
+    """This module's single-process fp32 run, of the SMALL job (conftest's `reference` is the parity job's)."""
     return runs("single-fp32", layout())[1]
 
 
