@@ -222,7 +222,9 @@ def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None =
 
 
 def without_empty(value: Any) -> Any:
-    """A spec dump less its empty lists and maps, which the CRD leaves out (it defaults no collection)."""
+    """A spec less its empty lists and maps: the CRD defaults no collection, and a section whose fields all default
+    to null (logging) is an empty map on the server and absent from a dump. Compare both sides through this."""
     if isinstance(value, dict):
-        return {k: without_empty(v) for k, v in value.items() if v not in ({}, [])}
+        pruned = {k: without_empty(v) for k, v in value.items()}
+        return {k: v for k, v in pruned.items() if v not in ({}, [])}
     return value

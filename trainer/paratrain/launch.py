@@ -7,6 +7,7 @@ others and exits with that rank's code.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -166,6 +167,9 @@ def preflight(job: ParallelTrainJob) -> None:
     spec = job.spec
     missing = missing_data(job)
     problems = [missing] if missing else []
+    if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append(Problem("spec.logging.tensorboard", "writing event files needs the tensorboard package "
+                                "(pip install tensorboard)"))
     try:
         check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
     except ValueError as exc:

@@ -131,6 +131,12 @@ class CheckpointSpec(_Model):
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class LoggingSpec(_Model):
+    tensorboard: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description=(
+        "Directory for TensorBoard event files (loss, learning rate, gradient norm, throughput, validation loss, "
+        "MFU and peak memory), written by rank 0; unset: none."))
+
+
 class ResourcesSpec(_Model):
     gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 trains on CPU with gloo.")
     cpu: str = Field("1", pattern=QUANTITY, max_length=32)
@@ -241,6 +247,7 @@ class Spec(_Model):
     data: DataSpec = Field(default_factory=DataSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
@@ -264,10 +271,12 @@ class Spec(_Model):
 def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
     """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`."""
     out: list[tuple[str, str]] = []
-    if spec.checkpoint.path and not spec.checkpoint.path.startswith("/"):
-        out.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} is relative: in a cluster it must be an "
-                    "absolute path on a volume every pod mounts (spec.pod.volumes), or checkpoints are lost with "
-                    "the pod; relative paths are for local runs"))
+    for field, path, what in (("spec.checkpoint.path", spec.checkpoint.path, "checkpoints"),
+                              ("spec.logging.tensorboard", spec.logging.tensorboard, "event files")):
+        if path and not path.startswith("/"):
+            out.append((field, f"{path!r} is relative: in a cluster it must be an absolute path on a volume every pod "
+                        f"mounts (spec.pod.volumes), or the {what} are lost with the pod; relative paths are for "
+                        "local runs"))
     return out
 
 

@@ -126,7 +126,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .parallelize import build_engine, gpt_config, uses_deepspeed
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
     from .precision import check_device_supports
-    from .progress import ProgressReporter, write_json
+    from .progress import ProgressReporter, TensorBoardWriter, write_json
 
     spec = job.spec
     device, backend = pick_device(job, local_rank)
@@ -143,8 +143,11 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         reporter = None
         if rank == 0:
             port = os.environ.get(contract.ENV_PROGRESS_PORT)
+            tensorboard = TensorBoardWriter(str(_resolve(spec.logging.tensorboard))) if spec.logging.tensorboard \
+                else None
             reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
-                                        os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None)
+                                        os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
+                                        tensorboard)
             log.info("job %s: %s on %d ranks, device %s, backend %s", job.metadata.name, layout_label(spec), world,
                      device, backend)
         checkpointer = None

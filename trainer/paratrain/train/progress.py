@@ -21,14 +21,49 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Event field → TensorBoard tag, per event; scalars only, at the event's step (the performance summary: the last).
+TENSORBOARD_TAGS = {
+    "step": {"loss": "train/loss", "lr": "train/learning_rate", "gradNorm": "train/grad_norm",
+             "tokensPerSecond": "perf/tokens_per_second"},
+    "eval": {"valLoss": "val/loss"},
+    "done": {"valLoss": "val/loss"},  # the final evaluation is reported with the end of training
+    "performance": {"mfu": "perf/mfu", "modelFlopsPerToken": "perf/model_flops_per_token",
+                    "peakMemoryBytes": "memory/peak_bytes"},
+}
+
+
+class TensorBoardWriter:
+    """The reporter's events as TensorBoard scalars in `log_dir` (spec.logging.tensorboard)."""
+
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch's module needs the tensorboard package for its event-file writer
+            raise ValueError(f"spec.logging.tensorboard: writing event files needs the tensorboard package "
+                             f"({exc}); pip install tensorboard") from None
+        self._writer = SummaryWriter(log_dir=log_dir)
+        self._step = 0
+
+    def write(self, event: str, fields: dict) -> None:
+        self._step = fields.get("step", self._step)
+        for name, tag in TENSORBOARD_TAGS.get(event, {}).items():
+            value = fields.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(tag, value, self._step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class ProgressReporter:
     def __init__(self, total_steps: int, events_file: str | None = None, host: str | None = None,
-                 port: int | None = None):
+                 port: int | None = None, tensorboard: TensorBoardWriter | None = None):
         self.snapshot: dict = {"phase": "starting", "step": 0, "totalSteps": total_steps, "loss": None,
                                "valLoss": None, "tokensPerSecond": 0.0, "etaSeconds": None, "updatedAt": _now()}
         self._lock = threading.Lock()
         self._events = open(events_file, "a", buffering=1) if events_file else None
         self._server = _serve(self, host or "0.0.0.0", port) if port else None
+        self._tensorboard = tensorboard
 
     def emit(self, event: str, **fields) -> None:
         with self._lock:
@@ -39,6 +74,8 @@ class ProgressReporter:
         record = {"event": event, "time": time.time(), **fields}
         if self._events:
             self._events.write(json.dumps(record) + "\n")
+        if self._tensorboard:
+            self._tensorboard.write(event, fields)
         if event != "step" or fields.get("log", False):
             log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items() if k != "log"))
 
@@ -59,6 +96,8 @@ class ProgressReporter:
             self._server.server_close()
         if self._events:
             self._events.close()
+        if self._tensorboard:
+            self._tensorboard.close()
 
 
 def _serve(reporter: ProgressReporter, host: str, port: int) -> ThreadingHTTPServer:
