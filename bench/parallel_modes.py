@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import yaml
+from doc_section import DOC, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- bench:parallel_modes:begin -->", "<!-- bench:parallel_modes:end -->"
 
 JOB = {
     "apiVersion": "paratrain.dev/v1alpha1",
@@ -95,7 +94,7 @@ def main() -> None:
 
 
 def write_doc(report: dict) -> None:
-    lines = [BEGIN, "", f"Measured on {report['machine']}, {report['steps']} steps of a "
+    lines = [f"Measured on {report['machine']}, {report['steps']} steps of a "
              f"{report['model']['layers']}-layer, {report['model']['embedDim']}-wide GPT "
              "(`python bench/parallel_modes.py`).", "",
              "| layout | ranks | tokens/s | speed vs single | model state per rank (MB) | memory vs single |",
@@ -103,11 +102,7 @@ def write_doc(report: dict) -> None:
     for name, r in report["results"].items():
         lines.append(f"| {name} | {r['world_size']} | {r['tokens_per_second']:,.0f} | {r['speed_vs_single']:.2f}x | "
                      f"{r['state_bytes_max_rank'] / 1e6:.2f} | {r['state_bytes_vs_single']:.2f}x |")
-    lines += ["", END]
-    text = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOC.write_text(head + "\n".join(lines) + tail)
+    write_section("parallel_modes", lines)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,9 @@ class TrainingSpec(_Model):
     gradient_accumulation: int = Field(1, ge=1, le=1024, description=(
         "Micro-steps per optimizer step, each of batchSize/gradientAccumulation sequences; gradients are reduced "
         "once per optimizer step."))
+    activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description=(
+        "Recompute activations in backward instead of keeping them, per block: full keeps only each block's "
+        "input; selective keeps matmul and attention outputs and recomputes the cheap ops between them."))
     learning_rate: float = Field(1e-3, gt=0.0, le=10.0)
     min_learning_rate: float = Field(1e-4, ge=0.0, le=10.0)
     warmup_steps: int = Field(10, ge=0, le=100_000_000)

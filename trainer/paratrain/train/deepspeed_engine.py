@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..api import Spec
+from .activation_checkpoint import apply_ac
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
 from .model import GPT, GPTConfig, init_weights
@@ -249,6 +250,7 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
     t = spec.training
     model = GPT(cfg).to(device)
     init_weights(model, t.seed)
+    apply_ac(model, t.activation_checkpointing)
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.learning_rate, betas=(t.beta1, t.beta2))
     ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                   config=deepspeed_config(spec, dims.dp, device, cfg.embed_dim))

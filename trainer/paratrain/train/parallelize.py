@@ -1,6 +1,6 @@
 """Composition of the parallel modes, in one place and one documented order (after torchtitan):
 
-    model on the meta device → pipeline split → tensor parallel → ZeRO-2/3 sharding (FSDP2)
+    model on the meta device → pipeline split → tensor parallel → activation checkpointing → ZeRO-2/3 sharding (FSDP2)
       → materialise and initialise → data parallel (DDP, or one all-reduce per step) → optimizer (ZeRO-1 or plain)
 
 Data-parallel-only ZeRO layouts go to DeepSpeed instead (deepspeed_engine.py), as the spec promises.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..api import Spec
+from .activation_checkpoint import apply_ac
 from .data_parallel import apply_ddp
 from .dims import ParallelDims
 from .engine import TorchEngine
@@ -57,6 +58,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     if dims.tp_enabled:
         heads_rng = RNGStream(dims.dropout_seed(t.seed) + HEADS_SEED_OFFSET + dims.coordinate("tp"), device)
         apply_tp(model, dims.get_mesh("tp"), heads_rng)
+    apply_ac(model, t.activation_checkpointing)
     if zero_stage >= 2:
         apply_fsdp(model, dims.get_mesh("dp"), zero_stage)
     model.to_empty(device=device)
