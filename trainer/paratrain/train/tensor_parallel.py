@@ -1,8 +1,9 @@
 """Tensor parallel (Megatron-style, with DTensor): in every block, attention and MLP are sharded column-then-row.
 
 q/k/v and fc are split by output features (each rank owns heads/tp heads and 4C/tp MLP units), wo and proj by
-input features, so each block needs one all-reduce forward and one backward. Embeddings, norms and the head stay
-replicated: their gradients are identical on every tp rank.
+input features, so attention and the MLP each need one all-reduce forward and one backward (4 per block and step,
+tests/trainer/test_tp_collectives.py). Embeddings, norms and the head stay replicated: their gradients are identical
+on every tp rank.
 
 Dropout follows Megatron's model-parallel RNG: dropout on replicated activations (residual, MLP output) draws from
 the stream the tp group shares, so the replicas stay equal; attention dropout, on the heads only this rank holds,
@@ -17,9 +18,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
+# Each sub-layer's input enters as one replicated DTensor that q, k and v (or the MLP's input projections) share:
+# their partial input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors
+# would be reduced once per projection (3 for attention). So each block makes Megatron's 4 all-reduces per step.
+_SHARED_REPLICATED_INPUT = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=False)
 BLOCK_PLAN = {
+    "attn": _SHARED_REPLICATED_INPUT,
+    "mlp": _SHARED_REPLICATED_INPUT,
     "attn.wq": ColwiseParallel(),
     "attn.wk": ColwiseParallel(),
     "attn.wv": ColwiseParallel(),
