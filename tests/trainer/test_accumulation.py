@@ -82,7 +82,7 @@ def count_ddp_buckets(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
 
 
 def fsdp2(model):
-    apply_fsdp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), zero_stage=3)
+    apply_fsdp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), zero_stage=3, precision="fp32")
     return model
 
 

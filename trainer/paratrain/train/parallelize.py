@@ -60,7 +60,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
         apply_tp(model, dims.get_mesh("tp"), heads_rng)
     apply_ac(model, t.activation_checkpointing)
     if zero_stage >= 2:
-        apply_fsdp(model, dims.get_mesh("dp"), zero_stage)
+        apply_fsdp(model, dims.get_mesh("dp"), zero_stage, spec.precision)
     model.to_empty(device=device)
     init_weights(model, t.seed)
 

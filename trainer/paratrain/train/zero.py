@@ -17,17 +17,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .precision import DTYPES
 from .tensors import local, local_bytes
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> None:
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Under bf16/fp16, parameters are all-gathered and computed in the 16-bit type (half the traffic and memory of
+    fp32) over the fp32 shards the optimizer steps; gradients are reduce-scattered in fp32, because summing many
+    ranks' 16-bit gradients loses the small ones (torchtitan's default too)."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str) -> None:
     """Shard each block, then the root (embeddings, final norm, head), over the dp mesh."""
     reshard = zero_stage == 3
+    policy = mixed_precision_policy(precision)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if dp_mesh.device_type == "cpu":
         # gloo's AVG reduce-scatter returned summed gradients in some torch versions (torch#162338; 2.13 averages).
         # Sum explicitly and divide once ourselves, so the result is the mean on every backend. Each sharded module
