@@ -64,7 +64,7 @@ def engine_reductions(accumulation: int, wrap, count, patch: pytest.MonkeyPatch)
     count(wrapped, calls, patch)
     engine = TorchEngine(model=wrapped, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                          dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision="fp32", grad_clip=0.0,
-                         sync_dp_grads=False, accumulation=accumulation)
+                         dp_reducer=None, accumulation=accumulation)
     tokens = torch.randint(CFG.vocab_size, (6, CFG.block_size + 1), generator=torch.Generator().manual_seed(3))
     x, y = tokens[:, :-1], tokens[:, 1:]
     engine.forward_backward(list(zip(x.chunk(accumulation), y.chunk(accumulation), strict=True)))

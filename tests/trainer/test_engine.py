@@ -41,7 +41,7 @@ def torch_engine(precision: str) -> tuple[TorchEngine, Callable[[], torch.Tensor
     model = tiny_gpt()
     engine = TorchEngine(model=model, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                          dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision=precision, grad_clip=0.0,
-                         sync_dp_grads=False,
+                         dp_reducer=None,
                          scaler=LossScaler(enabled=precision == "fp16", scale=2.0**10, growth_interval=2))
     return engine, lambda: flat(model.parameters())
 

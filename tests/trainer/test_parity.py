@@ -63,6 +63,7 @@ def test_bf16_fsdp2_computes_in_bf16_and_matches_fp32(reference, job_runs):
     ("ddp_skips_allreduce", layout(data=2)),
     ("ddp_sums_instead_of_averaging", layout(data=2)),
     ("composed_skips_allreduce", layout(data=2, pipeline=2, microbatches=2)),
+    ("composed_reduces_before_the_last_microbatch", layout(data=2, pipeline=2, microbatches=2)),
     ("pipeline_sums_microbatches", layout(pipeline=2, microbatches=2)),
 ])
 def test_parity_catches_broken_reduction(mutant, overrides, reference, tmp_path):

@@ -10,7 +10,7 @@ MUTANT = os.environ.get("PARATRAIN_TEST_MUTANT")
 if MUTANT:
     import torch.distributed as dist
 
-    from paratrain.train import engine, parallelize
+    from paratrain.train import data_parallel, engine, parallelize
 
     if MUTANT == "ddp_skips_allreduce":
         parallelize.apply_ddp = lambda model, dp_mesh: model
@@ -31,7 +31,12 @@ if MUTANT:
         parallelize.apply_ddp = _summing_ddp
 
     elif MUTANT == "composed_skips_allreduce":
-        engine.allreduce_gradients = lambda params, dp_mesh: None
+        data_parallel.OverlappedGradReducer._launch = lambda self, i: None
+
+    elif MUTANT == "composed_reduces_before_the_last_microbatch":
+        # A bucket counted as final after one pipeline microbatch's gradients: the others are never reduced.
+        expect = data_parallel.OverlappedGradReducer.expect
+        data_parallel.OverlappedGradReducer.expect = lambda self, passes: expect(self, 1)
 
     elif MUTANT == "pipeline_sums_microbatches":
         engine.loss_weight = lambda accumulation, microbatches: 1.0 / accumulation

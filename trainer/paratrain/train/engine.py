@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import restore_into
-from .data_parallel import allreduce_gradients
+from .data_parallel import OverlappedGradReducer
 from .dims import ParallelDims
 from .precision import LossScaler, autocast
 from .tensor_parallel import RNGStream
@@ -73,7 +73,7 @@ class TorchEngine:
     dims: ParallelDims
     precision: str
     grad_clip: float
-    sync_dp_grads: bool  # all-reduce gradients ourselves (composed layouts DDP cannot wrap)
+    dp_reducer: OverlappedGradReducer | None  # averages gradients over dp where DDP cannot (composed layouts)
     accumulation: int = 1  # micro-steps per optimizer step
     microbatches: int = 1  # pipeline microbatches per micro-step
     schedule: object | None = None  # pipelining schedule when pp > 1
@@ -101,8 +101,8 @@ class TorchEngine:
         for i, (x, y) in enumerate(micro_batches):
             with self._dp_gradient_sync(i == len(micro_batches) - 1):
                 losses.append(self._micro_step(x, y))
-        if self.sync_dp_grads:
-            allreduce_gradients(self.params, self.dims.get_mesh("dp"))
+        if self.dp_reducer:
+            self.dp_reducer.finish()
         return sum(losses) / len(losses) if losses[0] is not None else None
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -115,11 +115,13 @@ class TorchEngine:
 
     @contextmanager
     def _dp_gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """DDP and FSDP2 reduce gradients in backward; switch that off for all but the last micro-step. (Under
-        pipeline parallel, torch's PipelineStage drives FSDP2 itself and reduce-scatters after every schedule run:
-        still correct, FSDP2 adds each to the sharded gradient, but once per micro-step.)"""
+        """DDP, FSDP2 and the composed layouts' reducer reduce gradients in backward: in the last micro-step only.
+        (Under pipeline parallel, torch's PipelineStage drives FSDP2 itself and reduce-scatters after every schedule
+        run: still correct, FSDP2 adds each to the sharded gradient, but once per micro-step.)"""
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(enabled)
+        if self.dp_reducer and enabled:
+            self.dp_reducer.expect(passes=self.microbatches)
         with self.model.no_sync() if isinstance(self.model, DDP) and not enabled else nullcontext():
             yield
 

@@ -12,7 +12,7 @@ import torch
 
 from ..api import Spec
 from .activation_checkpoint import apply_ac
-from .data_parallel import apply_ddp
+from .data_parallel import OverlappedGradReducer, apply_ddp
 from .dims import ParallelDims
 from .engine import TorchEngine
 from .model import GPT, GPTConfig, init_weights
@@ -65,9 +65,13 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     init_weights(model, t.seed)
 
     composed = dims.tp_enabled or dims.pp_enabled
-    wrapped = model
-    if dims.dp_enabled and zero_stage < 2 and not composed:
-        wrapped = apply_ddp(model, dims.get_mesh("dp"))
+    wrapped, dp_reducer = model, None
+    if dims.dp_enabled and zero_stage < 2:
+        if composed:  # DDP cannot wrap DTensor shards or a pipeline stage
+            dp_reducer = OverlappedGradReducer([p for p in model.parameters() if p.requires_grad],
+                                               dims.get_mesh("dp"))
+        else:
+            wrapped = apply_ddp(model, dims.get_mesh("dp"))
 
     # foreach kernels refuse lists that mix DTensor and plain tensors (TP shards next to replicated norms).
     mixed = dims.tp_enabled and zero_stage < 2
@@ -83,7 +87,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
 
     engine = TorchEngine(
         model=wrapped, module=model, optimizer=optimizer, dims=dims, precision=spec.precision,
-        grad_clip=t.grad_clip, sync_dp_grads=dims.dp_enabled and composed and zero_stage < 2,
+        grad_clip=t.grad_clip, dp_reducer=dp_reducer,
         accumulation=t.gradient_accumulation, microbatches=spec.parallelism.microbatches,
         scaler=LossScaler(enabled=spec.precision == "fp16"), heads_rng=heads_rng,
     )
