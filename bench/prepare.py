@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=9)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare.json"))
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # other work on the machine slows every row alike
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_bytes(TEXT.read_bytes() * args.copies)
@@ -65,7 +66,7 @@ def main() -> None:
     print(f"{'checksums before launch':40s} {checks['seconds']:6.2f} s  {checks['megabytes_per_second']:6.0f} MB/s")
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
               "input_megabytes": len(TEXT.read_bytes()) * args.copies / 1e6, "results": results,
-              "checksums": checks}
+              "checksums": checks, "load_average_at_start": load}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     write_doc(report)
@@ -74,8 +75,8 @@ def main() -> None:
 
 def write_doc(report: dict) -> None:
     c = report["checksums"]
-    lines = [BEGIN, "", f"Measured on {report['machine']}, {report['input_megabytes']:.1f} MB of text "
-             "(`python bench/prepare.py`).", "",
+    lines = [BEGIN, "", f"Measured on {report['machine']} (load average {report['load_average_at_start']:.1f} at "
+             f"the start), {report['input_megabytes']:.1f} MB of text (`python bench/prepare.py`).", "",
              "| command | seconds | MB/s | tokens/s |", "|---|---|---|---|"]
     for name, r in report["results"].items():
         lines.append(f"| `paratrain prepare {name.split(' (')[0]}` ({name.split(' (')[1]} | {r['seconds']:.2f} | "

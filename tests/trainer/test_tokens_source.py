@@ -94,12 +94,6 @@ def test_a_rank_holds_windows_not_the_corpus(tmp_path):
     assert large_growth < 16 * 2**20, (small_growth, large_growth)
 
 
-def test_a_missing_directory_is_refused_before_launch(tmp_path):
-    proc, _ = run_job(tmp_path, job=tokens_job(Path("no/such/tokens")), expect_ok=False)
-    assert proc.returncode == 1 and "spec.data.path: no/such/tokens: no such directory (looked for" in proc.stderr
-    assert not (tmp_path / "work").exists()
-
-
 def test_a_corrupt_shard_is_refused_before_launch_by_run_and_validate(tmp_path, token_dir):
     """Sizes agree, so a rank would not notice; `run` and `validate` hash every shard before anything starts."""
     copy = copy_dir(token_dir, tmp_path / "tokens")

@@ -225,18 +225,7 @@ def prepare(out: Path, inputs: list[Path], *, tokenizer_file: Path | None = None
             val_fraction: float = DEFAULT_VAL_FRACTION, val_inputs: list[Path] = (),
             shard_tokens: int = DEFAULT_SHARD_TOKENS, eos: str | None = None, progress: bool = False) -> Manifest:
     """Tokenize `inputs` (and `val_inputs`) into the token directory `out`; its manifest is written last."""
-    if (tokenizer_file is None) == (bpe_vocab is None):
-        raise PrepareError("give exactly one of --tokenizer FILE and --train-bpe VOCAB")
-    if bpe_vocab is not None and not 257 <= bpe_vocab <= 1_000_000:
-        raise PrepareError(f"--train-bpe {bpe_vocab}: must be 257..1000000 (the 256 bytes and the end-of-text token "
-                           "come first)")
-    if not 0 < val_fraction < 1:
-        raise PrepareError(f"--val-fraction {val_fraction}: must be between 0 and 1")
-    if shard_tokens < 1:
-        raise PrepareError(f"--shard-tokens {shard_tokens}: must be at least 1")
-    for path in [*inputs, *val_inputs]:
-        if not path.is_file():
-            raise PrepareError(f"{path}: no such file")
+    _check_arguments([*inputs, *val_inputs], tokenizer_file, bpe_vocab, val_fraction, shard_tokens)
     if tokenizer_file:
         tokenizer, tokenizer_json = _load_tokenizer(tokenizer_file)  # before clearing `out`: it may be in there
         source = str(tokenizer_file.resolve())
@@ -248,6 +237,41 @@ def prepare(out: Path, inputs: list[Path], *, tokenizer_file: Path | None = None
     eos_token, eos_id = _eos(tokenizer, eos)
     vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
     dtype = dtype_for(vocab_size)
+    train_files, val_files = _write_shards(out, tokenizer, eos_id, dtype, inputs, val_inputs, val_fraction,
+                                           shard_tokens, progress)
+    (out / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
+    manifest = Manifest(
+        format=FORMAT, version=FORMAT_VERSION, vocab_size=vocab_size, dtype=dtype,
+        tokenizer=TokenizerInfo(source=source, sha256=sha256_file(out / TOKENIZER_FILE), eos_token=eos_token,
+                                eos_id=eos_id),
+        val_fraction=None if val_inputs else val_fraction,
+        inputs=[InputFile(path=str(p), bytes=p.stat().st_size, split=split)
+                for split, paths in (("train", inputs), ("val", val_inputs)) for p in paths],
+        train=split_of(train_files, dtype), val=split_of(val_files, dtype))
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _check_arguments(inputs: list[Path], tokenizer_file: Path | None, bpe_vocab: int | None, val_fraction: float,
+                     shard_tokens: int) -> None:
+    if (tokenizer_file is None) == (bpe_vocab is None):
+        raise PrepareError("give exactly one of --tokenizer FILE and --train-bpe VOCAB")
+    if bpe_vocab is not None and not 257 <= bpe_vocab <= 1_000_000:
+        raise PrepareError(f"--train-bpe {bpe_vocab}: must be 257..1000000 (the 256 bytes and the end-of-text token "
+                           "come first)")
+    if not 0 < val_fraction < 1:
+        raise PrepareError(f"--val-fraction {val_fraction}: must be between 0 and 1")
+    if shard_tokens < 1:
+        raise PrepareError(f"--shard-tokens {shard_tokens}: must be at least 1")
+    for path in inputs:
+        if not path.is_file():
+            raise PrepareError(f"{path}: no such file")
+
+
+def _write_shards(out: Path, tokenizer: Tokenizer, eos_id: int, dtype: str, inputs: list[Path],
+                  val_inputs: list[Path], val_fraction: float, shard_tokens: int,
+                  progress: bool) -> tuple[list[Path], list[Path]]:
+    """The train and validation shard files, in stream order."""
     total_bytes = sum(p.stat().st_size for p in [*inputs, *val_inputs])
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
               file=sys.stderr) as bar:
@@ -268,14 +292,4 @@ def prepare(out: Path, inputs: list[Path], *, tokenizer_file: Path | None = None
         val_files = val.close()
         if not val_files:
             raise PrepareError("the --val inputs hold no documents")
-    (out / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
-    manifest = Manifest(
-        format=FORMAT, version=FORMAT_VERSION, vocab_size=vocab_size, dtype=dtype,
-        tokenizer=TokenizerInfo(source=source, sha256=sha256_file(out / TOKENIZER_FILE), eos_token=eos_token,
-                                eos_id=eos_id),
-        val_fraction=None if val_inputs else val_fraction,
-        inputs=[InputFile(path=str(p), bytes=p.stat().st_size, split=split)
-                for split, paths in (("train", inputs), ("val", val_inputs)) for p in paths],
-        train=split_of(train_files, dtype), val=split_of(val_files, dtype))
-    write_manifest(out, manifest)
-    return manifest
+    return train_files, val_files
