@@ -28,8 +28,8 @@ def tokens_job(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, token_dir):
-    return run_job(tmp_path_factory.mktemp("single"), job=tokens_job(token_dir))[1]
+def single_run(job_runs, token_dir):
+    return job_runs("tokens-single", [], spec=tokens_job(token_dir))[1]
 
 
 def test_a_token_directory_trains_with_its_own_vocabulary(single_run):
