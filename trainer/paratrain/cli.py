@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--out", required=True, type=Path, metavar="DIR", help="the token directory to write")
     held_out = prepare.add_mutually_exclusive_group()
     held_out.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
-                          help=f"the last F of the token stream is the validation split (default {DEFAULT_VAL_FRACTION})")
+                          help="the last F of the token stream is the validation split "
+                          f"(default {DEFAULT_VAL_FRACTION})")
     held_out.add_argument("--val", nargs="+", type=Path, default=[], metavar="FILE",
                           help="validation inputs, instead of holding out part of the training inputs")
     prepare.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
