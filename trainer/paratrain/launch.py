@@ -164,7 +164,7 @@ def missing_data(job: ParallelTrainJob) -> Problem | None:
 
 def broken_data(job: ParallelTrainJob) -> list[Problem]:
     """What is wrong with a token directory on this machine: an unfinished prepare, or shards missing, of the wrong
-    size or changed. Hashes every shard (about 1 s per GB), which ranks do not: they check sizes only."""
+    size or changed. Hashes every shard (a few seconds per GB), which ranks do not: they check sizes only."""
     data = job.spec.data
     if data.source != "tokens" or not data.path or not Path(data.path).is_dir():
         return []

@@ -7,7 +7,7 @@
 
 The manifest lists each split's shards in stream order with their token counts and SHA-256s. Opening a directory
 checks every shard's size against its count (cheap: a stat per shard, done by every rank); `checksums=True` also
-hashes every shard (about 1 s per GB: `paratrain run` and `validate` do it once, before launch).
+hashes every shard (a few seconds per GB: `paratrain run` and `validate` do it once, before launch).
 
 Imports neither torch nor numpy: `paratrain validate` uses it.
 """
