@@ -63,7 +63,7 @@ CROSS_FIELD_CASES = [
     ("zero-needs-data", {"parallelism": {"zeroStage": 1}}, {"spec.parallelism.zeroStage"}),
     ("min-lr", {"training": {"learningRate": 0.001, "minLearningRate": 0.01}}, {"spec.training.minLearningRate"}),
     ("warmup", {"training": {"steps": 5, "warmupSteps": 10}}, {"spec.training.warmupSteps"}),
-    ("text-needs-path", {"data": {"source": "text"}}, {"spec.data.path"}),
+    ("source-needs-path", {"data": {"source": "tokens"}}, {"spec.data.path"}),  # and text: the random specs
     ("gpus-per-proc", {"resources": {"gpusPerNode": 2}}, {"spec.resources.gpusPerNode"}),
     ("queue-needs-volcano", {"scheduling": {"queue": "q"}}, {"spec.scheduling.queue"}),
     ("topology-needs-kubernetes-gang", {"scheduling": {"gang": "volcano", "topologyKey": "kubernetes.io/zone"}},
@@ -226,7 +226,8 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         "training": {"steps": mostly(100, 5), "warmupSteps": 10, "batchSize": mostly(24 * data * pipeline, 4, 6),
                      "gradientAccumulation": mostly(pick([1, 2]), 5, 8),
                      "learningRate": 0.001, "minLearningRate": mostly(0.0001, 0.01)},
-        "data": mostly({}, {"source": "text"}, {"source": "text", "path": "/d.txt"}, {"path": "/d.txt"}),
+        "data": mostly({}, {"source": "text"}, {"source": "text", "path": "/d.txt"}, {"path": "/d.txt"},
+                       {"source": "tokens"}, {"source": "tokens", "path": "/tokens"}),
         "resources": {"gpusPerNode": mostly(0, procs, 2)},
         "scheduling": mostly({}, {"gang": "volcano", "queue": "q"}, {"queue": "q"}, {"gang": "coscheduling"}),
         "pod": {"volumes": rng.sample(volumes, mostly(0, 1, 2, 3)), "env": rng.sample(envs, mostly(0, 1, 2)),

@@ -38,3 +38,27 @@ def job_runs(tmp_path_factory):
 def reference(job_runs):
     """The single-process fp32 run of the parity job that every layout is compared with."""
     return job_runs("reference", layout())[1]
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
+DOCS = [json.dumps({"text": t}) for t in ("First document.", "Second,\r\nwith a CRLF and ü.", "")]
+
+
+@pytest.fixture(scope="session")
+def token_inputs(tmp_path_factory) -> list[Path]:
+    """A text file (the first 150 kB of Shakespeare) and a JSONL file of three documents."""
+    root = tmp_path_factory.mktemp("token-inputs")
+    text, docs = root / "shakespeare.txt", root / "docs.jsonl"
+    text.write_bytes(SHAKESPEARE.read_bytes()[:150_000])
+    docs.write_text("\n".join(DOCS) + "\n")
+    return [text, docs]
+
+
+@pytest.fixture(scope="session")
+def token_dir(tmp_path_factory, token_inputs) -> Path:
+    """`paratrain prepare --train-bpe 512 --shard-tokens 20000` of token_inputs (about 75k tokens, 4 shards)."""
+    from paratrain.prepare import prepare
+
+    out = tmp_path_factory.mktemp("tokens") / "shakespeare-bpe"
+    prepare(out, token_inputs, bpe_vocab=512, shard_tokens=20_000)
+    return out

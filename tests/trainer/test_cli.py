@@ -47,6 +47,8 @@ INVALID = [
     (["metadata.name=Bad_Name"], "metadata.name", "DNS label"),
     (["spec.data.source=text", "spec.data.path=no/such/corpus.txt"], "spec.data.path", "no/such/corpus.txt: no such "
      "file (looked for"),
+    (["spec.data.source=tokens", "spec.data.path=no/such/tokens"], "spec.data.path", "no/such/tokens: no such "
+     "directory (looked for"),
 ]
 
 

@@ -3,6 +3,7 @@
     paratrain run JOB.yaml [--set spec.parallelism.data=2 ...] [--metrics-out m.json]   # local gang of processes
     paratrain validate JOB.yaml [--set ...]                                             # every problem, exit 1
     paratrain render JOB.yaml [--set ...] [--namespace NS]                              # the gang's k8s objects
+    paratrain prepare --train-bpe 2048 --out DIR FILES...                               # text/JSONL -> token shards
     paratrain crd                                                                       # the CRD manifest
     paratrain node --spec JOB.yaml                                                      # what each pod runs
     paratrain train --spec JOB.yaml                                                     # what each process runs
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .api import SpecError, load_job, require_cluster_ready
 from .contract import EXIT_INVALID_SPEC
+from .token_shards import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +47,29 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--namespace", help="default: the job's metadata.namespace, else `default`")
     render.add_argument("--attempt", type=int, default=0, help="gang restart attempt to render")
 
+    prepare = sub.add_parser("prepare", help="tokenize text and JSONL files into a token directory "
+                             "(spec.data.source: tokens)")
+    prepare.add_argument("inputs", nargs="+", type=Path, metavar="FILE",
+                         help='training inputs: UTF-8 text (one document each) or .jsonl (a "text" field a line)')
+    tokenizer = prepare.add_mutually_exclusive_group(required=True)
+    tokenizer.add_argument("--tokenizer", type=Path, metavar="TOKENIZER_JSON",
+                           help="a Hugging Face tokenizer.json (local file)")
+    tokenizer.add_argument("--train-bpe", type=int, metavar="VOCAB",
+                           help="train a byte-level BPE of this vocabulary on the training inputs")
+    prepare.add_argument("--out", required=True, type=Path, metavar="DIR", help="the token directory to write")
+    held_out = prepare.add_mutually_exclusive_group()
+    held_out.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                          help="the last F of the token stream is the validation split "
+                          f"(default {DEFAULT_VAL_FRACTION})")
+    held_out.add_argument("--val", nargs="+", type=Path, default=[], metavar="FILE",
+                          help="validation inputs, instead of holding out part of the training inputs")
+    prepare.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
+    prepare.add_argument("--eos", metavar="TOKEN", help="the end-of-document token of a --tokenizer (default: the "
+                         "first of its <|endoftext|>, <|end_of_text|>, </s>, <eos>)")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is "
+                         "not a terminal)")
+
     sub.add_parser("crd", help="print the ParallelTrainJob CustomResourceDefinition")
 
     train = sub.add_parser("train", help="the trainer entrypoint every process runs (reads torchrun's env)")
@@ -68,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
             from .train.entrypoint import train_main
 
             return train_main(args.spec)
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command == "node":
             from .node import node_main
 
             return node_main(args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
-            from .launch import missing_data
+            from .launch import broken_data, missing_data
 
+            if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
+                raise SpecError(broken)
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")
             if missing := missing_data(job):  # a cluster job's pods may mount it: a note, not an error
                 print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
@@ -94,6 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from .prepare import PrepareError, prepare
+
+    started = time.monotonic()
+    try:
+        m = prepare(args.out, args.inputs, tokenizer_file=args.tokenizer, bpe_vocab=args.train_bpe,
+                    val_fraction=args.val_fraction, val_inputs=args.val, shard_tokens=args.shard_tokens,
+                    eos=args.eos, progress=not args.no_progress and sys.stderr.isatty())
+    except PrepareError as exc:
+        print(f"paratrain prepare: {exc}", file=sys.stderr)
+        return 1
+    seconds = time.monotonic() - started
+    megabytes = sum(i.bytes for i in m.inputs) / 1e6
+    print(f"paratrain prepare: {args.out}: {m.train.tokens:,} training tokens in {len(m.train.shards)} shard(s), "
+          f"{m.val.tokens:,} validation tokens in {len(m.val.shards)}; vocabulary {m.vocab_size} ({m.dtype}); "
+          f"{megabytes:.1f} MB in {seconds:.1f} s", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

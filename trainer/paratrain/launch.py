@@ -20,6 +20,7 @@ import yaml
 
 from . import contract
 from .api import ParallelTrainJob, Problem, SpecError, layout_label
+from .token_shards import TokenDirError, open_token_dir
 
 STOP_GRACE_SECONDS = 5.0
 
@@ -148,12 +149,30 @@ def _duration(seconds: float | None) -> str:
 
 
 def missing_data(job: ParallelTrainJob) -> Problem | None:
-    """The text corpus when it is not on this machine (a relative path is relative to the current directory)."""
+    """The corpus (a text file, a token directory) when it is not on this machine (a relative path is relative to
+    the current directory)."""
     data = job.spec.data
-    if data.source != "text" or not data.path or Path(data.path).is_file():
+    if data.source == "synthetic" or not data.path:
         return None
-    return Problem("spec.data.path", f"{data.path}: no such file (looked for {Path(data.path).resolve()}; a relative "
-                                     "path is relative to the current directory)")
+    path = Path(data.path)
+    if path.is_file() if data.source == "text" else path.is_dir():
+        return None
+    what = "file" if data.source == "text" else "directory"
+    return Problem("spec.data.path", f"{data.path}: no such {what} (looked for {path.resolve()}; a relative path is "
+                                     "relative to the current directory)")
+
+
+def broken_data(job: ParallelTrainJob) -> list[Problem]:
+    """What is wrong with a token directory on this machine: an unfinished prepare, or shards missing, of the wrong
+    size or changed. Hashes every shard (a few seconds per GB), which ranks do not: they check sizes only."""
+    data = job.spec.data
+    if data.source != "tokens" or not data.path or not Path(data.path).is_dir():
+        return []
+    try:
+        open_token_dir(Path(data.path), checksums=True)
+    except TokenDirError as exc:
+        return [Problem("spec.data.path", f"{data.path}: {problem}") for problem in exc.problems]
+    return []
 
 
 def preflight(job: ParallelTrainJob) -> None:
@@ -166,7 +185,7 @@ def preflight(job: ParallelTrainJob) -> None:
 
     spec = job.spec
     missing = missing_data(job)
-    problems = [missing] if missing else []
+    problems = [missing] if missing else broken_data(job)
     if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("spec.logging.tensorboard", "writing event files needs the tensorboard package "
                                 "(pip install tensorboard)"))

@@ -194,8 +194,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               ".training.minLearningRate"),
         _rule(f"{T}.warmupSteps <= {T}.steps",
               f"warmupSteps({{{T}.warmupSteps}}) must be <= steps({{{T}.steps}})", ".training.warmupSteps"),
-        _rule(f"self.data.source != 'text' || {_given('self.data.path')}",
-              "data.source 'text' needs data.path", ".data.path"),
+        _rule(f"self.data.source == 'synthetic' || {_given('self.data.path')}",
+              "data.source '{self.data.source}' needs data.path", ".data.path"),
         _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
               f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),

@@ -100,9 +100,15 @@ class ModelSpec(_Model):
 
 
 class DataSpec(_Model):
-    source: Literal["synthetic", "text"] = "synthetic"
-    path: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description="Text file (source: text).")
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    source: Literal["synthetic", "text", "tokens"] = Field("synthetic", description=(
+        "synthetic: a generated stream of model.vocabSize ids; text: a UTF-8 file, one token per character; "
+        "tokens: a directory written by `paratrain prepare` (memory-mapped shards; the vocabulary and the "
+        "validation split are its own)."))
+    path: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description=(
+        "The text file (source: text) or token directory (source: tokens); relative to the working directory."))
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description=(
+        "source text and synthetic: the last fraction of the stream held out for validation (a token directory "
+        "carries its own split)."))
 
 
 class TrainingSpec(_Model):
@@ -324,8 +330,8 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
                     f"learningRate({t.learning_rate})"))
     if t.warmup_steps > t.steps:
         out.append(("spec.training.warmupSteps", f"warmupSteps({t.warmup_steps}) must be <= steps({t.steps})"))
-    if spec.data.source == "text" and not spec.data.path:
-        out.append(("spec.data.path", "data.source 'text' needs data.path"))
+    if spec.data.source != "synthetic" and not spec.data.path:
+        out.append(("spec.data.path", f"data.source '{spec.data.source}' needs data.path"))
     if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
         out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))

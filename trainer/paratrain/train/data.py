@@ -3,30 +3,65 @@
 A step's *global* batch depends only on (seed, step), never on the layout; each data-parallel rank takes its
 contiguous slice. That is what makes every layout comparable to a single process, and what makes resume exact:
 the data position is the step number.
+
+Sources: `synthetic` and `text` (characters) are built in memory; `tokens` reads a prepared token directory
+(`paratrain.token_shards`) through np.memmap, its shards one stream in manifest order, so a rank holds only the
+windows it draws.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..token_shards import Shard, TokenDirError, open_token_dir
+
 SYNTHETIC_TOKENS = 200_000
+
+
+class ShardedTokens:
+    """Token shards read as one stream: a slice copies its own tokens out of the memory maps, as int64, and may
+    span shards (a shard boundary is a byte count, not a document boundary)."""
+
+    def __init__(self, root: Path, shards: list[Shard], dtype: str):
+        self.maps = [np.memmap(root / s.file, dtype=dtype, mode="r", shape=(s.tokens,)) for s in shards]
+        self.starts = np.cumsum([0] + [s.tokens for s in shards]).tolist()  # the stream offset of each shard
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(len(self))
+        out = np.empty(max(0, stop - start), dtype=np.int64)
+        pos, shard = start, bisect_right(self.starts, start) - 1
+        while pos < stop:
+            offset = pos - self.starts[shard]
+            n = min(stop - pos, len(self.maps[shard]) - offset)
+            out[pos - start: pos - start + n] = self.maps[shard][offset: offset + n]
+            pos, shard = pos + n, shard + 1
+        return out
+
+
+Tokens = np.ndarray | ShardedTokens  # an in-memory int64 stream, or token shards on disk
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # int64 token ids
-    val: np.ndarray
+    train: Tokens
+    val: Tokens
     vocab_size: int
     vocab: str | None = None  # the characters, for text sources
 
 
 def load_corpus(source: str, path: str | None, val_fraction: float, vocab_size: int, seed: int,
                 block_size: int) -> Corpus:
-    if source == "text":
+    if source == "tokens":
+        corpus = _token_corpus(Path(path))
+    elif source == "text":
         try:
             text = Path(path).read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -40,8 +75,19 @@ def load_corpus(source: str, path: str | None, val_fraction: float, vocab_size: 
     for name, part in (("training", corpus.train), ("validation", corpus.val)):
         if len(part) <= block_size + 1:
             raise ValueError(f"data: the {name} split has {len(part)} tokens, fewer than model.blockSize + 2 "
-                             f"({block_size + 2}); use a larger file or a smaller valFraction/blockSize")
+                             f"({block_size + 2}); use more data, a smaller blockSize, or (text) a smaller "
+                             "valFraction")
     return corpus
+
+
+def _token_corpus(root: Path) -> Corpus:
+    """Shard sizes are checked here, on every rank; checksums once, before launch (`paratrain.launch`)."""
+    try:
+        manifest = open_token_dir(root)
+    except TokenDirError as exc:
+        raise ValueError(f"spec.data.path: {root}: {exc}") from None
+    return Corpus(ShardedTokens(root, manifest.train.shards, manifest.dtype),
+                  ShardedTokens(root, manifest.val.shards, manifest.dtype), manifest.vocab_size)
 
 
 def _split(ids: np.ndarray, val_fraction: float, vocab_size: int, vocab: str | None) -> Corpus:
@@ -62,7 +108,7 @@ def _synthetic_tokens(vocab_size: int, seed: int) -> np.ndarray:
     return tokens
 
 
-def global_batch(tokens: np.ndarray, batch_size: int, block_size: int, seed: int, step: int,
+def global_batch(tokens: Tokens, batch_size: int, block_size: int, seed: int, step: int,
                  stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The (inputs, targets) of one step, each (batch_size, block_size), drawn from (seed, stream, step) alone."""
     rng = np.random.default_rng([seed, stream, step])
