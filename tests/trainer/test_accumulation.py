@@ -8,10 +8,12 @@ How often gradients are reduced, which parity cannot see, is counted for DDP and
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from paratrain.train.data_parallel import OverlappedGradReducer
 from paratrain.train.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
 from paratrain.train.zero import apply_fsdp
@@ -57,14 +59,14 @@ def test_accumulation_parity_catches_summed_micro_steps(overrides, reference, tm
 
 def engine_reductions(accumulation: int, wrap, count, patch: pytest.MonkeyPatch) -> int:
     """How many gradient reductions one optimizer step of `accumulation` micro-steps makes, in the test process
-    (one rank): `wrap(model)` is what forward runs, `count(wrapped, calls, patch)` makes each reduction append to
-    calls."""
+    (one rank): `wrap(model)` gives what forward runs and the engine's dp_reducer, `count(wrapped, calls, patch)` makes
+    each reduction append to calls."""
     model = tiny_gpt()
-    wrapped, calls = wrap(model), []
+    (wrapped, dp_reducer), calls = wrap(model), []
     count(wrapped, calls, patch)
     engine = TorchEngine(model=wrapped, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                          dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision="fp32", grad_clip=0.0,
-                         dp_reducer=None, accumulation=accumulation)
+                         dp_reducer=dp_reducer, accumulation=accumulation)
     tokens = torch.randint(CFG.vocab_size, (6, CFG.block_size + 1), generator=torch.Generator().manual_seed(3))
     x, y = tokens[:, :-1], tokens[:, 1:]
     engine.forward_backward(list(zip(x.chunk(accumulation), y.chunk(accumulation), strict=True)))
@@ -81,9 +83,32 @@ def count_ddp_buckets(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
     wrapped.register_comm_hook(None, count_and_keep)
 
 
+def ddp(model):
+    return DDP(model), None
+
+
 def fsdp2(model):
-    apply_fsdp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), zero_stage=3, precision="fp32")
-    return model
+    apply_fsdp(model, one_rank_dp_mesh(), zero_stage=3, precision="fp32")
+    return model, None
+
+
+def overlapped(model):
+    """The composed layouts' reducer, with buckets small enough that the tiny model needs several."""
+    return model, OverlappedGradReducer(list(model.parameters()), one_rank_dp_mesh(), bucket_bytes=4096)
+
+
+def one_rank_dp_mesh():
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+
+
+def count_all_reduces(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
+    all_reduce = dist.all_reduce
+
+    def count_and_reduce(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    patch.setattr(dist, "all_reduce", count_and_reduce)
 
 
 def count_fsdp_reduce_scatters(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
@@ -96,8 +121,8 @@ def count_fsdp_reduce_scatters(wrapped, calls: list, patch: pytest.MonkeyPatch) 
     patch.setattr(_fsdp_param_group, "foreach_reduce", count_and_reduce)
 
 
-@pytest.mark.parametrize("wrap,count", [(DDP, count_ddp_buckets), (fsdp2, count_fsdp_reduce_scatters)],
-                         ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap,count", [(ddp, count_ddp_buckets), (fsdp2, count_fsdp_reduce_scatters),
+                                        (overlapped, count_all_reduces)], ids=["ddp", "fsdp2", "composed"])
 def test_gradients_are_reduced_once_per_optimizer_step(wrap, count, one_rank_group, monkeypatch):
     """Parity cannot see how often gradients are reduced (averaging each micro-step's equals averaging the sum):
     count the reductions at k = 1 and k = 3."""
@@ -107,3 +132,18 @@ def test_gradients_are_reduced_once_per_optimizer_step(wrap, count, one_rank_gro
             counts.append(engine_reductions(accumulation, wrap, count, patch))
     assert counts[0] >= 1
     assert counts[1] == counts[0]
+
+
+def test_the_composed_reducer_starts_reducing_while_backward_still_runs(one_rank_group, monkeypatch):
+    """Buckets of the last layers' gradients are all-reduced before backward reaches the first layer."""
+    model = tiny_gpt()
+    _, reducer = overlapped(model)
+    events: list[str] = []
+    model.tok_emb.weight.register_post_accumulate_grad_hook(lambda p: events.append("first layer's gradient"))
+    count_all_reduces(model, events, monkeypatch)
+    tokens = torch.randint(CFG.vocab_size, (2, CFG.block_size + 1), generator=torch.Generator().manual_seed(3))
+    reducer.expect(passes=1)
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    reducer.finish()
+    assert len(reducer.buckets) > 2 and events.count(1) == len(reducer.buckets)
+    assert events.index(1) < events.index("first layer's gradient")
