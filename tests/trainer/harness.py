@@ -63,3 +63,10 @@ def assert_close_curves(actual: list[float], expected: list[float], rtol: float)
     assert len(actual) == len(expected), (len(actual), len(expected))
     worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
     assert worst <= rtol, f"loss curves differ by {worst:.2e} relative (tolerance {rtol:.0e}):\n{actual}\n{expected}"
+
+
+def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
+    """Per-step losses and global gradient norms: Adam is nearly invariant to gradient scale, so a reduction that
+    sums instead of averaging barely moves the loss but doubles the norm."""
+    assert_close_curves(metrics["losses"], reference["losses"], rtol)
+    assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)

@@ -11,7 +11,7 @@ while still catching a missing or doubled reduction (≥ 1e-2 within a few steps
 
 import pytest
 
-from .harness import MUTANTS, assert_close_curves, layout, run_job
+from .harness import MUTANTS, assert_parity, layout, run_job
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +19,6 @@ def reference(tmp_path_factory):
     """The single-process fp32 run every layout is compared with."""
     _, metrics = run_job(tmp_path_factory.mktemp("reference"), layout())
     return metrics
-
-
-def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
-    assert_close_curves(metrics["losses"], reference["losses"], rtol)
-    assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)
 
 
 LAYOUTS = {

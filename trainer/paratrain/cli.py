@@ -13,8 +13,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .api import SpecError, load_job, require_cluster_ready
+from .api import Spec, SpecError, load_job, require_cluster_ready
+from .api.shapes import parameter_count
 from .contract import EXIT_INVALID_SPEC
+
+
+def describe_model(spec: Spec) -> str:
+    """`llama, 1,235,814,400 parameters` (synthetic data: its vocabSize), or the count outside the embedding and
+    head and what each vocabulary entry adds, where the vocabulary comes from the data."""
+    m = spec.model
+    if spec.data.source == "synthetic":
+        return f"{m.family}, {parameter_count(m, m.vocab_size):,} parameters"
+    return (f"{m.family}, {parameter_count(m, 0):,} parameters + {2 * m.embed_dim:,} per vocabulary entry "
+            "(the vocabulary comes from the data)")
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             from .launch import missing_data
 
-            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")
+            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
+                  f"{describe_model(job.spec)})")
             if missing := missing_data(job):  # a cluster job's pods may mount it: a note, not an error
                 print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
             return 0

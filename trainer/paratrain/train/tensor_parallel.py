@@ -1,8 +1,10 @@
 """Tensor parallel (Megatron-style, with DTensor): in every block, attention and MLP are sharded column-then-row.
 
-q/k/v and fc are split by output features (each rank owns heads/tp heads and 4C/tp MLP units), wo and proj by
-input features, so each block needs one all-reduce forward and one backward. Embeddings, norms and the head stay
-replicated: their gradients are identical on every tp rank.
+Each model family declares its block's plan (`tp_plan`, module name → "colwise" / "rowwise"): q/k/v and the MLP's
+input projections (GPT's fc, Llama's gate and up) are split by output features (each rank owns heads/tp query
+heads, kvHeads/tp key/value heads and ffnDim/tp MLP units), wo and the MLP's output projection by input features,
+so each block needs one all-reduce forward and one backward. Embeddings, norms and the head stay replicated: their
+gradients are identical on every tp rank.
 
 Dropout follows Megatron's model-parallel RNG: dropout on replicated activations (residual, MLP output) draws from
 the stream the tp group shares, so the replicas stay equal; attention dropout, on the heads only this rank holds,
@@ -19,14 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-BLOCK_PLAN = {
-    "attn.wq": ColwiseParallel(),
-    "attn.wk": ColwiseParallel(),
-    "attn.wv": ColwiseParallel(),
-    "attn.wo": RowwiseParallel(),
-    "mlp.fc": ColwiseParallel(),
-    "mlp.proj": RowwiseParallel(),
-}
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 HEADS_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel seed from the data-parallel one
@@ -60,7 +55,9 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, heads_rng: RNGStream) -> None:
-    """Shard every block over `tp_mesh`; its attention dropout draws from `heads_rng`, this rank's own stream."""
+    """Shard every block over `tp_mesh` by the model's `tp_plan`; its attention dropout draws from `heads_rng`,
+    this rank's own stream."""
+    plan = {name: STYLES[style]() for name, style in model.tp_plan.items()}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
+        parallelize_module(block, tp_mesh, plan)
         block.attn.heads_rng = heads_rng
