@@ -85,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             return node_main(args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
-            from .launch import missing_data
+            from .launch import init_problem, missing_data
 
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
                   f"{describe_model(job.spec)})")
-            if missing := missing_data(job):  # a cluster job's pods may mount it: a note, not an error
+            for missing in filter(None, (missing_data(job), init_problem(job))):
+                # A cluster job's pods may mount it: a note, not an error.
                 print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
             return 0
         if args.command == "render":

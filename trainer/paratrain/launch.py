@@ -155,6 +155,17 @@ def missing_data(job: ParallelTrainJob) -> Problem | None:
                                      "path is relative to the current directory)")
 
 
+def init_problem(job: ParallelTrainJob) -> Problem | None:
+    """`spec.model.init` when it is not a Hugging Face directory of this spec's model on this machine (the vocabulary
+    is checked where known before the data is read: the synthetic source's)."""
+    from .train.hf_config import init_problem as problem_of
+
+    model = job.spec.model
+    vocab_size = model.vocab_size if job.spec.data.source == "synthetic" else None
+    problem = problem_of(model, vocab_size) if model.init else None
+    return Problem("spec.model.init", problem) if problem else None
+
+
 def preflight(job: ParallelTrainJob) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
     import torch
@@ -164,8 +175,7 @@ def preflight(job: ParallelTrainJob) -> None:
     from .train.precision import check_device_supports
 
     spec = job.spec
-    missing = missing_data(job)
-    problems = [missing] if missing else []
+    problems = [p for p in (missing_data(job), init_problem(job)) if p]
     try:
         check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
     except ValueError as exc:

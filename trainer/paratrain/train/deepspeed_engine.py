@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages 1-3 for data-parallel-only layouts, behind the five calls the loop makes of TorchEngine.
 
-The model is built and initialised exactly as for every other layout (`init_weights`), then handed to
+The model is built and initialised exactly as for every other layout (`initialize`), then handed to
 `deepspeed.initialize` with torch's AdamW over `param_groups` (nanoGPT's decay split). DeepSpeed then owns the
 step: it averages gradients over the data-parallel ranks (ZeRO-1/2: bucketed reduce to each partition's owner;
 ZeRO-3: reduce-scatter), clips at the *global* norm with torch's `clip_grad_norm_` coefficient
@@ -41,7 +41,7 @@ from torch import nn
 from ..api import Spec
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
-from .models import ModelConfig, build_model, init_weights
+from .models import ModelConfig, build_model, initialize
 from .parallelize import param_groups
 from .precision import LossScaler
 
@@ -248,7 +248,7 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
 
     t = spec.training
     model = build_model(cfg).to(device)
-    init_weights(model, t.seed)
+    initialize(model, t.seed, spec.model.init)
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.learning_rate, betas=(t.beta1, t.beta2))
     ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                   config=deepspeed_config(spec, dims.dp, device, cfg.embed_dim))

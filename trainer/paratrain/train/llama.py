@@ -105,6 +105,7 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     # The family's plan for the parallel modes and init (see model.GPT for what each means).
+    family = "llama"
     tp_plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
                "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
     embeddings = ("tok_emb",)

@@ -91,6 +91,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    family = "gpt"  # spec.model.family; Hugging Face's GPT2LMHeadModel (hf.py)
     # Tensor parallel: how each Linear inside a block is sharded (tensor_parallel.py); q/k/v and fc by output
     # features, wo and proj by input features.
     tp_plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",

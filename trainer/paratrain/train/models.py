@@ -36,6 +36,17 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return MODELS[type(cfg)](cfg)
 
 
+def initialize(model: nn.Module, seed: int, pretrained: str | None) -> None:
+    """This rank's part of the weights: from the Hugging Face directory `pretrained` (spec.model.init), else drawn
+    by init_weights."""
+    if pretrained:
+        from .hf import load_hf_into
+
+        load_hf_into(model, pretrained)
+    else:
+        init_weights(model, seed)
+
+
 def norm_weights(model: nn.Module) -> set[str]:
     """Names of the normalisation gains (LayerNorm, RMSNorm): initialised to one."""
     return {f"{name}.weight" for name, module in model.named_modules()

@@ -14,7 +14,7 @@ from ..api import Spec
 from .data_parallel import apply_ddp
 from .dims import ParallelDims
 from .engine import TorchEngine
-from .models import build_model, init_weights, model_config
+from .models import build_model, initialize, model_config
 from .pipeline import build_schedule, split_stage
 from .precision import LossScaler
 from .tensor_parallel import HEADS_SEED_OFFSET, RNGStream, apply_tp
@@ -54,7 +54,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     if zero_stage >= 2:
         apply_fsdp(model, dims.get_mesh("dp"), zero_stage)
     model.to_empty(device=device)
-    init_weights(model, t.seed)
+    initialize(model, t.seed, spec.model.init)
 
     composed = dims.tp_enabled or dims.pp_enabled
     wrapped = model
