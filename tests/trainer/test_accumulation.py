@@ -18,7 +18,8 @@ from paratrain.train.zero import apply_fsdp
 
 from .harness import MUTANTS, layout, run_job
 from .test_engine import CFG, tiny_gpt
-from .test_parity import assert_parity, reference  # noqa: F401 (the module fixture)
+from .harness import assert_parity
+from .test_parity import reference  # noqa: F401 (the module fixture)
 
 ACCUMULATE = ["spec.training.gradientAccumulation=2"]
 
