@@ -49,8 +49,8 @@ def llama_ffn_dim(embed_dim: int) -> int:
 
 
 def family_default(family: str, field: str, shape: dict[str, Any]) -> Any:
-    """A family's value for `field` when neither the job nor its preset sets it; `shape` holds the resolved
-    layers, heads and embedDim."""
+    """A family's value for `field` when neither the job nor its preset sets it; `shape` holds the validated
+    layers, heads and embedDim (kvHeads and ffnDim derive from them)."""
     if field in BASE_DEFAULTS:
         return BASE_DEFAULTS[field]
     if field == "kvHeads":
@@ -62,9 +62,13 @@ def family_default(family: str, field: str, shape: dict[str, Any]) -> Any:
     raise KeyError(field)
 
 
+DERIVED = ("kvHeads", "ffnDim")  # defaults computed from other fields: filled in after those are validated
+
+
 def resolve(data: dict[str, Any]) -> dict[str, Any]:
-    """A raw `spec.model` mapping with every shape field filled in: explicit value, else the preset's (ropeTheta
-    only for a llama family), else the family's. Values that would fail validation are left for it to report."""
+    """A raw `spec.model` mapping with the shape fields filled in: explicit value, else the preset's (ropeTheta
+    only for a llama family), else the family's; DERIVED ones without a value stay None until `derive` (a bad heads
+    must not also be reported as a bad kvHeads). Values that would fail validation are left for it to report."""
     out = dict(data)
 
     def given(field: str) -> Any:
@@ -80,13 +84,20 @@ def resolve(data: dict[str, Any]) -> dict[str, Any]:
         value = given(field)
         if value is None and field in preset and (field != "ropeTheta" or family == "llama"):
             value = preset[field]
-        if value is None and family in FAMILIES:
+        if value is None and family in FAMILIES and field not in DERIVED:
             value = family_default(family, field, shape)
         shape[field] = value
     for field, value in shape.items():
         out.pop(SHAPE_FIELDS[field], None)
         out[field] = value
     return out
+
+
+def derive(model: ModelSpec) -> dict[str, Any]:
+    """The DERIVED fields `resolve` left None, from the validated others, by ModelSpec attribute name."""
+    shape = {"heads": model.heads, "embedDim": model.embed_dim}
+    return {SHAPE_FIELDS[f]: family_default(model.family, f, shape) for f in DERIVED
+            if getattr(model, SHAPE_FIELDS[f]) is None}
 
 
 def parameter_count(model: ModelSpec, vocab_size: int) -> int:

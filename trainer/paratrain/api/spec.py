@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .shapes import PRESETS, resolve
+from .shapes import PRESETS, derive, resolve
 
 API_GROUP = "paratrain.dev"
 API_VERSION = "v1alpha1"
@@ -94,7 +94,8 @@ class Parallelism(_Model):
 
 class ModelSpec(_Model):
     # Shape fields (shapes.SHAPE_FIELDS) default to None in the schema: `_resolve_shape` fills them from the preset,
-    # else the family's default, before validation, so after it they hold plain values (ropeTheta None for gpt).
+    # else the family's default (`_derive_shape` kvHeads and ffnDim from the validated heads and embedDim), so after
+    # validation they hold plain values (ropeTheta None for gpt).
     family: Literal["gpt", "llama"] | None = Field(None, description=(
         "gpt: GPT-2 style (learned positions, LayerNorm, GELU MLP); llama: RoPE, RMSNorm, SwiGLU, grouped-query "
         "attention. Default: the preset's, else gpt."))
@@ -123,6 +124,12 @@ class ModelSpec(_Model):
     @classmethod
     def _resolve_shape(cls, data: Any) -> Any:
         return resolve(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _derive_shape(self) -> ModelSpec:
+        for name, value in derive(self).items():
+            object.__setattr__(self, name, value)  # frozen: set once, while validating
+        return self
 
 
 class DataSpec(_Model):
