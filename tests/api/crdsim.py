@@ -16,6 +16,9 @@ from typing import Any
 import celpy
 from celpy import celtypes
 
+from paratrain.api.shapes import SHAPE_FIELDS
+from paratrain.api.spec import Spec
+
 Problems = list[tuple[str, str]]
 _ENV = celpy.Environment()
 
@@ -219,6 +222,15 @@ def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None =
     if not any(m.startswith(_BLOCKING) for _, m in problems):
         problems += cel_problems(root, obj, "", old, fired)
     return [(p.removeprefix("."), m) for p, m in problems]
+
+
+def server_defaults(spec: Spec) -> dict[str, Any]:
+    """What the API server stores for a job submitted with an empty spec, if `spec` is that job's parsed Spec: its
+    dump less empty lists and maps (the CRD defaults no collection) and less the model's shape fields, which have
+    no schema default so that a preset can fill them in (paratrain.api.shapes)."""
+    out = without_empty(spec.dump())
+    out["model"] = {k: v for k, v in out["model"].items() if k not in SHAPE_FIELDS}
+    return out
 
 
 def without_empty(value: Any) -> Any:

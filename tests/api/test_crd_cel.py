@@ -17,6 +17,7 @@ import pytest
 
 from paratrain.api import SpecError, parse_job, read_yaml
 from paratrain.api.crd import crd_manifest
+from paratrain.api.shapes import PRESETS
 from paratrain.api.spec import Spec, cross_field_problems
 
 from .crdsim import admit, schema_of_version
@@ -48,8 +49,16 @@ CROSS_FIELD_CASES = [
     ("embed-by-heads", {"model": {"embedDim": 130, "heads": 4}}, {"spec.model.embedDim"}),
     ("heads-by-tensor", {"nodes": 2, "parallelism": {"tensor": 2}, "model": {"heads": 3, "embedDim": 12}},
      {"spec.model.heads"}),
-    ("mlp-by-tensor", {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"heads": 3, "embedDim": 9}},
-     {"spec.model.heads", "spec.model.embedDim"}),
+    ("heads-by-kv-heads", {"model": {"family": "llama", "heads": 4, "kvHeads": 3, "embedDim": 32}},
+     {"spec.model.kvHeads"}),
+    ("kv-heads-by-tensor", {"nodes": 4, "parallelism": {"tensor": 4},
+                            "model": {"family": "llama", "heads": 8, "kvHeads": 2, "embedDim": 64}},
+     {"spec.model.kvHeads"}),
+    ("ffn-by-tensor", {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"heads": 3, "embedDim": 9}},
+     {"spec.model.heads", "spec.model.ffnDim"}),
+    ("rope-even-head-dim", {"model": {"family": "llama", "heads": 4, "embedDim": 36}}, {"spec.model.embedDim"}),
+    ("gpt-no-gqa", {"model": {"heads": 4, "kvHeads": 2}}, {"spec.model.kvHeads"}),
+    ("gpt-no-rope", {"model": {"ropeTheta": 10000}}, {"spec.model.ropeTheta"}),
     ("layers-per-stage", {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 4}, "model": {"layers": 2}},
      {"spec.model.layers"}),
     ("batch-by-data", {"nodes": 3, "parallelism": {"data": 3}}, {"spec.training.batchSize"}),
@@ -96,6 +105,13 @@ MORE_CASES = [
      {"spec.parallelism", "spec.parallelism.zeroStage", "spec.training.warmupSteps"}),
     ("micro-step-batch-by-microbatches", {"nodes": 2, "parallelism": {"pipeline": 2, "microbatches": 4},
                                           "training": {"gradientAccumulation": 4}}, {"spec.parallelism.microbatches"}),
+    ("preset-by-tensor", {"nodes": 3, "parallelism": {"tensor": 3}, "model": {"preset": "llama3-1b"}},
+     {"spec.model.heads", "spec.model.kvHeads", "spec.model.ffnDim"}),
+    ("preset-overridden", {"model": {"preset": "llama3-8b", "kvHeads": 5}}, {"spec.model.kvHeads"}),
+    ("llama-preset-as-gpt", {"model": {"preset": "debug", "family": "gpt"}}, {"spec.model.kvHeads"}),
+    ("llama-ffn-default-by-tensor", {"nodes": 3, "parallelism": {"tensor": 3},
+                                     "model": {"family": "llama", "heads": 3, "embedDim": 48}},
+     {"spec.model.ffnDim"}),
     ("annotations-too-big", {"pod": {"annotations": {f"k{i}": "x" * 60_000 for i in range(5)}}},
      {"spec.pod.annotations"}),
 ]
@@ -154,6 +170,10 @@ VALID = [
     {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 2, "tensor": 2}, "resources": {"gpusPerNode": 2}},
     {"data": {"source": "text", "path": "/d.txt"}, "scheduling": {"gang": "volcano", "queue": "q"}},
     {"training": {"learningRate": 1, "minLearningRate": 1}},  # integers where numbers are expected
+    {"model": {"preset": "llama3-8b"}},
+    {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"preset": "llama3-8b", "ropeTheta": 10000}},
+    {"nodes": 2, "parallelism": {"tensor": 2}, "model": {"family": "llama", "kvHeads": 2, "ffnDim": 100}},
+    {"model": {"preset": "gpt2", "layers": 2}},
     {"scheduling": {"tolerations": [{"operator": "Exists"}, {"key": "k", "value": "v"},
                                     {"key": "k", "operator": "Exists", "effect": "NoExecute",
                                      "tolerationSeconds": 60}]}},
@@ -185,8 +205,11 @@ def test_layout_is_immutable_but_the_rest_is_not() -> None:
         "spec.nodes", "spec.parallelism"]
     assert [p for p, _ in admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"layers": 8}}), old)] \
         == ["spec.model"]
-    assert admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"layers": 4}}), old) == [], \
+    assert admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"blockSize": 64}}), old) == [], \
         "writing out a default is not a change"
+    # The shape fields have no schema default (a preset fills them in): writing one out is a change.
+    assert [p for p, _ in admit(CRD, job({"nodes": 2, "parallelism": {"data": 2}, "model": {"layers": 4}}), old)] \
+        == ["spec.model"]
 
 
 def test_field_errors_are_caught_by_the_schema_too() -> None:
@@ -222,7 +245,10 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         "parallelism": {"data": data, "tensor": tensor, "pipeline": pipeline,
                         "zeroStage": mostly(0, 1, 2, 3), "pipelineSchedule": pick(["GPipe", "1F1B"]),
                         "microbatches": mostly(pipeline, 1, 2, 3)},
-        "model": {"layers": mostly(4, 1, 2), "heads": mostly(heads, 3, 6), "embedDim": mostly(8 * heads, 9, 12)},
+        "model": {"layers": mostly(4, 1, 2), "heads": mostly(heads, 3, 6), "embedDim": mostly(8 * heads, 9, 12),
+                  **pick([{}, {"family": "llama"}, {"family": "gpt"}]),
+                  **mostly({}, {"kvHeads": max(1, heads // 2)}, {"kvHeads": 3}, {"ffnDim": 6}, {"ropeTheta": 1e4},
+                           {"preset": pick(sorted(PRESETS))}, {"preset": "debug", "embedDim": 36})},
         "training": {"steps": mostly(100, 5), "warmupSteps": 10, "batchSize": mostly(24 * data * pipeline, 4, 6),
                      "gradientAccumulation": mostly(pick([1, 2]), 5, 8),
                      "learningRate": 0.001, "minLearningRate": mostly(0.0001, 0.01)},

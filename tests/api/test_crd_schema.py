@@ -13,8 +13,8 @@ from paratrain.api.crd import crd_manifest
 from paratrain.api.spec import RESERVED_MOUNT_PATHS, Spec
 from paratrain.api.status import JobStatus
 
-from .crdsim import (apply_defaults, cel_problems, evaluate, program, schema_of_version, schema_problems, to_cel,
-                     without_empty)
+from .crdsim import (apply_defaults, cel_problems, evaluate, program, schema_of_version, schema_problems,
+                     server_defaults, to_cel, without_empty)
 
 # Keywords Kubernetes refuses in a structural schema (or in any CRD schema).
 FORBIDDEN = {"$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not", "patternProperties",
@@ -96,7 +96,9 @@ def test_crd_defaults_equal_the_models_defaults(root: dict[str, Any]) -> None:
     """An empty spec defaulted by the API server is exactly what pydantic fills in: one source of truth."""
     spec = root["properties"]["spec"]
     assert "spec" in root["required"] and "default" not in spec  # see crd_manifest: a default {} is refused
-    assert without_empty(apply_defaults(spec, {})) == without_empty(Spec().dump())
+    defaulted = apply_defaults(spec, {})
+    assert without_empty(defaulted) == server_defaults(Spec())
+    assert Spec.model_validate(defaulted) == Spec(), "the shape fields the server leaves out resolve to Spec's"
     assert apply_defaults(spec, {"parallelism": {"data": 2}})["parallelism"] == {
         **Spec().dump()["parallelism"], "data": 2}
 

@@ -12,7 +12,7 @@ import yaml
 from paratrain.api import API_GROUP_VERSION, PLURAL
 from paratrain.api.spec import Spec
 
-from ..api.crdsim import without_empty
+from ..api.crdsim import server_defaults, without_empty
 from ..support.control_plane import collection_path, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,8 @@ def test_the_server_fills_in_the_typed_specs_defaults(crd_installed):
     job = {"apiVersion": API_GROUP_VERSION, "kind": "ParallelTrainJob", "metadata": {"name": "defaults"},
            "spec": {}}
     created = api.must(api.create(collection_path(API_GROUP_VERSION, PLURAL, "default"), job, dry_run=True))
-    assert without_empty(created["spec"]) == without_empty(Spec().dump())
+    assert without_empty(created["spec"]) == server_defaults(Spec())
+    assert Spec.model_validate(created["spec"]) == Spec()
 
 
 def test_kubectl_get_shows_the_printer_columns(crd_installed):

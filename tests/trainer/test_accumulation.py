@@ -18,9 +18,8 @@ from paratrain.train.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
 from paratrain.train.zero import apply_fsdp
 
-from .harness import MUTANTS, layout, run_job
+from .harness import MUTANTS, assert_parity, layout, run_job
 from .test_engine import CFG, tiny_gpt
-from .test_parity import assert_parity
 
 ACCUMULATE = ["spec.training.gradientAccumulation=2"]
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.train.activation_checkpoint import apply_ac
-from paratrain.train.model import GPT, GPTConfig, init_weights
+from paratrain.train.model import GPT, GPTConfig
+from paratrain.train.models import init_weights
 
 from .harness import assert_close_curves, layout
 from .test_parity import assert_parity

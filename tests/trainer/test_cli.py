@@ -71,6 +71,15 @@ def test_validate_lists_every_problem(tmp_path):
         assert field in proc.stderr
 
 
+def test_validate_prints_the_parameter_count(tmp_path):
+    """llama3-8b's 8,030,261,248 parameters at Llama 3's vocabulary (the model card's 8.03B), from the spec alone."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.model={}", "spec.model.preset=llama3-8b",
+                                                             "spec.model.vocabSize=128256"])))
+    proc = paratrain("validate", str(job))
+    assert proc.returncode == 0 and "llama, 8,030,261,248 parameters" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_set_values_are_yaml_scalars():
     assert [parse_scalar(v) for v in ("2", "true", "1e-3", "1.5", "bf16", "'2'")] == [2, True, 1e-3, 1.5, "bf16", "2"]
     with pytest.raises(ValueError, match="PATH=VALUE"):

@@ -9,7 +9,8 @@ from paratrain.api.spec import Spec
 from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config
 from paratrain.train.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
-from paratrain.train.model import GPT, GPTConfig, init_weights
+from paratrain.train.model import GPT, GPTConfig
+from paratrain.train.models import init_weights
 from paratrain.train.precision import LossScaler
 
 CFG = GPTConfig(vocab_size=32, block_size=8, layers=1, heads=2, embed_dim=16)

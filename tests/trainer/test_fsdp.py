@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from paratrain.train.model import GPT, GPTConfig, init_weights
+from paratrain.train.model import GPT, GPTConfig
+from paratrain.train.models import init_weights
 from paratrain.train.zero import apply_fsdp
 
 

@@ -11,12 +11,7 @@ while still catching a missing or doubled reduction (≥ 1e-2 within a few steps
 
 import pytest
 
-from .harness import MUTANTS, PRECISION_RTOL, assert_close_curves, layout, run_job
-
-
-def assert_parity(metrics: dict, reference: dict, rtol: float) -> None:
-    assert_close_curves(metrics["losses"], reference["losses"], rtol)
-    assert_close_curves(metrics["grad_norms"], reference["grad_norms"], rtol)
+from .harness import MUTANTS, PRECISION_RTOL, assert_close_curves, assert_parity, layout, run_job
 
 
 LAYOUTS = {

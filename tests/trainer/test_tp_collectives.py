@@ -18,7 +18,8 @@ def count_collectives(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from paratrain.train.model import GPT, GPTConfig, init_weights
+    from paratrain.train.model import GPT, GPTConfig
+    from paratrain.train.models import init_weights
     from paratrain.train.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)

@@ -15,9 +15,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from .api import SpecError, load_job, require_cluster_ready
+from .api import Spec, SpecError, load_job, require_cluster_ready
+from .api.shapes import parameter_count
 from .contract import EXIT_INVALID_SPEC
 from .token_shards import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+
+
+def describe_model(spec: Spec) -> str:
+    """`llama, 1,235,814,400 parameters` (synthetic data: its vocabSize), or the count outside the embedding and
+    head and what each vocabulary entry adds, where the vocabulary comes from the data."""
+    m = spec.model
+    if spec.data.source == "synthetic":
+        return f"{m.family}, {parameter_count(m, m.vocab_size):,} parameters"
+    return (f"{m.family}, {parameter_count(m, 0):,} parameters + {2 * m.embed_dim:,} per vocabulary entry "
+            "(the vocabulary comes from the data)")
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -102,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
             return node_main(args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
-            from .launch import broken_data, missing_data
+            from .launch import broken_data, init_problem, missing_data
 
             if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
                 raise SpecError(broken)
-            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size})")
-            if missing := missing_data(job):  # a cluster job's pods may mount it: a note, not an error
+            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
+                  f"{describe_model(job.spec)})")
+            for missing in filter(None, (missing_data(job), init_problem(job))):
+                # A cluster job's pods may mount it: a note, not an error.
                 print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
             return 0
         if args.command == "render":

@@ -175,6 +175,17 @@ def broken_data(job: ParallelTrainJob) -> list[Problem]:
     return []
 
 
+def init_problem(job: ParallelTrainJob) -> Problem | None:
+    """`spec.model.init` when it is not a Hugging Face directory of this spec's model on this machine (the vocabulary
+    is checked where known before the data is read: the synthetic source's)."""
+    from .train.hf_config import init_problem as problem_of
+
+    model = job.spec.model
+    vocab_size = model.vocab_size if job.spec.data.source == "synthetic" else None
+    problem = problem_of(model, vocab_size) if model.init else None
+    return Problem("spec.model.init", problem) if problem else None
+
+
 def preflight(job: ParallelTrainJob) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
     import torch
@@ -186,6 +197,8 @@ def preflight(job: ParallelTrainJob) -> None:
     spec = job.spec
     missing = missing_data(job)
     problems = [missing] if missing else broken_data(job)
+    if problem := init_problem(job):
+        problems.append(problem)
     if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("spec.logging.tensorboard", "writing event files needs the tensorboard package "
                                 "(pip install tensorboard)"))

@@ -31,6 +31,7 @@ from .spec import (
     MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS,
     RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
 )
+from .shapes import BASE_DEFAULTS, DEFAULT_FAMILY, LLAMA_FFN_MULTIPLE, PRESETS
 from .status import JobStatus
 
 # Constraint keywords that mean the same in pydantic's JSON Schema and Kubernetes' OpenAPI v3 subset.
@@ -152,6 +153,44 @@ _ANNOTATIONS_FIT_A_POD = [_rule(
     f"annotations total {{{_ANNOTATION_BYTES}.sum()}} bytes; a pod's may not exceed {MAX_ANNOTATION_BYTES} "
     "(the API server's 256 KiB, less paratrain's own)")]
 
+def _cel_value(value: Any) -> str:
+    return _literal(value) if isinstance(value, str) else repr(value)
+
+
+def model_value(field: str) -> str:
+    """CEL for the value of `spec.model.<field>` after shapes.resolve: the job's, else the preset's, else the
+    family's default (the shape fields have no schema default; see shapes.py)."""
+    explicit = f"{M}.{field}"
+    # The preset's value as a chain of conditionals, not a map literal: a message's placeholders hold no braces.
+    preset_value = "0"  # unreachable: the preset is one of PRESETS, each of which sets every field used here
+    for name, preset in reversed(PRESETS.items()):
+        preset_value = f"({M}.preset == {_literal(name)} ? {_cel_value(preset[field])} : {preset_value})"
+    cel_type = "string" if field == "family" else "int"
+    return (f"({_given(explicit, cel_type)} ? {explicit} : ({_given(f'{M}.preset')} ? {preset_value} : "
+            f"{_default_without_preset(field)}))")
+
+
+def _default_without_preset(field: str) -> str:
+    """What shapes.family_default gives when no preset is named (the other shape fields explicit or default)."""
+    def given_or(name: str, default: str) -> str:
+        return f"({_given(f'{M}.{name}', 'string' if name == 'family' else 'int')} ? {M}.{name} : {default})"
+
+    if field == "family":
+        return _literal(DEFAULT_FAMILY)
+    if field in BASE_DEFAULTS:
+        return repr(BASE_DEFAULTS[field])
+    if field == "kvHeads":
+        return given_or("heads", repr(BASE_DEFAULTS["heads"]))
+    if field == "ffnDim":
+        embed, m = given_or("embedDim", repr(BASE_DEFAULTS["embedDim"])), LLAMA_FFN_MULTIPLE
+        family = given_or("family", _literal(DEFAULT_FAMILY))
+        return f"({family} == 'llama' ? {m} * ((8 * {embed} / 3 + {m - 1}) / {m}) : 4 * {embed})"
+    raise KeyError(field)
+
+
+FAMILY, LAYERS, HEADS, KV_HEADS, EMBED_DIM, FFN_DIM = (
+    model_value(f) for f in ("family", "layers", "heads", "kvHeads", "embedDim", "ffnDim"))
+
 # Where (a dotted path under spec, `[]` for list items) → rules; each twin of one `cross_field_problems` check.
 SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     "": [
@@ -159,15 +198,26 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               f"data({{{P}.data}}) x tensor({{{P}.tensor}}) x pipeline({{{P}.pipeline}}) = "
               f"{{{P}.data * {P}.tensor * {P}.pipeline}} must equal nodes({{self.nodes}}) x "
               "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode}", ".parallelism"),
-        _rule(f"{M}.embedDim % {M}.heads == 0",
-              f"embedDim({{{M}.embedDim}}) must be divisible by heads({{{M}.heads}})", ".model.embedDim"),
-        _rule(f"{M}.heads % {P}.tensor == 0",
-              f"heads({{{M}.heads}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
-        _rule(f"4 * {M}.embedDim % {P}.tensor == 0",
-              f"MLP width 4*embedDim({{4 * {M}.embedDim}}) must be divisible by parallelism.tensor({{{P}.tensor}})",
+        _rule(f"{EMBED_DIM} % {HEADS} == 0",
+              f"embedDim({{{EMBED_DIM}}}) must be divisible by heads({{{HEADS}}})", ".model.embedDim"),
+        _rule(f"{HEADS} % {P}.tensor == 0",
+              f"heads({{{HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
+        _rule(f"{HEADS} % {KV_HEADS} == 0",
+              f"heads({{{HEADS}}}) must be divisible by kvHeads({{{KV_HEADS}}})", ".model.kvHeads"),
+        _rule(f"{KV_HEADS} == {HEADS} || {KV_HEADS} % {P}.tensor == 0",
+              f"kvHeads({{{KV_HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.kvHeads"),
+        _rule(f"{FFN_DIM} % {P}.tensor == 0",
+              f"ffnDim({{{FFN_DIM}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.ffnDim"),
+        _rule(f"{FAMILY} != 'llama' || {EMBED_DIM} % {HEADS} != 0 || {EMBED_DIM} / {HEADS} % 2 == 0",
+              f"RoPE rotates pairs: the head dimension embedDim/heads = {{{EMBED_DIM} / {HEADS}}} must be even",
               ".model.embedDim"),
-        _rule(f"{M}.layers >= {P}.pipeline",
-              f"layers({{{M}.layers}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
+        _rule(f"{FAMILY} != 'gpt' || {KV_HEADS} == {HEADS}",
+              f"family gpt has no grouped-query attention: kvHeads({{{KV_HEADS}}}) must equal heads({{{HEADS}}})",
+              ".model.kvHeads"),
+        _rule(f"{FAMILY} != 'gpt' || !{_given(f'{M}.ropeTheta', 'double')}",
+              "family gpt learns position embeddings: ropeTheta is for family llama", ".model.ropeTheta"),
+        _rule(f"{LAYERS} >= {P}.pipeline",
+              f"layers({{{LAYERS}}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
               "least one layer", ".model.layers"),
         _rule(f"{T}.batchSize % {P}.data == 0",
               f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from .shapes import PRESETS, derive, resolve
+
 API_GROUP = "paratrain.dev"
 API_VERSION = "v1alpha1"
 API_GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"  # a job's apiVersion
@@ -91,12 +93,43 @@ class Parallelism(_Model):
 
 
 class ModelSpec(_Model):
-    layers: int = Field(4, ge=1, le=512)
-    heads: int = Field(4, ge=1, le=512)
-    embed_dim: int = Field(128, ge=8, le=65536)
+    # Shape fields (shapes.SHAPE_FIELDS) default to None in the schema: `_resolve_shape` fills them from the preset,
+    # else the family's default (`_derive_shape` kvHeads and ffnDim from the validated heads and embedDim), so after
+    # validation they hold plain values (ropeTheta None for gpt).
+    family: Literal["gpt", "llama"] | None = Field(None, description=(
+        "gpt: GPT-2 style (learned positions, LayerNorm, GELU MLP); llama: RoPE, RMSNorm, SwiGLU, grouped-query "
+        "attention. Default: the preset's, else gpt."))
+    preset: Literal[tuple(PRESETS)] | None = Field(None, description=(  # type: ignore[valid-type]
+        "Named shape (family, layers, heads, kvHeads, embedDim, ffnDim, ropeTheta); fields set here override it."))
+    layers: int | None = Field(None, ge=1, le=512, description="Default: the preset's, else 4.")
+    heads: int | None = Field(None, ge=1, le=512, description="Attention (query) heads. Default: the preset's, else 4.")
+    kv_heads: int | None = Field(None, ge=1, le=512, description=(
+        "Key/value heads (grouped-query attention, llama); heads must be a multiple. Default: the preset's, else "
+        "heads."))
+    embed_dim: int | None = Field(None, ge=8, le=65536, description="Default: the preset's, else 128.")
+    ffn_dim: int | None = Field(None, ge=1, le=262144, description=(
+        "MLP width. Default: the preset's, else 4*embedDim (gpt) or 8/3*embedDim rounded up to 256 (llama)."))
+    rope_theta: float | None = Field(None, gt=0.0, le=1e9, description=(
+        "RoPE base frequency (llama only). Default: the preset's, else 10000."))
+    norm_eps: float | None = Field(None, gt=0.0, le=0.1, description=(
+        "Epsilon of LayerNorm (gpt) or RMSNorm (llama). Default: 1e-5."))
     block_size: int = Field(64, ge=2, le=131072, description="Context length in tokens.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     vocab_size: int = Field(256, ge=2, le=1_000_000, description="Vocabulary of the synthetic source only.")
+    init: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description=(
+        "A Hugging Face model directory (config.json, model.safetensors) to start from instead of random weights; "
+        "its shapes must match this spec."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_shape(cls, data: Any) -> Any:
+        return resolve(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _derive_shape(self) -> ModelSpec:
+        for name, value in derive(self).items():
+            object.__setattr__(self, name, value)  # frozen: set once, while validating
+        return self
 
 
 class DataSpec(_Model):
@@ -301,9 +334,21 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         out.append(("spec.model.embedDim", f"embedDim({m.embed_dim}) must be divisible by heads({m.heads})"))
     if m.heads % p.tensor:
         out.append(("spec.model.heads", f"heads({m.heads}) must be divisible by parallelism.tensor({p.tensor})"))
-    if (4 * m.embed_dim) % p.tensor:
-        out.append(("spec.model.embedDim", f"MLP width 4*embedDim({4 * m.embed_dim}) must be divisible by "
+    if m.heads % m.kv_heads:
+        out.append(("spec.model.kvHeads", f"heads({m.heads}) must be divisible by kvHeads({m.kv_heads})"))
+    if m.kv_heads != m.heads and m.kv_heads % p.tensor:
+        out.append(("spec.model.kvHeads", f"kvHeads({m.kv_heads}) must be divisible by "
                     f"parallelism.tensor({p.tensor})"))
+    if m.ffn_dim % p.tensor:
+        out.append(("spec.model.ffnDim", f"ffnDim({m.ffn_dim}) must be divisible by parallelism.tensor({p.tensor})"))
+    if m.family == "llama" and m.embed_dim % m.heads == 0 and m.embed_dim // m.heads % 2:
+        out.append(("spec.model.embedDim", f"RoPE rotates pairs: the head dimension embedDim/heads = "
+                    f"{m.embed_dim // m.heads} must be even"))
+    if m.family == "gpt" and m.kv_heads != m.heads:
+        out.append(("spec.model.kvHeads", f"family gpt has no grouped-query attention: kvHeads({m.kv_heads}) must "
+                    f"equal heads({m.heads})"))
+    if m.family == "gpt" and m.rope_theta is not None:
+        out.append(("spec.model.ropeTheta", "family gpt learns position embeddings: ropeTheta is for family llama"))
     if m.layers < p.pipeline:
         out.append(("spec.model.layers", f"layers({m.layers}) must be >= parallelism.pipeline({p.pipeline}): "
                     "every stage needs at least one layer"))

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages 1-3 for data-parallel-only layouts, behind the five calls the loop makes of TorchEngine.
 
-The GPT is built and initialised exactly as for every other layout (`init_weights`), then handed to
+The model is built and initialised exactly as for every other layout (`initialize`), then handed to
 `deepspeed.initialize` with torch's AdamW over `param_groups` (nanoGPT's decay split). DeepSpeed then owns the
 step: it averages gradients over the data-parallel ranks (ZeRO-1/2: bucketed reduce to each partition's owner;
 ZeRO-3: reduce-scatter), clips at the *global* norm with torch's `clip_grad_norm_` coefficient
@@ -42,7 +42,7 @@ from ..api import Spec
 from .activation_checkpoint import apply_ac
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
-from .model import GPT, GPTConfig, init_weights
+from .models import ModelConfig, build_model, initialize
 from .parallelize import param_groups
 from .precision import LossScaler
 
@@ -104,7 +104,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 @dataclass
 class DeepSpeedEngine:
     ds: object  # deepspeed.DeepSpeedEngine
-    module: nn.Module  # the GPT DeepSpeed wraps
+    module: nn.Module  # the model DeepSpeed wraps
     zero_stage: int
     last_param_bytes: int = 0
     last_grad_bytes: int = 0
@@ -240,7 +240,7 @@ def _step_then_update_loss_scale(ds, zero) -> None:
         zero._update_scale(overflow)
 
 
-def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: GPTConfig) -> DeepSpeedEngine:
+def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: ModelConfig) -> DeepSpeedEngine:
     if device.type == "cpu":
         # DeepSpeed's TorchBackend JIT-compiles a shared-memory all-reduce op on CPU (minutes on a small machine,
         # a compiler in every image) that only its inference all-reduce uses; training never calls it.
@@ -248,8 +248,8 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
     import deepspeed
 
     t = spec.training
-    model = GPT(cfg).to(device)
-    init_weights(model, t.seed)
+    model = build_model(cfg).to(device)
+    initialize(model, t.seed, spec.model.init)
     apply_ac(model, t.activation_checkpointing)
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.learning_rate, betas=(t.beta1, t.beta2))
     ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer,

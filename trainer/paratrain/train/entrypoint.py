@@ -123,7 +123,9 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .data import load_corpus
     from .dims import ParallelDims
     from .loop import Trainer
-    from .parallelize import build_engine, gpt_config, uses_deepspeed
+    from .hf_config import init_problem
+    from .models import model_config
+    from .parallelize import build_engine, uses_deepspeed
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
     from .precision import check_device_supports
     from .progress import ProgressReporter, TensorBoardWriter, write_json
@@ -138,6 +140,8 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         dims = ParallelDims(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world, device_type=device.type)
         corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
                              spec.training.seed, spec.model.block_size)
+        if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
+            raise ValueError(f"spec.model.init: {problem}")
         torch.manual_seed(dims.dropout_seed(spec.training.seed))
         engine = build_engine(spec, dims, device, corpus.vocab_size)
         reporter = None
@@ -162,7 +166,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         dist.all_gather_object(peak_memories, peak_memory)
         metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
         if rank == 0:
-            flops_per_token = model_flops_per_token(gpt_config(spec, corpus.vocab_size))
+            flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
             given_peak = os.environ.get(contract.ENV_PEAK_FLOPS)
             peak_flops = device_peak_flops(device, float(given_peak) if given_peak else None)
             utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)

@@ -6,12 +6,12 @@ Written so each parallel mode can be applied from outside:
 - blocks live in a ModuleDict keyed "0".."L-1", and embeddings / final norm / head may be None, so a pipeline
   stage is the same class with the other stages' parts deleted (parameter names stay globally unique);
 - no weight tying: the embedding and the head can sit on different pipeline stages.
+The class attributes of GPT are the family's plan for the parallel modes and init; llama.py declares its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,13 @@ class GPTConfig:
     layers: int
     heads: int
     embed_dim: int
+    ffn_dim: int | None = None  # None: 4 x embed_dim
+    norm_eps: float = 1e-5
     dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", 4 * self.embed_dim)
 
 
 class Attention(nn.Module):
@@ -46,21 +52,25 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = self._attend(q, k, v)
+        y = attend(q, k, v, self.dropout if self.training else 0.0, self.heads_rng)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, local C)
         return F.dropout(self.wo(y), self.dropout, self.training)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dropout = self.dropout if self.training else 0.0
-        with self.heads_rng.fork() if dropout and self.heads_rng else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, heads_rng) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs), nkv dividing nh (grouped-query attention:
+    query head i reads key/value head i // (nh / nkv)). Dropout on these heads draws from `heads_rng` when set
+    (tensor parallel: heads this rank alone holds, see tensor_parallel.py)."""
+    with heads_rng.fork() if dropout and heads_rng else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.embed_dim, 4 * cfg.embed_dim)
-        self.proj = nn.Linear(4 * cfg.embed_dim, cfg.embed_dim)
+        self.fc = nn.Linear(cfg.embed_dim, cfg.ffn_dim)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.embed_dim)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,9 +80,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.embed_dim)
+        self.ln1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.embed_dim)
+        self.ln2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,13 +91,22 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    family = "gpt"  # spec.model.family; Hugging Face's GPT2LMHeadModel (hf.py)
+    # Tensor parallel: how each Linear inside a block is sharded (tensor_parallel.py); q/k/v and fc by output
+    # features, wo and proj by input features.
+    tp_plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+               "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    embeddings = ("tok_emb", "pos_emb")  # the first pipeline stage's; lookups, no FLOPs per token (perf.py)
+    final = ("ln_f", "head")  # the last pipeline stage's
+    residual_projections = ("attn.wo.weight", "mlp.proj.weight")  # init std scaled by 1/sqrt(2 x layers)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.embed_dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.embed_dim)
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.embed_dim, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,49 +122,3 @@ class GPT(nn.Module):
         if self.head is not None:
             h = self.head(h)
         return h
-
-
-@torch.no_grad()
-def init_weights(model: GPT, seed: int) -> None:
-    """Deterministic init from `seed` alone, by parameter name: every layout starts from the same weights.
-
-    Each full tensor is drawn from a generator seeded by (seed, name) and then the local shard (or stage) copies its
-    part, so a tensor-parallel shard equals the slice of the single-process tensor.
-    """
-    layers = model.cfg.layers
-    for name, param in model.named_parameters():
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
-        full_shape = _full_shape(param)
-        if name.endswith("bias"):
-            full = torch.zeros(full_shape)
-        elif ".ln" in name or name.startswith("ln_f"):
-            full = torch.ones(full_shape)
-        else:
-            std = 0.02
-            if name.endswith(("attn.wo.weight", "mlp.proj.weight")):
-                std = 0.02 / math.sqrt(2 * layers)  # GPT-2's scaled init of residual projections
-            full = torch.randn(full_shape, generator=gen) * std
-        _copy_into(param, full)
-
-
-def _stable_hash(name: str) -> int:
-    h = 0
-    for ch in name.encode():
-        h = (h * 131 + ch) % 2_147_483_647
-    return h
-
-
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    from torch.distributed.tensor import DTensor
-
-    return param.shape if not isinstance(param, DTensor) else param.size()
-
-
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full.to(param.device, param.dtype))

@@ -15,17 +15,11 @@ from .activation_checkpoint import apply_ac
 from .data_parallel import OverlappedGradReducer, apply_ddp
 from .dims import ParallelDims
 from .engine import TorchEngine
-from .model import GPT, GPTConfig, init_weights
+from .models import build_model, initialize, model_config
 from .pipeline import build_schedule, split_stage
 from .precision import LossScaler
 from .tensor_parallel import HEADS_SEED_OFFSET, RNGStream, apply_tp
 from .zero import ZeroOneOptimizer, apply_fsdp
-
-
-def gpt_config(spec: Spec, vocab_size: int) -> GPTConfig:
-    m = spec.model
-    return GPTConfig(vocab_size=vocab_size, block_size=m.block_size, layers=m.layers, heads=m.heads,
-                     embed_dim=m.embed_dim, dropout=m.dropout)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -44,14 +38,14 @@ def build_engine(spec: Spec, dims: ParallelDims, device: torch.device, vocab_siz
     if uses_deepspeed(spec):
         from .deepspeed_engine import build_deepspeed_engine
 
-        return build_deepspeed_engine(spec, dims, device, gpt_config(spec, vocab_size))
+        return build_deepspeed_engine(spec, dims, device, model_config(spec, vocab_size))
     return build_torch_engine(spec, dims, device, vocab_size)
 
 
 def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, vocab_size: int) -> TorchEngine:
     zero_stage, t = spec.parallelism.zero_stage, spec.training
     with torch.device("meta"):
-        model = GPT(gpt_config(spec, vocab_size))
+        model = build_model(model_config(spec, vocab_size))
     if dims.pp_enabled:
         split_stage(model, dims.pp_rank, dims.pp)
     heads_rng = None
@@ -62,7 +56,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     if zero_stage >= 2:
         apply_fsdp(model, dims.get_mesh("dp"), zero_stage, spec.precision)
     model.to_empty(device=device)
-    init_weights(model, t.seed)
+    initialize(model, t.seed, spec.model.init)
 
     composed = dims.tp_enabled or dims.pp_enabled
     wrapped, dp_reducer = model, None

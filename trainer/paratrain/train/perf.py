@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from .model import GPT, GPTConfig
+from .models import ModelConfig, build_model
 
 # Dense (not sparse) bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' datasheets, matched as substrings
 # of torch.cuda.get_device_name() in this order (so "H100 PCIe" before "H100", "L40S" before "L4").
@@ -20,16 +20,16 @@ PEAK_FLOPS = (
     ("L4", 121e12),
     ("V100", 125e12),  # fp16 (no bf16)
 )
-EMBEDDING_TABLES = ("tok_emb.", "pos_emb.")  # lookups, not matmuls: no FLOPs per token
 
 
-def model_flops_per_token(cfg: GPTConfig) -> int:
+def model_flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs per token, PaLM's (appendix B) and nanoGPT's estimate: 6N for the matmuls' forward and
-    backward, N the parameters outside the embedding tables (the untied head counts), plus 12·L·H·Q·T for
-    attention's scores and weighted sum over a T-token context (H heads of Q dims each)."""
+    backward, N the parameters outside the embedding tables (lookups, not matmuls; the untied head counts), plus
+    12·L·H·Q·T for attention's scores and weighted sum over a T-token context (H query heads of Q dims each)."""
     with torch.device("meta"):  # shapes only, whatever this rank holds of the model
-        model = GPT(cfg)
-    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(EMBEDDING_TABLES))
+        model = build_model(cfg)
+    tables = tuple(f"{name}." for name in model.embeddings)
+    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(tables))
     return 6 * n + 12 * cfg.layers * cfg.embed_dim * cfg.block_size  # H·Q = embedDim
 
 

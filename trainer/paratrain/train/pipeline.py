@@ -25,10 +25,9 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     for name in list(model.layers.keys()):
         if name not in keep:
             del model.layers[name]
-    if stage != 0:
-        model.tok_emb = model.pos_emb = None
-    if stage != stages - 1:
-        model.ln_f = model.head = None
+    parts = ([] if stage == 0 else list(model.embeddings)) + ([] if stage == stages - 1 else list(model.final))
+    for part in parts:
+        setattr(model, part, None)
     return model
 
 

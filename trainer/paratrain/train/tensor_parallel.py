@@ -1,7 +1,9 @@
 """Tensor parallel (Megatron-style, with DTensor): in every block, attention and MLP are sharded column-then-row.
 
-q/k/v and fc are split by output features (each rank owns heads/tp heads and 4C/tp MLP units), wo and proj by
-input features, so attention and the MLP each need one all-reduce forward and one backward (4 per block and step,
+Each model family declares its block's plan (`tp_plan`, module name → "colwise" / "rowwise"): q/k/v and the MLP's
+input projections (GPT's fc, Llama's gate and up) are split by output features (each rank owns heads/tp query
+heads, kvHeads/tp key/value heads and ffnDim/tp MLP units), wo and the MLP's output projection by input features,
+so attention and the MLP each need one all-reduce forward and one backward (4 per block and step,
 tests/trainer/test_tp_collectives.py). Embeddings, norms and the head stay replicated: their gradients are identical
 on every tp rank.
 
@@ -21,21 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # Each sub-layer's input enters as one replicated DTensor that q, k and v (or the MLP's input projections) share:
 # their partial input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors
 # would be reduced once per projection (3 for attention). So each block makes Megatron's 4 all-reduces per step.
-_SHARED_REPLICATED_INPUT = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                              use_local_output=False)
-BLOCK_PLAN = {
-    "attn": _SHARED_REPLICATED_INPUT,
-    "mlp": _SHARED_REPLICATED_INPUT,
-    "attn.wq": ColwiseParallel(),
-    "attn.wk": ColwiseParallel(),
-    "attn.wv": ColwiseParallel(),
-    "attn.wo": RowwiseParallel(),
-    "mlp.fc": ColwiseParallel(),
-    "mlp.proj": RowwiseParallel(),
-}
+SUBLAYERS = ("attn", "mlp")
 
 
 HEADS_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel seed from the data-parallel one
@@ -69,7 +61,11 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, heads_rng: RNGStream) -> None:
-    """Shard every block over `tp_mesh`; its attention dropout draws from `heads_rng`, this rank's own stream."""
+    """Shard every block over `tp_mesh` by the model's `tp_plan`; its attention dropout draws from `heads_rng`,
+    this rank's own stream."""
+    plan = {name: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                     use_local_output=False) for name in SUBLAYERS}
+    plan.update({name: STYLES[style]() for name, style in model.tp_plan.items()})
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
+        parallelize_module(block, tp_mesh, plan)
         block.attn.heads_rng = heads_rng

@@ -1,0 +1,123 @@
+"""Hugging Face interop, offline with tiny configs: paratrain's logits equal transformers' for the same weights,
+exported (paratrain → HF) and loaded (HF → paratrain, spec.model.init), for Llama and GPT-2; and a tensor-parallel
+run started from HF weights begins at the single-process run's loss."""
+
+import pytest
+import torch
+import transformers
+
+from paratrain.api import parse_job
+from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
+from paratrain.train.engine import cross_entropy
+from paratrain.train.hf import export_hf, load_hf_into
+from paratrain.train.hf_config import init_problem
+from paratrain.train.models import build_model, init_weights, model_config
+
+from .harness import TINY_JOB, assert_close_curves, layout, run_job
+
+VOCAB = 64
+MODELS = {
+    "llama": {"family": "llama", "layers": 2, "heads": 4, "kvHeads": 2, "embedDim": 32, "ffnDim": 64,
+              "ropeTheta": 500000.0, "blockSize": 16, "vocabSize": VOCAB},
+    "gpt": {"layers": 2, "heads": 4, "embedDim": 32, "ffnDim": 48, "blockSize": 16, "vocabSize": VOCAB},
+}
+HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "gpt": transformers.GPT2LMHeadModel}
+
+
+def job(family: str, **model):
+    return parse_job({**TINY_JOB, "spec": {**TINY_JOB["spec"], "model": {**MODELS[family], **model}}})
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def paratrain_model(job_, seed: int = 1):
+    model = build_model(model_config(job_.spec, VOCAB))
+    init_weights(model, seed)
+    return model.eval()
+
+
+def hf_logits(directory) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(tokens()).logits
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_exported_model_gives_paratrains_logits_in_transformers(family, tmp_path):
+    j = job(family)
+    model = paratrain_model(j)
+    export_hf(j, model.state_dict(), tmp_path)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)) is HF_CLASSES[family]
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(tmp_path), model(tokens()), rtol=1e-4, atol=1e-5)  # logits ~0.4; observed ~1e-7
+
+
+def hf_random_model(family: str, directory):
+    """A transformers model of MODELS[family]'s shape with its own random init, saved as a model directory."""
+    m = MODELS[family]
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    else:
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_inner=48, n_layer=2, n_head=4,
+                                         n_positions=m["blockSize"], activation_function="gelu",
+                                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(5)
+    hf = HF_CLASSES[family](config)
+    hf.save_pretrained(directory)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_hf_weights_loaded_give_transformers_logits(family, tmp_path):
+    hf_random_model(family, tmp_path)
+    j = job(family, init=str(tmp_path))
+    assert init_problem(j.spec.model, VOCAB) is None
+    model = build_model(model_config(j.spec, VOCAB))
+    load_hf_into(model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens()), hf_logits(tmp_path), rtol=1e-4, atol=1e-5)  # logits ~0.4; observed ~1e-7
+
+
+def test_gpt2_attention_biases_are_refused(tmp_path):
+    hf = hf_random_model("gpt", tmp_path)
+    with torch.no_grad():
+        hf.transformer.h[0].attn.c_attn.bias.fill_(0.1)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"spec.model.init: transformer.h.0.attn.c_attn.bias is not zero"):
+        load_hf_into(build_model(model_config(job("gpt").spec, VOCAB)), tmp_path)
+
+
+def test_a_directory_of_another_shape_is_named(tmp_path):
+    paratrain_model(job("llama"))
+    export_hf(job("llama"), paratrain_model(job("llama")).state_dict(), tmp_path)
+    problem = init_problem(job("llama", kvHeads=4, init=str(tmp_path)).spec.model, VOCAB)
+    assert "num_key_value_heads is 2, the spec's 4" in problem, problem
+    assert "not a Hugging Face model directory" in init_problem(job("llama", init=str(tmp_path / "x")).spec.model,
+                                                                VOCAB)
+
+
+def test_missing_init_directory_is_refused_before_launch(tmp_path):
+    proc, _ = run_job(tmp_path, ["spec.model.family=llama", f"spec.model.init={tmp_path / 'nowhere'}"],
+                      expect_ok=False)
+    assert proc.returncode == 1 and "spec.model.init:" in proc.stderr and "nowhere" in proc.stderr, proc.stderr
+    assert not (tmp_path / "work" / "logs").exists(), "no rank may start"
+
+
+def test_tensor_parallel_run_from_hf_weights_starts_at_the_single_process_loss(tmp_path):
+    """Both runs' first loss is transformers' own loss of the HF model on the first step's batch."""
+    hf = hf_random_model("llama", tmp_path / "hf")
+    model = ["spec.model=" + "{" + ", ".join(f"{k}: {v}" for k, v in MODELS["llama"].items()) + "}",
+             f"spec.model.init={tmp_path / 'hf'}"]
+    _, single = run_job(tmp_path / "single", model + layout())
+    _, tp2 = run_job(tmp_path / "tp2", model + layout(tensor=2))
+    assert_close_curves(tp2["losses"][:1], single["losses"][:1], rtol=1e-5)
+    spec = job("llama").spec
+    corpus = load_corpus("synthetic", None, spec.data.val_fraction, VOCAB, spec.training.seed, 16)
+    x, y = global_batch(corpus.train, spec.training.batch_size, 16, spec.training.seed, 0, TRAIN_STREAM)
+    with torch.no_grad():
+        expected = cross_entropy(hf(x).logits, y).item()
+    assert_close_curves(single["losses"][:1], [expected], rtol=1e-5)

@@ -1,0 +1,153 @@
+"""Hugging Face interop: a full paratrain model state dict ↔ `LlamaForCausalLM` / `GPT2LMHeadModel` weights.
+
+    export_hf(job, model_state, "out/")       # config.json + model.safetensors (+ tokenizer.json)
+    spec.model.init: out/                      # train from such a directory (load_hf_into, every layout)
+
+Llama's tensors are renamed only (llama.py follows HF's rotate_half RoPE, so q/k need no permutation). GPT-2 keeps
+its matrices as Conv1D (in, out), transposed from a Linear's (out, in), and fuses q/k/v into one `c_attn`; its
+attention biases, which paratrain's GPT has none of, are written as zeros and must be zeros on the way in.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..api import ParallelTrainJob
+from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json
+from .models import build_model, copy_into, full_shape_of, model_config
+
+# (paratrain name, Hugging Face name) as regular expression and replacement, per family.
+NAMES = {
+    "llama": [
+        (r"tok_emb\.weight", "model.embed_tokens.weight"),
+        (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+        (r"layers\.(\d+)\.attn\.w([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
+        (r"layers\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+        (r"layers\.(\d+)\.mlp\.(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
+        (r"norm\.weight", "model.norm.weight"),
+        (r"head\.weight", "lm_head.weight"),
+    ],
+    "gpt": [
+        (r"tok_emb\.weight", "transformer.wte.weight"),
+        (r"pos_emb\.weight", "transformer.wpe.weight"),
+        (r"layers\.(\d+)\.ln([12])\.(weight|bias)", r"transformer.h.\1.ln_\2.\3"),
+        (r"layers\.(\d+)\.attn\.wo\.weight", r"transformer.h.\1.attn.c_proj.weight"),
+        (r"layers\.(\d+)\.mlp\.(fc|proj)\.(weight|bias)", r"transformer.h.\1.mlp.c_\2.\3"),
+        (r"ln_f\.(weight|bias)", r"transformer.ln_f.\1"),
+        (r"head\.weight", "lm_head.weight"),
+    ],
+}
+GPT_QKV = re.compile(r"layers\.(\d+)\.attn\.w([qkv])\.weight")
+TIED_EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt": "transformer.wte.weight"}
+
+
+def hf_name(family: str, name: str) -> str:
+    for pattern, replacement in NAMES[family]:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    raise KeyError(f"{name}: no Hugging Face counterpart in family {family}")
+
+
+def _conv1d(family: str, hf: str) -> bool:
+    """GPT-2's block matrices are Conv1D weights, (in, out)."""
+    return family == "gpt" and hf.startswith("transformer.h.") and re.search(r"\.c_\w+\.weight$", hf) is not None
+
+
+def to_hf(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full paratrain state dict as the Hugging Face model's."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if family == "gpt" and (m := GPT_QKV.fullmatch(name)):
+            if m[2] == "q":  # c_attn: [q; k; v] stacked by output features, stored (in, out)
+                qkv = [state[f"layers.{m[1]}.attn.w{x}.weight"] for x in "qkv"]
+                out[f"transformer.h.{m[1]}.attn.c_attn.weight"] = torch.cat(qkv).T.contiguous()
+                out[f"transformer.h.{m[1]}.attn.c_attn.bias"] = torch.zeros(sum(len(t) for t in qkv))
+            continue
+        hf = hf_name(family, name)
+        out[hf] = tensor.T.contiguous() if _conv1d(family, hf) else tensor.contiguous()
+        if hf.endswith(".attn.c_proj.weight"):
+            out[hf.replace(".weight", ".bias")] = torch.zeros(tensor.shape[0])
+    return out
+
+
+def from_hf(family: str, name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The full tensor of paratrain's parameter `name`, from Hugging Face tensors fetched by `get(hf_name)`."""
+    if family == "gpt" and (m := GPT_QKV.fullmatch(name)):
+        prefix = f"transformer.h.{m[1]}.attn."
+        _require_zero_bias(get, prefix + "c_attn.bias")
+        return get(prefix + "c_attn.weight").T.chunk(3)["qkv".index(m[2])]  # (3C, C) → q, k or v
+    hf = hf_name(family, name)
+    if hf.endswith(".attn.c_proj.weight"):
+        _require_zero_bias(get, hf.replace(".weight", ".bias"))
+    tensor = get(hf)
+    return tensor.T if _conv1d(family, hf) else tensor
+
+
+def _require_zero_bias(get: Callable[[str], torch.Tensor], hf: str) -> None:
+    try:
+        bias = get(hf)
+    except KeyError:
+        return
+    if bias.any():
+        raise ValueError(f"spec.model.init: {hf} is not zero: paratrain's GPT attention has no biases, so these "
+                         "weights (e.g. OpenAI's GPT-2) cannot be loaded exactly")
+
+
+@torch.no_grad()
+def load_hf_into(model: nn.Module, directory: str | Path) -> None:
+    """Every parameter this rank holds (a pipeline stage's, tensor-parallel or FSDP2 shards) from the Hugging Face
+    directory: each full tensor is read, and this rank's part copied in, as init_weights does."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+
+        def get(hf: str) -> torch.Tensor:
+            if hf == "lm_head.weight" and hf not in keys:  # tied embeddings (Llama 3.2 1B/3B): an untied copy
+                hf = TIED_EMBEDDING[model.family]
+            if hf not in keys:
+                raise KeyError(hf)
+            return f.get_tensor(hf)
+
+        for name, param in model.named_parameters():
+            try:
+                full = from_hf(model.family, name, get)
+            except KeyError as exc:
+                raise ValueError(f"spec.model.init: {directory}/{WEIGHTS_FILE} has no {exc} (for {name})") from None
+            if full.shape != full_shape_of(param):
+                raise ValueError(f"spec.model.init: {name} is {tuple(full.shape)} in {directory}, the spec's model "
+                                 f"needs {tuple(full_shape_of(param))}")
+            copy_into(param, full.float())
+
+
+def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_dir: str | Path,
+              tokenizer_json: str | Path | None = None) -> Path:
+    """Write a full (unsharded) paratrain model state as a Hugging Face model directory: config.json,
+    model.safetensors (fp32) and, if given, tokenizer.json. Returns the directory."""
+    from safetensors.torch import save_file
+
+    spec = job.spec
+    vocab_size = model_state["tok_emb.weight"].shape[0]
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in build_model(model_config(spec, vocab_size)).state_dict().items()}
+    got = {k: v.shape for k, v in model_state.items()}
+    if got != expected:
+        wrong = sorted(set(got) ^ set(expected)) or sorted(k for k in got if got[k] != expected[k])
+        raise ValueError(f"the model state is not the full model of {job.metadata.name}'s spec "
+                         f"(differs at {', '.join(wrong[:5])}): export needs every parameter, unsharded")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config_json(spec.model, vocab_size), indent=2) + "\n")
+    tensors = {k: v.detach().to("cpu", torch.float32) for k, v in to_hf(spec.model.family, model_state).items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer_json:
+        shutil.copyfile(tokenizer_json, out / TOKENIZER_FILE)
+    return out
+
