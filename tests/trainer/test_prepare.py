@@ -17,7 +17,7 @@ from paratrain.prepare import PrepareError, prepare
 from paratrain.token_shards import MANIFEST_FILE, TokenDirError, open_token_dir, sha256_file
 from paratrain.train.data import ShardedTokens, global_batch, load_corpus
 
-from .conftest import DOCS, SHAKESPEARE
+from .conftest import DOCS
 
 EOT = "<|endoftext|>"
 

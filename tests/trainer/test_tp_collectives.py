@@ -14,19 +14,26 @@ import torch.nn.functional as F
 LAYERS = 3
 
 
-def count_collectives(rank: int, store_file: str, out: str) -> None:
+CONFIGS = {
+    "gpt": dict(vocab_size=64, block_size=16, layers=LAYERS, heads=4, embed_dim=32),
+    "llama": dict(vocab_size=64, block_size=16, layers=LAYERS, heads=4, kv_heads=2, embed_dim=32, ffn_dim=64),
+}
+
+
+def count_collectives(rank: int, family: str, store_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from paratrain.train.model import GPT, GPTConfig
-    from paratrain.train.models import init_weights
+    from paratrain.train.llama import LlamaConfig
+    from paratrain.train.model import GPTConfig
+    from paratrain.train.models import build_model, init_weights
     from paratrain.train.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        model = GPT(GPTConfig(vocab_size=64, block_size=16, layers=LAYERS, heads=4, embed_dim=32))
+        model = build_model({"gpt": GPTConfig, "llama": LlamaConfig}[family](**CONFIGS[family]))
         apply_tp(model, mesh, RNGStream(0, torch.device("cpu")))
         init_weights(model, seed=1)
         tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -45,10 +52,13 @@ def count_collectives(rank: int, store_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_each_block_all_reduces_once_per_sublayer_in_forward_and_in_backward(tmp_path):
+@pytest.mark.parametrize("family", CONFIGS)
+def test_each_block_all_reduces_once_per_sublayer_in_forward_and_in_backward(family, tmp_path):
+    """Llama's MLP has two input projections (gate, up) and attention three (q, k, v): still one each."""
     out = tmp_path / "counts.json"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(count_collectives, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(count_collectives, args=(family, str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn")
     counts = json.loads(out.read_text())
     assert counts == {"forward": {"all_reduce": 2 * LAYERS}, "backward": {"all_reduce": 2 * LAYERS}}, counts
 

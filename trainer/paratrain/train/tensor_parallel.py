@@ -15,6 +15,7 @@ draws from a stream of the rank's own, as the single-process model draws indepen
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -60,12 +61,19 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+def _shared_replicated_input(sublayer: nn.Module) -> PrepareModuleInput:
+    """The sub-layer's first input (the activations) as a replicated DTensor; the others (Llama's RoPE tables)
+    pass through as they are."""
+    others = len(inspect.signature(sublayer.forward).parameters) - 1
+    layouts = (Replicate(),) + (None,) * others
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, heads_rng: RNGStream) -> None:
     """Shard every block over `tp_mesh` by the model's `tp_plan`; its attention dropout draws from `heads_rng`,
     this rank's own stream."""
-    plan = {name: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                     use_local_output=False) for name in SUBLAYERS}
-    plan.update({name: STYLES[style]() for name, style in model.tp_plan.items()})
+    projections = {name: STYLES[style]() for name, style in model.tp_plan.items()}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        plan = {name: _shared_replicated_input(block.get_submodule(name)) for name in SUBLAYERS}
+        parallelize_module(block, tp_mesh, {**plan, **projections})
         block.attn.heads_rng = heads_rng
