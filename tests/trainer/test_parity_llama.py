@@ -1,19 +1,23 @@
-"""Parity for the Llama family: every kind of layout trains the same tiny Llama (grouped-query attention, so k/v
-shard over fewer heads than q) on the same global batches as the single-process run, per-step losses and gradient
-norms within fp32's 1e-4 (see test_parity.py for the tolerance). ZeRO on data-parallel-only layouts runs through
-DeepSpeed, with tensor or pipeline parallel through FSDP2 or ZeroOneOptimizer: both kinds are here."""
+"""Parity for the Llama family on tokenized data: every kind of layout trains the same tiny Llama (grouped-query
+attention, so k/v shard over fewer heads than q) on the same global batches of a `paratrain prepare`d token
+directory (byte-level BPE, 512 tokens) as the single-process run, per-step losses and gradient norms within fp32's
+1e-4 (see test_parity.py for the tolerance). ZeRO on data-parallel-only layouts runs through DeepSpeed, with tensor
+or pipeline parallel through FSDP2 or ZeroOneOptimizer: both kinds are here."""
 
 import pytest
 
-from .harness import assert_parity, layout, run_job
-
-LLAMA = ["spec.model.family=llama", "spec.model.heads=4", "spec.model.kvHeads=2", "spec.model.ffnDim=64"]
+from .harness import assert_parity, layout
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    _, metrics = run_job(tmp_path_factory.mktemp("reference"), LLAMA + layout())
-    return metrics
+def llama(token_dir) -> list[str]:
+    return ["spec.model.family=llama", "spec.model.heads=4", "spec.model.kvHeads=2", "spec.model.ffnDim=64",
+            "spec.data.source=tokens", f"spec.data.path={token_dir}", "spec.training.learningRate=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def reference(llama, job_runs):
+    return job_runs("llama-reference", llama + layout())[1]
 
 
 LAYOUTS = {
@@ -28,10 +32,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_llama_layout_matches_single_process(name, reference, tmp_path):
-    _, metrics = run_job(tmp_path, LLAMA + LAYOUTS[name])
+def test_llama_layout_matches_single_process(name, llama, reference, job_runs):
+    _, metrics = job_runs(f"llama-{name}", llama + LAYOUTS[name])
     assert_parity(metrics, reference, rtol=1e-4)
 
 
 def test_llama_reference_learns(reference):
-    assert reference["losses"][-1] < reference["losses"][0] - 0.2
+    assert reference["losses"][-1] < reference["losses"][0] - 0.2, "or parity would be vacuous"
