@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +127,8 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """Our checkpoints hold tensors only; should one claim to hold pickled bytes, they load weights-only."""
+    """Our checkpoints hold tensors only. Metadata that says a requested key is pickled bytes (which DCP's planner
+    would unpickle freely) is refused."""
 
     def load_bytes(self, read_item, value) -> None:
         raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, not a tensor")
@@ -277,8 +279,10 @@ class Checkpointer:
         """Collective: fill `state` (tensors, plain or DTensor shards, keyed as saved) in place from `ckpt`,
         resharding as needed. A checkpoint that does not fit, or whose metadata is not plain DCP metadata, raises
         CheckpointError on every rank."""
+        reader = SafeReader(ckpt)
         try:
-            dcp.load(state, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), process_group=self.group)
+            reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
         except (CheckpointException, pickle.UnpicklingError) as exc:  # not a peer's failure: that stays retryable
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
                                   "away to resume from an earlier checkpoint.") from None
@@ -299,7 +303,9 @@ def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint {ckpt} refused: {exc}") from None
     state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in stored.items()
              if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # that no_dist means one process is what we ask for
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
 
 

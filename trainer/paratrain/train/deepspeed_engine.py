@@ -158,6 +158,7 @@ class DeepSpeedEngine:
         """
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        self._link_optimizer_state()
         # Torch's AdamW counts steps per parameter; DeepSpeed's per flat group. Every group steps together.
         step = self.zero.optimizer.state[self.masters[0]]["step"]
         model, optim = {}, {}
@@ -172,6 +173,7 @@ class DeepSpeedEngine:
         """`state`: a state_dict() filled in place by the checkpoint, of any layout and engine (collective)."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        self._link_optimizer_state()
         for name, p in self.module.named_parameters():
             safe_set_full_fp32_param(p, state["model"][name])
             for key in ADAM_MOMENTS:
@@ -184,6 +186,21 @@ class DeepSpeedEngine:
         for master in self.masters:
             self.zero.optimizer.state[master]["step"].fill_(step)
         self._refresh_weights()
+
+    def _link_optimizer_state(self) -> None:
+        """Make Adam's state exist and be reachable by parameter, for the safe_*_optimizer_state calls.
+
+        torch's AdamW creates its state at the first step, so a resume has none to load into: create it as that
+        step would (zeros, step 0). DeepSpeed 0.19.8's ZeRO-1/2 map each parameter to its fragments of the state
+        once, right after the first group's first step, when the other groups have none yet: map again."""
+        inner = self.zero.optimizer
+        for master in self.masters:
+            if not inner.state[master]:
+                inner.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                       "exp_avg_sq": torch.zeros_like(master)}
+        if self.zero_stage < 3:
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
 
     def extra_state(self) -> dict:
         return {"lossScaler": _loss_scaler_state(self.zero.loss_scaler)}
