@@ -151,11 +151,12 @@ def test_fp16_deepspeed_is_refused_before_launch_on_a_cpu_without_native_fp16(tm
 
 def test_zero3_resume_is_exact(runs, tmp_path):
     """Restart the DP=2 ZeRO-3 job from its step-5 checkpoint: steps 6-10 reproduce the uninterrupted run exactly.
-    The checkpoint holds the whole fp32 model and Adam's two moments once (12Ψ bytes), not once per rank."""
+    The checkpoint holds the whole fp32 model and Adam's two moments once (12Ψ bytes, plus DCP's framing of each
+    tensor, ~1 KB, and each rank's RNG state: observed 15% more), not once per rank (24Ψ)."""
     straight_dir, straight = zero_fp32(runs, 3)
     psi = param_count(SMALL["spec"]["model"])
     step5 = straight_dir / "ckpt" / "step-00000005"
-    assert sum(p.stat().st_size for p in step5.glob("*.distcp")) == pytest.approx(12 * psi, rel=0.05)
+    assert 12 * psi < sum(p.stat().st_size for p in step5.glob("*.distcp")) < 1.25 * 12 * psi
 
     shutil.copytree(step5, tmp_path / "ckpt" / step5.name)
     _, resumed = run_job(tmp_path, layout(data=2, zeroStage=3) + [
