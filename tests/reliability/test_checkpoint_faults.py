@@ -1,22 +1,22 @@
 """Checkpoints under faults: a crash mid-write never leaves a checkpoint that looks complete, a damaged one is
-skipped for the previous good one, and a checkpoint that must not be loaded (another layout, a file that would run
+skipped for the previous good one, and a checkpoint that must not be loaded (another model, metadata that would run
 code when unpickled) fails the job with a clear message and is left untouched."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from paratrain import contract
 
-from ..trainer.harness import assert_close_curves, layout, run_job
+from ..trainer.harness import assert_close_curves, run_job
 from .gang import checkpointed, fault_env
 
 
@@ -42,7 +42,7 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(rank, phase,
     assert proc.returncode != 0 and f"rank {rank} exited" in proc.stderr, proc.stderr
     assert step_dirs(ckpt) == [".tmp-step-00000009", "step-00000003", "step-00000006"]
     if phase == "manifest":  # everything written, only the rename missing: still not a checkpoint
-        assert step_dirs(ckpt / ".tmp-step-00000009") == ["manifest.json", "rank-00000.pt", "rank-00001.pt"]
+        assert step_dirs(ckpt / ".tmp-step-00000009") == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
 
     # The rerun checkpoints every 4 steps, so it never writes step 9 again: the debris goes at its first save.
     _, resumed = run_job(tmp_path, checkpointed(ckpt, **{"spec.checkpoint.interval": 4}))
@@ -68,32 +68,32 @@ def test_damaged_checkpoints_are_reported_and_skipped(damage, reference, tmp_pat
     straight, reference_ckpt = reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_ckpt, ckpt)
-    damage(ckpt / "step-00000012" / "rank-00001.pt")
-    damage(ckpt / "step-00000009" / "rank-00000.pt")
+    damage(ckpt / "step-00000012" / "__1_0.distcp")  # written by rank 1
+    damage(ckpt / "step-00000009" / "__0_0.distcp")
 
     _, resumed = run_job(tmp_path, checkpointed(ckpt))
     assert resumed["resumed_from_step"] == 6
     assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
-    log = rank_log(tmp_path, 0)  # rank 0 reports every rank's verdict
-    assert (f"skipping checkpoint {ckpt / 'step-00000012'}: rank 1: rank-00001.pt is corrupt or truncated "
+    log = rank_log(tmp_path, 0)  # rank 0 reports what every rank found
+    assert (f"skipping checkpoint {ckpt / 'step-00000012'}: __1_0.distcp is corrupt or truncated "
             "(checksum mismatch)") in log, log
-    assert (f"skipping checkpoint {ckpt / 'step-00000009'}: rank 0: rank-00000.pt is corrupt or truncated "
+    assert (f"skipping checkpoint {ckpt / 'step-00000009'}: __0_0.distcp is corrupt or truncated "
             "(checksum mismatch)") in log, log
 
 
-def test_checkpoint_of_another_layout_is_refused(reference, tmp_path):
+def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
+    """Another layout reshards (tests/trainer/test_reshard.py); another model cannot."""
     _, reference_ckpt = reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_ckpt, ckpt)
     before = tree_digest(ckpt)
 
-    overrides = checkpointed(ckpt) + layout(tensor=2)  # same 2 ranks, split by tensor instead of data
-    proc, metrics = run_job(tmp_path, overrides, expect_ok=False)
+    proc, metrics = run_job(tmp_path, checkpointed(ckpt, **{"spec.model.embedDim": 64}), expect_ok=False)
     assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr
-    assert (f"spec.checkpoint.path: checkpoint {ckpt / 'step-00000012'} was written by layout dp2·tp1·pp1 z0 fp32 "
-            "on 2 ranks, but this job is dp1·tp2·pp1 z0 fp32 on 2 ranks") in proc.stderr, proc.stderr
+    assert f"checkpoint {ckpt / 'step-00000012'} refused: " in proc.stderr, proc.stderr
+    assert "tok_emb.weight" in proc.stderr and "move it away to resume from an earlier checkpoint" in proc.stderr
     assert metrics is None
-    assert tree_digest(ckpt) == before, "the other layout's checkpoints must be left exactly as they were"
+    assert tree_digest(ckpt) == before, "the other model's checkpoints must be left exactly as they were"
 
 
 class RunsCode:
@@ -111,15 +111,16 @@ def test_checkpoint_that_would_run_code_is_refused_and_kept(reference, tmp_path)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_ckpt, ckpt)
     marker = tmp_path / "code-ran"
-    # Rank 1's newest file: its real state plus the payload, and a manifest vouching for it (a tampered store).
-    target = ckpt / "step-00000012" / "rank-00001.pt"
-    torch.save({**torch.load(target, weights_only=True), "extra": RunsCode(marker)}, target)
+    # The newest checkpoint's DCP metadata (a pickle) replaced by a payload, and a manifest vouching for it (a
+    # tampered store).
+    target = ckpt / "step-00000012" / ".metadata"
+    target.write_bytes(pickle.dumps(RunsCode(marker)))
     manifest_path = ckpt / "step-00000012" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][target.name] = hashlib.sha256(target.read_bytes()).hexdigest()
     manifest_path.write_text(json.dumps(manifest))
-    # The file is really hostile: a plain unpickle runs its code.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(target)!r}, weights_only=False)"],
+    # The file is really hostile: a plain unpickle (what DCP's own reader does) runs its code.
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({str(target)!r}, 'rb'))"],
                    check=True, capture_output=True)
     assert marker.read_text() == "code ran"
     marker.unlink()
@@ -129,9 +130,7 @@ def test_checkpoint_that_would_run_code_is_refused_and_kept(reference, tmp_path)
     assert not marker.exists(), "the checkpoint's code ran"
     # Not skipped in favour of step 9: the job fails (permanently) and the file stays for inspection.
     assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr
-    assert (f"checkpoint {ckpt / 'step-00000012'} refused: rank 1: rank-00001.pt holds objects other than tensors "
-            "and plain containers (Unsupported global: GLOBAL exec was not an allowed global") in proc.stderr, \
-        proc.stderr
-    assert "refusing to unpickle it" in proc.stderr
+    assert (f"checkpoint {ckpt / 'step-00000012'} refused: UnpicklingError: global builtins.exec is not DCP "
+            "metadata") in proc.stderr, proc.stderr
     assert metrics is None
     assert tree_digest(ckpt) == before

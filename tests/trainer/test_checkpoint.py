@@ -1,32 +1,96 @@
 """Checkpoint loading, in the test process (one rank)."""
 
+import hashlib
+import json
+import pickle
+
+import pytest
 import torch
 
-from paratrain.train.checkpoint import Checkpointer, rng_state
+from paratrain.train.checkpoint import Checkpointer, CheckpointError, full_model_state, rng_state
 from paratrain.train.loop import Trainer
 
 
 class RecordingEngine:
+    """An engine whose whole state is one weight tensor."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+
+    def state_dict(self) -> dict:
+        return {"model": {"w": self.weights}, "optim": {}}
+
     def load_state_dict(self, state: dict) -> None:
-        self.state = state
+        self.loaded = state
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, extra: dict, step: int, skipped_steps: int) -> None:
+        pass
+
+    def rank_state(self) -> dict:
+        return {}
+
+    def load_rank_state(self, state: dict | None, step: int) -> None:
+        pass
 
 
-def test_resume_on_a_non_cpu_device_restores_the_rng_state(one_rank_group, tmp_path):
-    """A job training on a GPU resumes from its checkpoint. The meta device stands in for CUDA: an RNG state
-    loaded onto either is refused by torch.set_rng_state ("RNG state must be a torch.ByteTensor")."""
+def trainer(checkpointer: Checkpointer, engine: RecordingEngine) -> Trainer:
+    # The meta device stands in for CUDA: an RNG state loaded onto either is refused by torch.set_rng_state.
+    return Trainer(spec=None, engine=engine, dims=None, corpus=None, device=torch.device("meta"), reporter=None,
+                   checkpointer=checkpointer)
+
+
+@pytest.fixture
+def saved(one_rank_group, tmp_path):
+    """A checkpoint at step 3 of weights arange(4) and the RNG state when it was written."""
     checkpointer = Checkpointer(tmp_path, rank=0, world_size=1, layout="dp1·tp1·pp1 z0 fp32")
     torch.manual_seed(7)
     saved_rng = rng_state()
-    weights = torch.arange(4.0)
-    checkpointer.save(3, {"engine": {"weights": weights}, "rng": saved_rng},
-                      {"losses": [], "gradNorms": [], "valLosses": [], "skippedSteps": 0})
+    trainer(checkpointer, RecordingEngine(torch.arange(4.0))).save(3)
+    return checkpointer, saved_rng
+
+
+def test_resume_on_a_non_cpu_device_restores_the_rng_state(saved):
+    checkpointer, saved_rng = saved
     torch.manual_seed(8)
-    engine = RecordingEngine()
-    trainer = Trainer(spec=None, engine=engine, dims=None, corpus=None, device=torch.device("meta"), reporter=None,
-                      checkpointer=checkpointer)
+    engine = RecordingEngine(torch.zeros(4))
+    resumed = trainer(checkpointer, engine)
 
-    trainer.resume()
+    resumed.resume()
 
-    assert trainer.result.start_step == 3
+    assert resumed.result.start_step == 3
     assert torch.equal(torch.get_rng_state(), saved_rng["torch"])
-    assert torch.equal(engine.state["weights"], weights)  # on the CPU: the engine copies it onto its device
+    assert torch.equal(engine.loaded["model"]["w"], torch.arange(4.0))
+
+
+def test_full_model_state_reads_without_a_process_group(saved, tmp_path):
+    assert torch.equal(full_model_state(tmp_path / "step-00000003")["w"], torch.arange(4.0))
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('code ran')",)
+
+
+def test_metadata_that_would_run_code_is_refused_before_it_runs(saved, tmp_path):
+    """DCP's .metadata is a pickle: read with an unpickler that admits DCP's metadata classes only, even when the
+    manifest vouches for it (a tampered store)."""
+    ckpt = tmp_path / "step-00000003"
+    marker = tmp_path / "code-ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][".metadata"] = hashlib.sha256((ckpt / ".metadata").read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    checkpointer, _ = saved
+
+    assert checkpointer.latest() == (ckpt, manifest)  # sound by its checksums
+    with pytest.raises(CheckpointError, match="global builtins.exec is not DCP metadata"):
+        checkpointer.load(ckpt, {"engine": RecordingEngine(torch.zeros(4)).state_dict()})
+    with pytest.raises(CheckpointError, match="global builtins.exec is not DCP metadata"):
+        full_model_state(ckpt)
+    assert not marker.exists()

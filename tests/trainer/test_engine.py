@@ -89,8 +89,8 @@ def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then,
     """bf16's scaler is the constant 1, fp16's a dynamic one: an fp16 run resumed from bf16 must not start at
     scale 1 (its gradients would underflow), a bf16 run resumed from fp16 must not scale at all."""
     monkeypatch.setenv("LOCAL_RANK", "0")
-    checkpoint = deepspeed_engine(first, 1)[0].state_dict()
+    checkpoint = deepspeed_engine(first, 1)[0].extra_state()
     engine, _ = deepspeed_engine(then, 1)
     scale = engine.zero.loss_scale
-    engine.load_state_dict(checkpoint)
+    engine.load_extra_state(checkpoint, step=0, skipped_steps=0)
     assert engine.zero.loss_scale == scale

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from paratrain.train.precision import cpu_has_native_fp16
 
@@ -135,14 +134,12 @@ def test_fp16_deepspeed_is_refused_before_launch_on_a_cpu_without_native_fp16(tm
 
 def test_zero3_resume_is_exact(runs, tmp_path):
     """Restart the DP=2 ZeRO-3 job from its step-5 checkpoint: steps 6-10 reproduce the uninterrupted run exactly.
-    Each rank's file holds only its own shard (half the fp32 master weights) and loads with weights_only=True."""
+    The checkpoint holds the whole fp32 model and Adam's two moments once (12Ψ bytes, plus DCP's framing of each
+    tensor, ~1 KB, and each rank's RNG state: observed 15% more), not once per rank (24Ψ)."""
     straight_dir, straight = zero_fp32(runs, 3)
     psi = param_count(SMALL["spec"]["model"])
     step5 = straight_dir / "ckpt" / "step-00000005"
-    for rank in (0, 1):
-        shard = torch.load(step5 / f"rank-0000{rank}.pt", weights_only=True)["engine"]
-        assert sum(m.numel() for m in shard["masters"]) == pytest.approx(psi / 2, rel=0.02)
-        assert all(m.dtype == torch.float32 for m in shard["masters"])
+    assert 12 * psi < sum(p.stat().st_size for p in step5.glob("*.distcp")) < 1.25 * 12 * psi
 
     shutil.copytree(step5, tmp_path / "ckpt" / step5.name)
     _, resumed = run_job(tmp_path, layout(data=2, zeroStage=3) + [

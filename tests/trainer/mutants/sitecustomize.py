@@ -1,6 +1,7 @@
 """Test-only sabotage, loaded into trainer processes via PYTHONPATH when PARATRAIN_TEST_MUTANT is set.
 
-Proves the parity tests can fail: each mutant breaks one gradient reduction the way real bugs do.
+Proves the parity tests can fail: each mutant breaks one gradient reduction the way real bugs do. One observer,
+`dump_model:<dir>`, changes nothing: it saves what each rank holds for tests to compare.
 """
 
 import os
@@ -139,5 +140,25 @@ if MUTANT:
 
         engine.cross_entropy = _overflowing(engine.cross_entropy)
         deepspeed_engine.cross_entropy = _overflowing(deepspeed_engine.cross_entropy)
+    elif MUTANT.startswith("dump_model:"):
+        # dump_model:<dir> — when training ends, each rank saves its module's tensors as it holds them (replicas
+        # and shards alike) to <dir>/rank-<N>.pt: checkpoints keep one copy of what replicas hold.
+        import torch
+
+        from paratrain.train import loop
+        from paratrain.train.tensors import local
+
+        dump_dir = MUTANT.split(":", 1)[1]
+        original_run = loop.Trainer.run
+
+        def _run(self):
+            result = original_run(self)
+            state = {name: local(t).detach().clone() for name, t in self.engine.module.state_dict().items()}
+            if self.engine.heads_rng:
+                state["headsRng"] = self.engine.heads_rng.state
+            torch.save(state, f"{dump_dir}/rank-{os.environ['RANK']}.pt")
+            return result
+
+        loop.Trainer.run = _run
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_MUTANT {MUTANT!r}")

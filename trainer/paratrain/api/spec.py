@@ -171,6 +171,8 @@ class CheckpointSpec(_Model):
                              description="Directory for checkpoints; resume picks the latest complete one.")
     interval: int = Field(0, ge=0, le=100_000_000, description="Steps between checkpoints; 0: only at the end.")
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+    async_save: bool = Field(False, description="Write checkpoints in the background while training goes on; a "
+                                                "checkpoint exists once written, by the next save or the end.")
 
 
 class LoggingSpec(_Model):

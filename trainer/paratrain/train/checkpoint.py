@@ -1,16 +1,24 @@
-"""Checkpoints that a crash can never leave looking complete, loaded without unpickling arbitrary objects.
+"""Checkpoints in torch.distributed.checkpoint (DCP) format: keyed by the full model's parameter names, so a
+checkpoint written by one layout loads into another; atomic; loaded without unpickling arbitrary objects.
 
-Layout: `<path>/step-00000100/{rank-00000.pt, ..., manifest.json}`. Every rank writes its own state under a
-hidden `.tmp-step-*` directory (file written, fsynced, renamed); rank 0 then writes the manifest (with each file's
-SHA-256) and renames the directory into place — one atomic rename is what makes a checkpoint exist. On start,
-every rank checks its own file of the newest candidate against the manifest; the newest checkpoint that every
-rank accepts wins, and a corrupt or truncated one is reported and skipped. Files are read with
-`torch.load(weights_only=True)`: tensors and plain containers only.
+Layout: `<path>/step-00000100/{__0_0.distcp, __1_0.distcp, ..., .metadata, manifest.json}`. Every rank hands DCP
+its part of the state — the FQN-keyed model and optimizer tensors (plain, or DTensors of its shard) and, under
+`rank.NNNNN.*`, the per-rank state that cannot reshard (RNG streams) — and DCP writes each distinct piece once: a
+tensor that data-parallel replicas hold identically is written by one of them. Files go under a hidden
+`.tmp-step-*` directory; once DCP has written them (and its `.metadata`), every rank hashes a share of the files,
+rank 0 writes the manifest (each file's SHA-256) and renames the directory into place — one atomic rename is what
+makes a checkpoint exist. With async saves (`spec.checkpoint.async`) the files are written in the background and
+that commit waits for the next save or the end of training.
+
+On start, the ranks verify the newest candidate's files against its manifest (each rank a share); the newest
+checkpoint whose every file is sound is loaded, and a corrupt or truncated one is reported by file name and
+skipped. DCP reads tensors with `torch.load(weights_only=True)`; its `.metadata` (a pickle) is read with an
+unpickler that admits only DCP's metadata classes and the few torch and builtin types they hold.
 
 Two things fail the job instead of being skipped (CheckpointError, exit 2), because skipping would let the next
-saves overwrite what the user still needs: a checkpoint written by another layout (training from scratch would
-replace that run's checkpoints), and a file whose checksum matches but which holds other objects than tensors
-(not corruption but a foreign or tampered writer; the file is kept for inspection).
+saves overwrite what the user still needs: a checkpoint that does not fit the model (another size or format), and
+a file whose checksum matches but which holds other objects (not corruption but a foreign or tampered writer; the
+file is kept for inspection). Another layout is not refused: it is resharded on load.
 """
 
 from __future__ import annotations
@@ -21,17 +29,23 @@ import logging
 import os
 import pickle
 import shutil
-from dataclasses import dataclass
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger("paratrain.checkpoint")
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 2  # 1: one torch.save file per rank, loadable only into the layout that wrote it
+MODEL_PREFIX = "engine.model."  # where the model's tensors sit among DCP's flattened keys
 
 
 class CheckpointError(ValueError):
@@ -42,25 +56,14 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+def rank_key(rank: int) -> str:
+    """The key of a rank's own, non-reshardable state within a checkpoint."""
+    return f"{rank:05d}"
 
 
-def _to_local(obj: Any) -> Any:
-    """DTensors become the shard this rank holds; the layout check on load makes that sufficient."""
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_local(v) for v in obj)
-    return obj
-
-
-def _sharding(layout: str) -> str:
+def sharding(layout: str) -> str:
     """A layout label without its precision (`dp2·tp2·pp1 z1 bf16` → `dp2·tp2·pp1 z1`): how the state is split over
-    ranks, all a checkpoint's files depend on. Every engine keeps fp32 master weights and optimizer state in every
-    precision, so a run may resume under another precision (say bf16 after fp16 overflow trouble)."""
+    ranks. Per-rank state (RNG streams) is restored only into the same sharding on as many ranks."""
     return layout.rpartition(" ")[0]
 
 
@@ -88,36 +91,136 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: its dataclasses, torch.Size, dtypes and layouts, and the
+    checkpoint id (a path). Any other global — exec, os.system, a tensor rebuild — is refused before it is called."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (tensors DCP already reads weights-only)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> metadata.Metadata:
+        with open(Path(self.path) / DCP_METADATA, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+        if not isinstance(meta, metadata.Metadata):
+            raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(meta).__name__}, not DCP metadata")
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = metadata.StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """Our checkpoints hold tensors only. Metadata that says a requested key is pickled bytes (which DCP's planner
+    would unpickle freely) is refused."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, not a tensor")
+
+
+def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None) -> str | None:
+    """None if the files `names` (default: all) of `ckpt` match its manifest, else what is wrong, by file name."""
+    if manifest is None:
+        return "unreadable manifest"
+    if manifest.get("format") != FORMAT_VERSION:
+        return f"format {manifest.get('format')}, not {FORMAT_VERSION}"
+    files = manifest.get("files", {})
+    if DCP_METADATA not in files:
+        return f"manifest lists no {DCP_METADATA}"
+    for name in sorted(files) if names is None else names:
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} missing"
+        if _sha256(path) != files[name]:
+            return f"{name} is corrupt or truncated (checksum mismatch)"
+    return None
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    """DCP's CheckpointException wraps each failing rank's (exception, traceback); the first says what went wrong."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc, _ = next(iter(exc.failures.values()))
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
 @dataclass
 class Checkpointer:
     root: Path
     rank: int
     world_size: int
-    layout: str  # layout_label: a checkpoint only loads into the layout that wrote it (per-rank shards), any precision
+    layout: str  # layout_label of this job: per-rank state loads only into the same sharding
     keep: int = 2
+    asynchronous: bool = False  # spec.checkpoint.async: write in the background, commit at the next save or the end
+    # Checkpoint collectives run on a group of their own (gloo: DCP's plans are Python objects), so that an async
+    # save's background thread never interleaves with training's collectives on the default group.
+    group: dist.ProcessGroup | None = None
+    _pending: tuple[Future, int, dict] | None = field(default=None, repr=False)
 
-    def save(self, step: int, state: dict, meta: dict) -> Path:
-        """Collective: every rank calls it. `meta` (rank 0's) goes into the manifest."""
-        final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+
+    def _tmp(self, step: int) -> Path:
+        return self.root / f".tmp-{step_dir_name(step)}"
+
+    def save(self, step: int, state: dict, meta: dict) -> int | None:
+        """Collective: every rank calls it with its part of the state. `meta` (rank 0's) goes into the manifest.
+        Returns the step whose checkpoint this call committed: `step`, or with async saves the previous one's."""
+        committed = self.wait()
+        tmp = self._tmp(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for debris in self.root.glob(".tmp-step-*"):  # of a crash mid-write, at whatever step
                 shutil.rmtree(debris, ignore_errors=True)
             tmp.mkdir()
-        dist.barrier()
-        target = tmp / rank_file_name(self.rank)
-        partial = target.with_suffix(".partial")
-        with open(partial, "wb") as f:
-            torch.save(_to_local(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        partial.rename(target)
+        dist.barrier(group=self.group)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        if self.asynchronous:
+            # async_save stages the state into CPU memory before it returns: training may go on changing it.
+            self._pending = (dcp.async_save(state, storage_writer=writer, process_group=self.group), step, meta)
+            return committed
+        dcp.save(state, storage_writer=writer, process_group=self.group)
+        self._commit(step, meta)
+        return step
+
+    def wait(self) -> int | None:
+        """Collective: finish an async save in flight (its files, then the manifest and rename) and return its
+        step; None if none was in flight."""
+        if self._pending is None:
+            return None
+        future, step, meta = self._pending
+        self._pending = None
+        future.result()
+        self._commit(step, meta)
+        return step
+
+    def _commit(self, step: int, meta: dict) -> None:
+        """Hash the files DCP wrote (each rank a share), then rank 0 writes the manifest and renames into place."""
+        tmp, final = self._tmp(step), self.root / step_dir_name(step)
+        names = sorted(p.name for p in tmp.iterdir())
         digests: list[Any] = [None] * self.world_size
-        dist.all_gather_object(digests, (rank_file_name(self.rank), _sha256(target)))
+        mine = {name: _sha256(tmp / name) for name in names[self.rank::self.world_size]}
+        dist.all_gather_object(digests, mine, group=self.group)
         if self.rank == 0:
+            files = {name: digest for share in digests for name, digest in share.items()}
             manifest = {"format": FORMAT_VERSION, "step": step, "worldSize": self.world_size, "layout": self.layout,
-                        "files": dict(digests), **meta}
+                        "files": files, **meta}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             _fsync_dir(tmp)
             if final.exists():
@@ -125,8 +228,7 @@ class Checkpointer:
             tmp.rename(final)
             _fsync_dir(self.root)
             self._prune()
-        dist.barrier()
-        return final
+        dist.barrier(group=self.group)
 
     def _prune(self) -> None:
         for old in self.candidates()[self.keep:]:
@@ -138,86 +240,73 @@ class Checkpointer:
             return []
         return sorted((p for p in self.root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
 
-    def _check_layout(self, ckpt: Path, manifest: dict) -> None:
-        """Raise on every rank (they read the same manifest) if `ckpt` is of another layout."""
-        written_by = str(manifest.get("layout"))
-        if manifest.get("worldSize") != self.world_size or _sharding(written_by) != _sharding(self.layout):
+    def _check_format(self, ckpt: Path, manifest: dict) -> None:
+        """Raise on every rank (they read the same manifest) if `ckpt` is of a format this version cannot read."""
+        if manifest.get("format") != FORMAT_VERSION:
             raise CheckpointError(
-                f"spec.checkpoint.path: checkpoint {ckpt} was written by layout {written_by} on "
-                f"{manifest.get('worldSize')} ranks, but this job is {self.layout} on {self.world_size} ranks; "
-                "per-rank checkpoints only load into the layout that wrote them (of any precision). Run that layout "
-                "again, or give this job a new checkpoint.path (training from scratch here would replace those "
-                "checkpoints).")
-
-    def _check_own_file(self, ckpt: Path, manifest: dict | None) -> str | None:
-        """None if this rank's file of `ckpt` is sound, else the reason it is not."""
-        if manifest is None:
-            return "unreadable manifest"
-        name = rank_file_name(self.rank)
-        expected = manifest.get("files", {}).get(name)
-        path = ckpt / name
-        if expected is None or not path.is_file():
-            return f"{name} missing"
-        if _sha256(path) != expected:
-            return f"{name} is corrupt or truncated (checksum mismatch)"
-        return None
-
-    def _load_own_file(self, ckpt: Path) -> tuple[dict | None, str | None]:
-        """Onto the CPU whatever the training device: RNG states must be CPU tensors (torch.set_rng_state and
-        torch.cuda.set_rng_state refuse others), and the engines copy the rest onto their parameters' device."""
-        path = ckpt / rank_file_name(self.rank)
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True), None
-        except pickle.UnpicklingError as exc:
-            # torch's message goes on to suggest weights_only=False; only its reason is worth repeating.
-            reason = str(exc).partition("WeightsUnpickler error: ")[2].split(". ")[0] or "not a weights-only file"
-            return None, (f"{path.name} holds objects other than tensors and plain containers ({reason}); "
-                          "refusing to unpickle it")
+                f"spec.checkpoint.path: checkpoint {ckpt} is of format {manifest.get('format')} (one file per "
+                f"rank, readable only by the layout that wrote it), this version reads format {FORMAT_VERSION} "
+                "(DCP). Resume it with the paratrain version that wrote it, or give this job a new checkpoint.path "
+                "(training from scratch here would replace those checkpoints).")
 
     def _every_rank(self, problem: str | None) -> list[str]:
-        """Collective: every rank's problem, as `rank N: ...`, the same list on every rank (empty: all fine)."""
+        """Collective: every rank's problem, the same list on every rank (empty: all fine)."""
         problems: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(problems, problem)
-        return [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        dist.all_gather_object(problems, problem, group=self.group)
+        return [p for p in problems if p]
 
-    def load_latest(self) -> tuple[dict, dict] | None:
-        """Collective: (this rank's state, manifest) of the newest checkpoint every rank accepts, or None."""
+    def latest(self) -> tuple[Path, dict] | None:
+        """Collective: the newest checkpoint whose every file matches its manifest, with the manifest, or None."""
         for ckpt in self.candidates():
             manifest = _read_manifest(ckpt)
             if manifest is not None:
-                self._check_layout(ckpt, manifest)
-            problems = self._every_rank(self._check_own_file(ckpt, manifest))
+                self._check_format(ckpt, manifest)
+            names = sorted(manifest.get("files", {})) if manifest else []
+            problems = self._every_rank(verify(ckpt, manifest, names[self.rank::self.world_size]))
             if problems:
                 if self.rank == 0:
-                    log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(problems))
+                    log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(dict.fromkeys(problems)))
                 continue
-            state, refusal = self._load_own_file(ckpt)
-            refusals = self._every_rank(refusal)
-            if refusals:
-                raise CheckpointError(f"checkpoint {ckpt} refused: {'; '.join(refusals)}. It is left in place; "
-                                      "move it away to resume from an earlier checkpoint.")
-            return state, manifest
+            return ckpt, manifest
         return None
 
+    def same_sharding(self, manifest: dict) -> bool:
+        """Whether `manifest`'s checkpoint was written by this layout (any precision) on as many ranks: then each
+        rank's own state (rank.NNNNN.*) is there for it."""
+        return manifest["worldSize"] == self.world_size and sharding(manifest["layout"]) == sharding(self.layout)
 
-def restore_into(module: torch.nn.Module, optimizer: Any, state_model: dict, state_optim: dict) -> None:
-    """Load per-rank local tensors back into (possibly DTensor) parameters and optimizer state."""
-    with torch.no_grad():
-        own = module.state_dict()
-        missing = set(own) - set(state_model)
-        if missing:
-            raise ValueError(f"checkpoint lacks {sorted(missing)[:3]}")
-        for name, value in own.items():
-            target = value.to_local() if isinstance(value, DTensor) else value
-            target.copy_(state_model[name])
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for idx, st in state_optim.get("state", {}).items():
-        p = params[int(idx)]
-        if isinstance(p, DTensor):
-            for k, v in list(st.items()):
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
-    optimizer.load_state_dict(state_optim)
+    def load(self, ckpt: Path, state: dict) -> None:
+        """Collective: fill `state` (tensors, plain or DTensor shards, keyed as saved) in place from `ckpt`,
+        resharding as needed. A checkpoint that does not fit, or whose metadata is not plain DCP metadata, raises
+        CheckpointError on every rank."""
+        reader = SafeReader(ckpt)
+        try:
+            reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
+        except (CheckpointException, pickle.UnpicklingError) as exc:  # not a peer's failure: that stays retryable
+            raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
+                                  "away to resume from an earlier checkpoint.") from None
+
+
+def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model of a checkpoint, fp32 tensors keyed by parameter name (as in `GPT.state_dict()`), whatever
+    layout wrote it. Single process, no process group: what an exporter calls. Files are verified first."""
+    ckpt = Path(ckpt_dir)
+    manifest = _read_manifest(ckpt)
+    problem = verify(ckpt, manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt}: {problem}")
+    reader = SafeReader(ckpt)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint {ckpt} refused: {exc}") from None
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in stored.items()
+             if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
+    with warnings.catch_warnings():  # that no_dist means one process is what we ask for
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
 
 
 def rng_state() -> dict:

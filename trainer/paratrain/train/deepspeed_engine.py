@@ -40,6 +40,7 @@ from torch import nn
 
 from ..api import Spec
 from .activation_checkpoint import apply_ac
+from .checkpoint import CheckpointError
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
 from .models import ModelConfig, build_model, initialize
@@ -48,7 +49,7 @@ from .precision import LossScaler
 
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) -> dict:
@@ -149,41 +150,80 @@ class DeepSpeedEngine:
         return cross_entropy(self.ds(x), y).item()
 
     def state_dict(self) -> dict:
-        """This rank's shard: fp32 master partitions, their Adam state, the loss scaler, DeepSpeed's counters.
+        """TorchEngine's checkpoint format (checkpoint.py), gathered from the ZeRO partitions (collective): whole
+        fp32 tensors keyed by parameter name — the master weights, Adam's moments and step count. Every rank holds
+        all of them (DCP writes each once): at a save or load, each rank holds the whole fp32 model and Adam state
+        for a moment, 16Ψ bytes, however ZeRO shards them in training.
 
-        The low-precision weights are not saved: DeepSpeed keeps each rank's partition of them equal to the cast
-        of its master partition, and every rank's weights are the all-gather of those partitions.
+        The low-precision weights are not saved: DeepSpeed keeps them equal to the cast of the masters.
         """
-        inner = self.zero.optimizer
-        return {
-            "zeroStage": self.zero_stage,
-            "masters": [m.detach().clone() for m in self.masters],
-            "adam": [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inner.state[m].items()}
-                     for m in self.masters],
-            "lossScaler": _loss_scaler_state(self.zero.loss_scaler),
-            "counters": {k: int(getattr(self.ds, k)) for k in ENGINE_COUNTERS},
-        }
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._link_optimizer_state()
+        # Torch's AdamW counts steps per parameter; DeepSpeed's per flat group. Every group steps together.
+        step = self.zero.optimizer.state[self.masters[0]]["step"]
+        model, optim = {}, {}
+        for name, p in self.module.named_parameters():
+            model[name] = safe_get_full_fp32_param(p)
+            optim[name] = {key: safe_get_full_optimizer_state(p, key) for key in ADAM_MOMENTS}
+            optim[name]["step"] = step.detach().clone()
+        return {"model": model, "optim": optim}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        if state["zeroStage"] != self.zero_stage:
-            raise ValueError(f"checkpoint was written by ZeRO stage {state['zeroStage']}, this run is stage "
-                             f"{self.zero_stage}")
+        """`state`: a state_dict() filled in place by the checkpoint, of any layout and engine (collective)."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        self._link_optimizer_state()
+        for name, p in self.module.named_parameters():
+            safe_set_full_fp32_param(p, state["model"][name])
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(p, state["optim"][name][key], key)
+        steps = {float(s["step"]) for s in state["optim"].values()}
+        if len(steps) != 1:
+            raise CheckpointError(f"the checkpoint's parameters have taken different numbers of optimizer steps "
+                                  f"({sorted(steps)}); DeepSpeed keeps one count for all of them")
+        step = steps.pop()
+        for master in self.masters:
+            self.zero.optimizer.state[master]["step"].fill_(step)
+        self._refresh_weights()
+
+    def _link_optimizer_state(self) -> None:
+        """Make Adam's state exist and be reachable by parameter, for the safe_*_optimizer_state calls.
+
+        torch's AdamW creates its state at the first step, so a resume has none to load into: create it as that
+        step would (zeros, step 0). DeepSpeed 0.19.8's ZeRO-1/2 map each parameter to its fragments of the state
+        once, right after the first group's first step, when the other groups have none yet: map again."""
         inner = self.zero.optimizer
-        for master, saved, adam in zip(self.masters, state["masters"], state["adam"], strict=True):
-            master.copy_(saved)
-            # torch's AdamW keeps `step` on the CPU unless capturable/fused.
-            inner.state[master] = {k: (v.cpu() if k == "step" else v.to(master.device)) if torch.is_tensor(v)
-                                   else v for k, v in adam.items()}
-        scaler, saved = self.zero.loss_scaler, state["lossScaler"]
+        for master in self.masters:
+            if not inner.state[master]:
+                inner.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                       "exp_avg_sq": torch.zeros_like(master)}
+        if self.zero_stage < 3:
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
+
+    def extra_state(self) -> dict:
+        return {"lossScaler": _loss_scaler_state(self.zero.loss_scaler)}
+
+    def load_extra_state(self, extra: dict, step: int, skipped_steps: int) -> None:
+        scaler, saved = self.zero.loss_scaler, extra.get("lossScaler", {})
         # A checkpoint of another precision holds another kind of scaler (fp16's dynamic one, or fp32/bf16's
-        # constant 1): this run keeps the one it started with.
+        # constant 1), one of TorchEngine none of DeepSpeed's: this run keeps the one it started with.
         if saved.keys() == _loss_scaler_state(scaler).keys():
             for k, v in saved.items():
                 setattr(scaler, k, type(getattr(scaler, k))(v))
-        for k, v in state["counters"].items():
-            setattr(self.ds, k, v)
-        self._refresh_weights()
+        # DeepSpeed's counters follow from the step; micro_steps decides where gradient accumulation ends.
+        ds = self.ds
+        ds.global_steps, ds.skipped_steps = step, skipped_steps
+        ds.micro_steps = step * ds.gradient_accumulation_steps()
+        ds.global_samples = step * ds.train_batch_size()
+
+    def rank_state(self) -> dict:
+        return {}
+
+    def load_rank_state(self, state: dict | None, step: int) -> None:
+        pass
 
     def _refresh_weights(self) -> None:
         """Weights from the master partitions, exactly as DeepSpeed's own step leaves them (collective)."""

@@ -1,7 +1,9 @@
 """TorchEngine: one training step for every torch-native layout (DDP, TP, PP, FSDP2/ZeRO-1, and their mixes).
 
-The loop talks to an engine through five calls — forward_backward, optimizer_step, evaluate, state_dict /
-load_state_dict, state_bytes — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
+The loop talks to an engine through forward_backward, optimizer_step, evaluate, state_bytes and the checkpoint
+calls — state_dict / load_state_dict (the model and optimizer, FQN-keyed tensors that any layout can read back),
+extra_state / load_extra_state (the loss scaler, JSON), rank_state / load_rank_state (this rank's own RNG stream,
+not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import restore_into
 from .data_parallel import OverlappedGradReducer
 from .dims import ParallelDims
 from .precision import LossScaler, autocast
 from .tensor_parallel import RNGStream
 from .tensors import local, local_bytes
-from .zero import optimizer_state_bytes
+from .zero import ZeroOneOptimizer, optimizer_state_bytes
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -165,18 +168,44 @@ class TorchEngine:
                 return cross_entropy(self.model(x), y).item()
             return self._run_schedule(self.schedule.eval, x, y)
 
+    @property
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer holding this rank's state (ZeRO-1: that of the parameters this rank owns)."""
+        return self.optimizer.local_optimizer if isinstance(self.optimizer, ZeroOneOptimizer) else self.optimizer
+
     def state_dict(self) -> dict:
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scaler": self.scaler.state_dict()}
-        if self.heads_rng:
-            state["headsRng"] = self.heads_rng.state
-        return state
+        """Keyed by the full model's parameter names; tensors plain (replicated) or DTensors (this rank's shard):
+        what DCP needs to store each piece once and to reshard it into another layout. The optimizer's param_groups
+        are not saved: the spec sets them (the LR every step)."""
+        return {"model": get_model_state_dict(self.module),
+                "optim": get_optimizer_state_dict(self.module, self._torch_optimizer)["state"]}
 
     def load_state_dict(self, state: dict) -> None:
-        restore_into(self.module, self.optimizer, state["model"], state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self.heads_rng and "headsRng" in state:  # checkpoints from before the stream existed have none
-            self.heads_rng.state = state["headsRng"]
+        """`state`: a state_dict() filled in place by the checkpoint."""
+        set_model_state_dict(self.module, state["model"])
+        optimizer = self._torch_optimizer
+        groups = get_optimizer_state_dict(self.module, optimizer)["param_groups"]
+        set_optimizer_state_dict(self.module, optimizer, {"state": state["optim"], "param_groups": groups})
+
+    def extra_state(self) -> dict:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_extra_state(self, extra: dict, step: int, skipped_steps: int) -> None:
+        # DeepSpeed's checkpoints hold its own scaler (deepspeed_engine.py): this run keeps the one it started with.
+        if "scaler" in extra:
+            self.scaler.load_state_dict(extra["scaler"])
+
+    def rank_state(self) -> dict:
+        return {"headsRng": self.heads_rng.state} if self.heads_rng else {}
+
+    def load_rank_state(self, state: dict | None, step: int) -> None:
+        """`state`: this rank's rank_state() of the same layout, or None after a layout change: then tensor
+        parallel's heads stream restarts at a seed derived from its own and `step`."""
+        if self.heads_rng:
+            if state is None:
+                self.heads_rng.restart(step)
+            else:
+                self.heads_rng.state = state["headsRng"]
 
     def state_bytes(self) -> dict[str, int]:
         opt_bytes = (self.optimizer.state_bytes() if hasattr(self.optimizer, "state_bytes")

@@ -157,7 +157,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         checkpointer = None
         if spec.checkpoint.path:
             checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
-                                        spec.checkpoint.keep)
+                                        spec.checkpoint.keep, spec.checkpoint.async_save)
         result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
         state_bytes: list = [None] * world
         dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})

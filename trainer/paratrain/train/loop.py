@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from ..api import Spec
 from ..api.spec import TrainingSpec
-from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_slice
 from .dims import ParallelDims
 from .progress import ProgressReporter
+from .tensor_parallel import reseeded
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:
@@ -70,21 +71,38 @@ class Trainer:
         if self.reporter:
             self.reporter.emit(event, **fields)
 
+    def _rank_state(self) -> dict:
+        """This rank's state that cannot reshard: its random streams."""
+        return {"rng": rng_state(), **self.engine.rank_state()}
+
     def resume(self) -> None:
+        """Load the newest sound checkpoint, of this layout or any other (resharded). Random streams come back
+        exactly from a checkpoint of this layout; after a layout change they restart from (seed, step)."""
         if not self.checkpointer:
             return
-        restored = self.checkpointer.load_latest()
-        if restored is None:
+        found = self.checkpointer.latest()
+        if found is None:
             return
-        state, manifest = restored
+        ckpt, manifest = found
+        step, own_key = manifest["step"], rank_key(self.checkpointer.rank)
+        state = {"engine": self.engine.state_dict()}
+        if self.checkpointer.same_sharding(manifest):
+            state["rank"] = {own_key: self._rank_state()}
+        self.checkpointer.load(ckpt, state)
         self.engine.load_state_dict(state["engine"])
-        set_rng_state(state["rng"])
+        self.engine.load_extra_state(manifest["engine"], step, manifest["skippedSteps"])
+        own = state.get("rank", {}).get(own_key)
+        self.engine.load_rank_state(own, step)
+        if own:
+            set_rng_state(own["rng"])
+        else:
+            torch.manual_seed(reseeded(self.dims.dropout_seed(self.spec.training.seed), step))
         self.result.losses = list(manifest["losses"])
         self.result.grad_norms = list(manifest["gradNorms"])
         self.result.val_losses = [tuple(v) for v in manifest["valLosses"]]
         self.result.skipped_steps = manifest["skippedSteps"]
-        self.result.start_step = manifest["step"]
-        self._emit("resume", step=manifest["step"], checkpoint=str(self.checkpointer.root))
+        self.result.start_step = step
+        self._emit("resume", step=step, checkpoint=str(self.checkpointer.root))
 
     def evaluate(self) -> float:
         total = 0.0
@@ -95,9 +113,15 @@ class Trainer:
 
     def save(self, step: int) -> None:
         r = self.result
-        self.checkpointer.save(step, {"engine": self.engine.state_dict(), "rng": rng_state()},
-                               {"losses": r.losses, "gradNorms": r.grad_norms, "valLosses": r.val_losses, "skippedSteps": r.skipped_steps})
-        self._emit("checkpoint", step=step)
+        state = {"engine": self.engine.state_dict(), "rank": {rank_key(self.checkpointer.rank): self._rank_state()}}
+        # Copies: an async save writes its manifest later, after this run's lists have grown.
+        meta = {"losses": list(r.losses), "gradNorms": list(r.grad_norms), "valLosses": list(r.val_losses),
+                "skippedSteps": r.skipped_steps, "engine": self.engine.extra_state()}
+        self._committed(self.checkpointer.save(step, state, meta))
+
+    def _committed(self, step: int | None) -> None:
+        if step is not None:
+            self._emit("checkpoint", step=step)
 
     def run(self) -> RunResult:
         t, r = self.spec.training, self.result
@@ -140,6 +164,8 @@ class Trainer:
             r.val_losses.append((t.steps, self.evaluate()))
         if self.checkpointer and r.start_step < t.steps:
             self.save(t.steps)
+        if self.checkpointer:
+            self._committed(self.checkpointer.wait())  # an async save's: the run ends when its checkpoint exists
         self._emit("done", step=t.steps, totalSteps=t.steps, valLoss=r.val_losses[-1][1],
                    loss=r.losses[-1] if r.losses else None, tokensPerSecond=r.tokens_per_second, etaSeconds=0)
         return r

@@ -34,6 +34,12 @@ SUBLAYERS = ("attn", "mlp")
 HEADS_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel seed from the data-parallel one
 
 
+def reseeded(seed: int, step: int) -> int:
+    """A random stream's seed when it restarts at `step` (resume into another layout): deterministic, and apart
+    from the streams of other ranks and steps (their seeds differ by less than the stride)."""
+    return seed + 1_000_003 * step
+
+
 class RNGStream:
     """A random stream of its own, swapped into the device's default generator around a region: ops there that
     take no generator argument (attention's dropout) draw from it, and the default stream continues as if the region
@@ -41,7 +47,12 @@ class RNGStream:
 
     def __init__(self, seed: int, device: torch.device):
         self.generator = _default_generator(device)
+        self.seed, self.device = seed, device
         self.state = torch.Generator(device=device).manual_seed(seed).get_state()
+
+    def restart(self, step: int) -> None:
+        """Re-derive the stream from its seed and `step`: where a checkpoint of another layout cannot restore it."""
+        self.state = torch.Generator(device=self.device).manual_seed(reseeded(self.seed, step)).get_state()
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:

@@ -51,7 +51,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision
 
 class ZeroOneOptimizer:
     """ZeRO stage 1: partition parameters over dp ranks; each rank's optimizer holds only its partition's state,
-    steps it, and broadcasts the updated parameters to the other dp ranks. Gradients stay whole (all-reduced)."""
+    steps it, and broadcasts the updated parameters to the other dp ranks. Gradients stay whole (all-reduced).
+
+    Partitions are of whole parameters, so `local_optimizer`'s state, keyed by parameter name
+    (`get_optimizer_state_dict(module, local_optimizer)`, as TorchEngine.state_dict does), is each owned
+    parameter's complete state (a DTensor shard of it under tensor parallel): a checkpoint holds every parameter's
+    state once, from its owner, and a run of any partition reads back the parameters it owns."""
 
     def __init__(self, param_groups: list[dict], dp_mesh: DeviceMesh,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
@@ -86,12 +91,6 @@ class ZeroOneOptimizer:
         self.local_optimizer.zero_grad(set_to_none=set_to_none)
         for p, _ in self.owner:
             p.grad = None
-
-    def state_dict(self) -> dict:
-        return self.local_optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.local_optimizer.load_state_dict(state)
 
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.local_optimizer)
