@@ -121,3 +121,40 @@ def test_tensor_parallel_run_from_hf_weights_starts_at_the_single_process_loss(t
     with torch.no_grad():
         expected = cross_entropy(hf(x).logits, y).item()
     assert_close_curves(single["losses"][:1], [expected], rtol=1e-5)
+
+
+def test_paratrain_export_turns_a_tensor_parallel_checkpoint_into_a_transformers_model(token_dir, tmp_path):
+    """The user's path: train a Llama on prepared tokens in a TP=2 layout, `paratrain export` its checkpoint, and
+    transformers loads it with paratrain's logits and the data's tokenizer."""
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from paratrain.train.checkpoint import full_model_state
+
+    overrides = layout(tensor=2) + ["spec.model.family=llama", "spec.model.heads=4", "spec.model.kvHeads=2",
+                                    "spec.data.source=tokens", f"spec.data.path={token_dir}",
+                                    f"spec.checkpoint.path={tmp_path / 'ckpt'}", "spec.training.steps=2"]
+    run_job(tmp_path, overrides)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    export = subprocess.run([sys.executable, "-m", "paratrain.cli", "export", str(tmp_path / "job.yaml"), *sets,
+                             "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert "config.json, model.safetensors, tokenizer.json" in export.stdout
+
+    trained = parse_job({**TINY_JOB, "spec": {**TINY_JOB["spec"], "model": {
+        "family": "llama", "layers": 2, "heads": 4, "kvHeads": 2, "embedDim": 32, "blockSize": 16}}})
+    state = full_model_state(tmp_path / "ckpt" / "step-00000002")
+    model = build_model(model_config(trained.spec, state["tok_emb.weight"].shape[0]))
+    model.load_state_dict(state)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    text = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode("To be, or not to be").ids
+    with torch.no_grad():
+        ids = torch.tensor([text])
+        torch.testing.assert_close(hf(ids).logits, model.eval()(ids), rtol=1e-4, atol=1e-5)
+    refused = subprocess.run([sys.executable, "-m", "paratrain.cli", "export", str(tmp_path / "job.yaml"), *sets,
+                              "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf2")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "no complete checkpoint" in refused.stderr, refused.stderr

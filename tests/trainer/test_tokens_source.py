@@ -3,6 +3,7 @@ holds only the windows it draws, and a broken directory is refused before launch
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -110,17 +111,25 @@ def test_a_corrupt_shard_is_refused_before_launch_by_run_and_validate(tmp_path, 
 
 def test_the_example_runs_after_the_readme_prepare_command(tmp_path):
     """The README's prepare command, as written, makes the directory examples/llama-tokens.yaml reads (both
-    relative to the working directory, here a scratch one holding the shipped text)."""
+    relative to the working directory, here a scratch one holding the shipped text); its export command then
+    writes the run's checkpoint as a Hugging Face Llama."""
     line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("paratrain prepare "))
     command = shlex.split(line.split("#")[0])
     assert "examples/data/shakespeare-bpe" in command
     (tmp_path / "examples" / "data").mkdir(parents=True)
     (tmp_path / "examples" / "data" / "tinyshakespeare.txt").symlink_to(ROOT / "examples/data/tinyshakespeare.txt")
+    (tmp_path / "examples" / "llama-tokens.yaml").symlink_to(ROOT / "examples/llama-tokens.yaml")
     prepared = paratrain(*command[1:], cwd=tmp_path)
     assert prepared.returncode == 0, prepared.stderr
     assert re.search(r"vocabulary 2048 \(uint16\)", prepared.stderr), prepared.stderr
-    run = paratrain("run", str(ROOT / "examples" / "llama-tokens.yaml"), "--no-progress", "--set",
+    run = paratrain("run", "examples/llama-tokens.yaml", "--no-progress", "--set",
                     "spec.training.steps=2", "--set", "spec.training.warmupSteps=1", "--set",
                     "spec.training.evalSteps=1", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "dp2·tp2·pp1" in run.stderr and "finished 2 steps" in run.stderr
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("paratrain export "))
+    export = paratrain(*shlex.split(line.split("#")[0])[1:], cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    hf = json.loads((tmp_path / "runs" / "llama-tokens" / "hf" / "config.json").read_text())
+    assert (hf["architectures"], hf["vocab_size"]) == (["LlamaForCausalLM"], 2048)
+    assert (tmp_path / "runs" / "llama-tokens" / "hf" / "tokenizer.json").is_file()

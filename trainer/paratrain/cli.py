@@ -4,6 +4,7 @@
     paratrain validate JOB.yaml [--set ...]                                             # every problem, exit 1
     paratrain render JOB.yaml [--set ...] [--namespace NS]                              # the gang's k8s objects
     paratrain prepare --train-bpe 2048 --out DIR FILES...                               # text/JSONL -> token shards
+    paratrain export JOB.yaml --checkpoint DIR --out HF_DIR                             # -> Hugging Face model
     paratrain crd                                                                       # the CRD manifest
     paratrain node --spec JOB.yaml                                                      # what each pod runs
     paratrain train --spec JOB.yaml                                                     # what each process runs
@@ -81,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is "
                          "not a terminal)")
 
+    export = sub.add_parser("export", help="write a checkpoint of a job, from any layout, as a Hugging Face model "
+                            "directory (LlamaForCausalLM or GPT2LMHeadModel)")
+    _add_job_args(export)
+    export.add_argument("--checkpoint", required=True, type=Path, metavar="DIR",
+                        help="a step-* checkpoint, or the job's checkpoint.path (its newest complete checkpoint)")
+    export.add_argument("--out", required=True, type=Path, metavar="HF_DIR",
+                        help="where config.json, model.safetensors and tokenizer.json (token data) go")
+
     sub.add_parser("crd", help="print the ParallelTrainJob CustomResourceDefinition")
 
     train = sub.add_parser("train", help="the trainer entrypoint every process runs (reads torchrun's env)")
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             namespace = args.namespace or job.metadata.namespace or "default"
             sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt)))
             return 0
+        if args.command == "export":
+            return _export(job, args)
         from .launch import run_local
 
         return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress,
@@ -137,6 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
+
+
+def _export(job, args: argparse.Namespace) -> int:
+    from .train.hf import export_checkpoint
+
+    try:
+        out = export_checkpoint(job, args.checkpoint, args.out)
+    except ValueError as exc:  # CheckpointError, or a checkpoint of another model than the job's
+        print(f"paratrain export: {exc}", file=sys.stderr)
+        return 1
+    print(f"paratrain export: wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -235,10 +235,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def candidates(self) -> list[Path]:
-        """Directories that look like finished checkpoints, newest first (not yet verified)."""
-        if not self.root.is_dir():
-            return []
-        return sorted((p for p in self.root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
+        return candidates(self.root)
 
     def _check_format(self, ckpt: Path, manifest: dict) -> None:
         """Raise on every rank (they read the same manifest) if `ckpt` is of a format this version cannot read."""
@@ -286,6 +283,29 @@ class Checkpointer:
         except (CheckpointException, pickle.UnpicklingError) as exc:  # not a peer's failure: that stays retryable
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
                                   "away to resume from an earlier checkpoint.") from None
+
+
+def candidates(root: Path) -> list[Path]:
+    """Directories under `root` that look like finished checkpoints, newest first (not yet verified)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
+
+
+def newest_sound(path: str | os.PathLike) -> Path:
+    """`path` if it is a checkpoint (a step directory), else the newest checkpoint under it whose files match their
+    manifest, as a resuming job would pick; CheckpointError naming what is wrong otherwise."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    problems = []
+    for ckpt in candidates(path):
+        problem = verify(ckpt, _read_manifest(ckpt))
+        if problem is None:
+            return ckpt
+        problems.append(f"{ckpt.name}: {problem}")
+    found = f"; skipped {'; '.join(problems)}" if problems else ""
+    raise CheckpointError(f"{path}: no complete checkpoint (a step-* directory with {MANIFEST}){found}")
 
 
 def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:

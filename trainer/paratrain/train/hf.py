@@ -151,3 +151,15 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
         shutil.copyfile(tokenizer_json, out / TOKENIZER_FILE)
     return out
 
+
+
+def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
+    under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
+    reads one."""
+    from .checkpoint import full_model_state, newest_sound
+
+    ckpt = newest_sound(checkpoint)
+    data = job.spec.data
+    tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
+    return export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None)
