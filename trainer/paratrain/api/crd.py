@@ -162,10 +162,12 @@ def model_value(field: str) -> str:
     family's default (the shape fields have no schema default; see shapes.py)."""
     explicit = f"{M}.{field}"
     # The preset's value as a chain of conditionals, not a map literal: a message's placeholders hold no braces.
-    preset_value = "0"  # unreachable: the preset is one of PRESETS, each of which sets every field used here
+    cel_type = "string" if field == "family" else "int"
+    # Unreachable (the preset is one of PRESETS, each setting every field used here), but of the field's type: the
+    # API server type-checks both branches of every conditional and refuses the CRD otherwise.
+    preset_value = '""' if cel_type == "string" else "0"
     for name, preset in reversed(PRESETS.items()):
         preset_value = f"({M}.preset == {_literal(name)} ? {_cel_value(preset[field])} : {preset_value})"
-    cel_type = "string" if field == "family" else "int"
     return (f"({_given(explicit, cel_type)} ? {explicit} : ({_given(f'{M}.preset')} ? {preset_value} : "
             f"{_default_without_preset(field)}))")
 
