@@ -15,7 +15,7 @@ from paratrain.train.data_parallel import Bucket
 
 STEPS = 3
 BUCKET_BYTES = 4096  # several buckets for the tiny model, parameters straddling shard boundaries
-COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter_single", "all_gather_single")
 
 
 def train(rank: int, store_file: str, out: str) -> None:
@@ -105,8 +105,8 @@ def test_each_step_reduce_scatters_and_all_gathers_once_per_bucket_and_never_bro
     for report in reports:
         assert report["buckets"] > 2
         per_bucket = report["buckets"]
-        assert report["counts"] == [{"broadcast": 0, "all_reduce": 1, "reduce_scatter_tensor": per_bucket,
-                                     "all_gather_into_tensor": per_bucket}] * STEPS, report["counts"]
+        assert report["counts"] == [{"broadcast": 0, "all_reduce": 1, "reduce_scatter_single": per_bucket,
+                                     "all_gather_single": per_bucket}] * STEPS, report["counts"]
 
 
 def test_trains_as_adamw_on_the_whole_batch(reports):

@@ -115,7 +115,7 @@ class OverlappedGradReducer:
             for p in bucket.params:
                 p.grad = None  # sent: this rank keeps only its shard of the mean
             out = flat.new_empty(bucket.shard_numel)
-            work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self.pending[i] = out, work, flat  # flat must outlive the collective
             return
         grads = [local(p.grad) for p in bucket.params if p.grad is not None]

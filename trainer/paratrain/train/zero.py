@@ -125,7 +125,7 @@ class ZeroOneOptimizer:
         for t, (_, start, stop, offset) in zip(mine, self.pieces[i], strict=True):
             shard[offset: offset + stop - start].copy_(t)
         flat = shard.new_empty(bucket.numel)
-        dist.all_gather_into_tensor(flat, shard, group=self.reducer.group)
+        dist.all_gather_single(flat, shard, group=self.reducer.group)
         return bucket.unflatten(flat)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
