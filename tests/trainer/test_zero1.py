@@ -3,8 +3,10 @@ per optimizer step one reduce-scatter and one all-gather per gradient bucket and
 a plain AdamW on the whole batch; half the optimizer state and gradients per rank; name-keyed whole-parameter
 checkpoint state that reloads into other buckets. The parallel runs in test_parity cover TP/PP and DCP."""
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +18,31 @@ from paratrain.train.data_parallel import Bucket
 STEPS = 3
 BUCKET_BYTES = 4096  # several buckets for the tiny model, parameters straddling shard boundaries
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter_single", "all_gather_single")
+
+
+def state_keys(state: dict[str, dict]) -> dict[str, list[str]]:
+    return {name: sorted(values) for name, values in state.items()}
+
+
+@contextlib.contextmanager
+def counted_collectives() -> Iterator[dict[str, int]]:
+    """Calls of each of COLLECTIVES made inside the block."""
+    calls = dict.fromkeys(COLLECTIVES, 0)
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def train(rank: int, store_file: str, out: str) -> None:
@@ -54,17 +81,9 @@ def train(rank: int, store_file: str, out: str) -> None:
             tokens = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1),
                                    generator=torch.Generator().manual_seed(step))
             x, y = tokens[:, :-1], tokens[:, 1:]
-            calls = {name: 0 for name in COLLECTIVES}
-            originals = {name: getattr(dist, name) for name in COLLECTIVES}
-            for name, original in originals.items():
-                setattr(dist, name, lambda *a, _n=name, _f=original, **k: (calls.__setitem__(_n, calls[_n] + 1),
-                                                                           _f(*a, **k))[1])
-            try:
+            with counted_collectives() as calls:
                 engine.forward_backward([(x.chunk(2)[rank], y.chunk(2)[rank])])
                 result = engine.optimizer_step(lr=1e-2)
-            finally:
-                for name, original in originals.items():
-                    setattr(dist, name, original)
             counts.append(calls)
             single_engine.forward_backward([(x, y)])
             norms.append((result.grad_norm, single_engine.optimizer_step(lr=1e-2).grad_norm))
@@ -80,7 +99,7 @@ def train(rank: int, store_file: str, out: str) -> None:
             "buckets": len(reducer.buckets), "counts": counts, "norms": norms, "psi": psi,
             "optimizer_bytes": engine.state_bytes()["optimizer"], "grad_bytes": engine.last_grad_bytes,
             "param_error": max((p - q).abs().max().item() for p, q in zip(model.parameters(), single.parameters())),
-            "same_format": {n: sorted(v) for n, v in state.items()} == {n: sorted(v) for n, v in reference_state.items()},
+            "same_format": state_keys(state) == state_keys(reference_state),
             "state_error": max((state[name][key] - reference_state[name][key]).abs().max().item()
                                for name in reference_state for key in ("exp_avg", "exp_avg_sq")),
             "steps": sorted({state[name]["step"].item() for name in reference_state}),

@@ -62,7 +62,8 @@ class ZeroOneOptimizer:
     The optimizer sees one tensor per parameter piece in this rank's shard (Bucket.pieces), a view into the
     parameter's own local storage (its tensor-parallel shard under TP) in the parameter's group: it updates the
     parameters in place, and its state (Adam's moments) is 1/dp of the model's. Adam is elementwise, so stepping a
-    flat piece is stepping those elements of the parameter.
+    flat piece is stepping those elements of the parameter. (So parameters are built and materialised before this
+    optimizer, and loaded into in place, as parallelize.py and set_model_state_dict do.)
 
     Checkpoints (`state_dict`) hold each parameter's whole state, keyed by its name — all-gathered at save time and
     sliced again at load — in the format of a plain optimizer's `get_optimizer_state_dict(...)["state"]`
@@ -71,7 +72,8 @@ class ZeroOneOptimizer:
 
     def __init__(self, param_groups: list[dict], reducer: OverlappedGradReducer,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
-        assert reducer.shard, "ZeRO-1 needs the reducer's reduce-scatter (shard) mode"
+        if not reducer.shard:
+            raise ValueError("ZeroOneOptimizer needs an OverlappedGradReducer in shard (reduce-scatter) mode")
         self.reducer = reducer
         self.pieces = [bucket.pieces(reducer.rank) for bucket in reducer.buckets]
         group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
