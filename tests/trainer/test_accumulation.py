@@ -28,6 +28,7 @@ LAYOUTS = {
     "dp2-ddp": layout(data=2),
     "dp2-zero2-deepspeed": layout(data=2, zeroStage=2),
     "dp2xtp2-zero3-fsdp2": layout(data=2, tensor=2, zeroStage=3),
+    "dp2xpp2-zero1": layout(data=2, pipeline=2, microbatches=2, zeroStage=1),
     "pp2-1f1b": layout(pipeline=2, microbatches=2, pipelineSchedule="1F1B"),
 }
 
@@ -91,23 +92,35 @@ def fsdp2(model):
     return model, None
 
 
-def overlapped(model):
+def overlapped(model, shard: bool = False):
     """The composed layouts' reducer, with buckets small enough that the tiny model needs several."""
-    return model, OverlappedGradReducer(list(model.parameters()), one_rank_dp_mesh(), bucket_bytes=4096)
+    return model, OverlappedGradReducer(list(model.parameters()), one_rank_dp_mesh(), bucket_bytes=4096, shard=shard)
+
+
+def overlapped_zero1(model):
+    """ZeRO-1's: reduce-scatters instead of all-reduces."""
+    return overlapped(model, shard=True)
 
 
 def one_rank_dp_mesh():
     return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
 
 
-def count_all_reduces(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
-    all_reduce = dist.all_reduce
+def counting(collective: str):
+    """A `count` that makes every call of torch.distributed's `collective` append to calls."""
+    def count(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
+        original = getattr(dist, collective)
 
-    def count_and_reduce(*args, **kwargs):
-        calls.append(1)
-        return all_reduce(*args, **kwargs)
+        def count_and_call(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
 
-    patch.setattr(dist, "all_reduce", count_and_reduce)
+        patch.setattr(dist, collective, count_and_call)
+
+    return count
+
+
+count_all_reduces = counting("all_reduce")
 
 
 def count_fsdp_reduce_scatters(wrapped, calls: list, patch: pytest.MonkeyPatch) -> None:
@@ -121,7 +134,9 @@ def count_fsdp_reduce_scatters(wrapped, calls: list, patch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize("wrap,count", [(ddp, count_ddp_buckets), (fsdp2, count_fsdp_reduce_scatters),
-                                        (overlapped, count_all_reduces)], ids=["ddp", "fsdp2", "composed"])
+                                        (overlapped, count_all_reduces),
+                                        (overlapped_zero1, counting("reduce_scatter_single"))],
+                         ids=["ddp", "fsdp2", "composed", "composed-zero1"])
 def test_gradients_are_reduced_once_per_optimizer_step(wrap, count, one_rank_group, monkeypatch):
     """Parity cannot see how often gradients are reduced (averaging each micro-step's equals averaging the sum):
     count the reductions at k = 1 and k = 3."""

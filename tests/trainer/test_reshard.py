@@ -47,6 +47,7 @@ LAYOUTS = {
     "pp2": layout(pipeline=2, microbatches=2),
     "dp2-zero3-deepspeed": layout(data=2, zeroStage=3),
     "dp2xtp2": layout(data=2, tensor=2),
+    "dp2xtp2-zero1": layout(data=2, tensor=2, zeroStage=1),  # torch-native: optimizer state gathered at save
 }
 ASYNC = {"dp2": {"spec.checkpoint.asyncSave": "true"}}
 
@@ -65,7 +66,8 @@ def resumed(runs, tmp_path: Path, written_by: str, name: str) -> dict:
     return metrics
 
 
-@pytest.mark.parametrize("written_by,name", [("dp2", "tp2"), ("dp2-zero3-deepspeed", "dp1"), ("pp2", "dp2")])
+@pytest.mark.parametrize("written_by,name", [("dp2", "tp2"), ("dp2-zero3-deepspeed", "dp1"), ("pp2", "dp2"),
+                                              ("dp2xtp2-zero1", "pp2"), ("tp2", "dp2xtp2-zero1")])
 def test_checkpoint_resumes_in_another_layout(written_by, name, runs, tmp_path):
     _, reference = straight(runs, name)
     metrics = resumed(runs, tmp_path, written_by, name)
@@ -75,9 +77,12 @@ def test_checkpoint_resumes_in_another_layout(written_by, name, runs, tmp_path):
     assert metrics["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-4)
 
 
-def test_async_checkpoint_resumes_exactly(runs, tmp_path):
-    _, reference = straight(runs, "dp2")
-    metrics = resumed(runs, tmp_path, "dp2", "dp2")
+@pytest.mark.parametrize("name", ["dp2", "dp2xtp2-zero1"])
+def test_checkpoint_resumes_exactly_in_its_own_layout(name, runs, tmp_path):
+    """dp2 writes asynchronously; composed ZeRO-1 gathers each parameter's optimizer state at save and slices this
+    rank's shard out again at load."""
+    _, reference = straight(runs, name)
+    metrics = resumed(runs, tmp_path, name, name)
     assert metrics["resumed_from_step"] == RESUME_STEP
     assert metrics["losses"] == reference["losses"]
     assert metrics["grad_norms"] == reference["grad_norms"]

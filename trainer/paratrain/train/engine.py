@@ -139,8 +139,9 @@ class TorchEngine:
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> StepResult:
-        params = self.params
-        scaled_norm = global_grad_norm(params, self.dims)
+        grads = self._step_grads()
+        scaled_norm = (self.optimizer.grad_norm(self.dims.tp) if isinstance(self.optimizer, ZeroOneOptimizer)
+                       else global_grad_norm(self.params, self.dims))
         loss_scale = self.scaler.factor  # what this step's loss was multiplied by; update() may grow the scale
         grad_norm = scaled_norm / loss_scale
         applied = self.scaler.update(scaled_norm)
@@ -149,15 +150,20 @@ class TorchEngine:
             clip = min(1.0, self.grad_clip / (grad_norm + 1e-6)) if self.grad_clip > 0 else 1.0
             coef = clip / loss_scale
             if coef != 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        local(p.grad).mul_(coef)
+                for g in grads:
+                    g.mul_(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-        self.last_grad_bytes = sum(local_bytes(p.grad) for p in params)
+        self.last_grad_bytes = sum(local_bytes(g) for g in grads)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(applied, grad_norm)
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps: the parameters' (local shards), or ZeRO-1's shard of them."""
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            return self.optimizer.grads()
+        return [local(p.grad) for p in self.params if p.grad is not None]
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -168,24 +174,25 @@ class TorchEngine:
                 return cross_entropy(self.model(x), y).item()
             return self._run_schedule(self.schedule.eval, x, y)
 
-    @property
-    def _torch_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer holding this rank's state (ZeRO-1: that of the parameters this rank owns)."""
-        return self.optimizer.local_optimizer if isinstance(self.optimizer, ZeroOneOptimizer) else self.optimizer
-
     def state_dict(self) -> dict:
         """Keyed by the full model's parameter names; tensors plain (replicated) or DTensors (this rank's shard):
-        what DCP needs to store each piece once and to reshard it into another layout. The optimizer's param_groups
-        are not saved: the spec sets them (the LR every step)."""
-        return {"model": get_model_state_dict(self.module),
-                "optim": get_optimizer_state_dict(self.module, self._torch_optimizer)["state"]}
+        what DCP needs to store each piece once and to reshard it into another layout. ZeRO-1's optimizer gives
+        the same format (zero.ZeroOneOptimizer.state_dict). The optimizer's param_groups are not saved: the spec
+        sets them (the LR every step)."""
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            optim = self.optimizer.state_dict(self.module)
+        else:
+            optim = get_optimizer_state_dict(self.module, self.optimizer)["state"]
+        return {"model": get_model_state_dict(self.module), "optim": optim}
 
     def load_state_dict(self, state: dict) -> None:
         """`state`: a state_dict() filled in place by the checkpoint."""
         set_model_state_dict(self.module, state["model"])
-        optimizer = self._torch_optimizer
-        groups = get_optimizer_state_dict(self.module, optimizer)["param_groups"]
-        set_optimizer_state_dict(self.module, optimizer, {"state": state["optim"], "param_groups": groups})
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            self.optimizer.load_state_dict(self.module, state["optim"])
+            return
+        groups = get_optimizer_state_dict(self.module, self.optimizer)["param_groups"]
+        set_optimizer_state_dict(self.module, self.optimizer, {"state": state["optim"], "param_groups": groups})
 
     def extra_state(self) -> dict:
         return {"scaler": self.scaler.state_dict()}

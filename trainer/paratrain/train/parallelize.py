@@ -63,7 +63,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
     if dims.dp_enabled and zero_stage < 2:
         if composed:  # DDP cannot wrap DTensor shards or a pipeline stage
             dp_reducer = OverlappedGradReducer([p for p in model.parameters() if p.requires_grad],
-                                               dims.get_mesh("dp"))
+                                               dims.get_mesh("dp"), shard=zero_stage == 1)
         else:
             wrapped = apply_ddp(model, dims.get_mesh("dp"))
 
@@ -75,7 +75,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, voc
 
     groups = param_groups(model, t.weight_decay)
     if zero_stage == 1:
-        optimizer = ZeroOneOptimizer(groups, dims.get_mesh("dp"), make_optimizer)
+        optimizer = ZeroOneOptimizer(groups, dp_reducer, make_optimizer)
     else:
         optimizer = make_optimizer(groups)
 

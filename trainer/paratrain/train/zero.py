@@ -1,7 +1,8 @@
 """ZeRO for composed layouts (tensor or pipeline parallel), torch-native. Data-parallel-only layouts use DeepSpeed
 (see deepspeed_engine.py); both give the same stage semantics:
 
-- stage 1: each dp rank keeps optimizer state for its partition of the parameters only (ZeroOneOptimizer);
+- stage 1: each dp rank keeps optimizer state for its shard of the parameters only, and receives only that shard
+  of the gradients (ZeroOneOptimizer: reduce-scatter, step the shard, all-gather);
 - stage 2: also gradients sharded — FSDP2 without resharding after forward (parameters whole during fwd/bwd);
 - stage 3: also parameters sharded — FSDP2 resharding after forward.
 
@@ -11,6 +12,7 @@ reduce-scattered once, after the last microbatch's backward, not once per microb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -18,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
+from .data_parallel import OverlappedGradReducer
 from .precision import DTYPES
 from .tensors import local, local_bytes
 
@@ -50,50 +54,151 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision
 
 
 class ZeroOneOptimizer:
-    """ZeRO stage 1: partition parameters over dp ranks; each rank's optimizer holds only its partition's state,
-    steps it, and broadcasts the updated parameters to the other dp ranks. Gradients stay whole (all-reduced).
+    """ZeRO stage 1 for composed layouts, DeepSpeed's flat partitioning over OverlappedGradReducer's buckets: the
+    reducer (in shard mode) reduce-scatters each bucket's gradients during backward, so this dp rank receives only
+    its shard of the mean gradient; the optimizer steps that shard; the updated shards are all-gathered, bucket by
+    bucket, back into every rank's whole parameters. Per step: one reduce-scatter and one all-gather per bucket.
 
-    Partitions are of whole parameters, so `local_optimizer`'s state, keyed by parameter name
-    (`get_optimizer_state_dict(module, local_optimizer)`, as TorchEngine.state_dict does), is each owned
-    parameter's complete state (a DTensor shard of it under tensor parallel): a checkpoint holds every parameter's
-    state once, from its owner, and a run of any partition reads back the parameters it owns."""
+    The optimizer sees one tensor per parameter piece in this rank's shard (Bucket.pieces), a view into the
+    parameter's own local storage (its tensor-parallel shard under TP) in the parameter's group: it updates the
+    parameters in place, and its state (Adam's moments) is 1/dp of the model's. Adam is elementwise, so stepping a
+    flat piece is stepping those elements of the parameter. (So parameters are built and materialised before this
+    optimizer, and loaded into in place, as parallelize.py and set_model_state_dict do.)
 
-    def __init__(self, param_groups: list[dict], dp_mesh: DeviceMesh,
+    Checkpoints (`state_dict`) hold each parameter's whole state, keyed by its name — all-gathered at save time and
+    sliced again at load — in the format of a plain optimizer's `get_optimizer_state_dict(...)["state"]`
+    (DTensors of the parameter's own placements under tensor parallel): DCP stores it once, and any layout, any
+    dp degree or bucket size, reads it back."""
+
+    def __init__(self, param_groups: list[dict], reducer: OverlappedGradReducer,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
-        self.group = dp_mesh.get_group()
-        ranks = dist.get_process_group_ranks(self.group)
-        loads = [0] * len(ranks)
-        self.owner: list[tuple[nn.Parameter, int]] = []
-        owned_groups = []
-        # Largest first onto the least-loaded rank: balanced partitions, deterministic on every rank.
-        flat = [p for g in param_groups for p in g["params"]]
-        for p in sorted(flat, key=lambda q: -local(q).numel()):
-            r = loads.index(min(loads))
-            loads[r] += local(p).numel()
-            self.owner.append((p, ranks[r]))
-        me = dist.get_rank()
-        mine = {id(p) for p, r in self.owner if r == me}
-        for g in param_groups:
-            owned_groups.append({**g, "params": [p for p in g["params"] if id(p) in mine]})
-        self.local_optimizer = make_optimizer(owned_groups)
+        if not reducer.shard:
+            raise ValueError("ZeroOneOptimizer needs an OverlappedGradReducer in shard (reduce-scatter) mode")
+        self.reducer = reducer
+        self.pieces = [bucket.pieces(reducer.rank) for bucket in reducer.buckets]
+        group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+        shard_groups = [{**g, "params": []} for g in param_groups]
+        self.shards: list[list[nn.Parameter]] = []  # per bucket, one per piece
+        for pieces in self.pieces:
+            self.shards.append([nn.Parameter(local(p.data).view(-1)[start:stop]) for p, start, stop, _ in pieces])
+            for shard, (p, *_) in zip(self.shards[-1], pieces, strict=True):
+                shard_groups[group_of[id(p)]]["params"].append(shard)
+        self.local_optimizer = make_optimizer(shard_groups)
 
     @property
     def param_groups(self) -> list[dict]:
         return self.local_optimizer.param_groups
 
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's shard of the step's mean gradient (once the reducer has finished), one view per piece; what
+        the optimizer steps, so what clipping and loss unscaling multiply."""
+        grads = []
+        for shards, pieces, flat in zip(self.shards, self.pieces, self.reducer.grad_shards, strict=True):
+            for shard, (_, start, stop, offset) in zip(shards, pieces, strict=True):
+                shard.grad = flat[offset: offset + stop - start]
+                grads.append(shard.grad)
+        return grads
+
+    @torch.no_grad()
+    def grad_norm(self, tp: int) -> float:
+        """L2 norm of the whole model's mean gradient, the same on every rank: each rank sums its shard's squares,
+        then one all-reduce over the world, which the (pp, dp, tp) mesh spans, adds dp shards, tp shards and pp
+        stages. A parameter the `tp` tensor-parallel ranks hold alike (embeddings, norms, the head, replicated
+        DTensors) is weighed 1/tp there, so it counts once."""
+        total = torch.zeros((), dtype=torch.float32, device=self.reducer.buckets[0].device)
+        for grad, (p, *_) in zip(self.grads(), (piece for pieces in self.pieces for piece in pieces), strict=True):
+            total += grad.float().square().sum() / (1 if tp_sharded(p) else tp)
+        dist.all_reduce(total)
+        return math.sqrt(total.item()) if torch.isfinite(total) else math.inf
+
     @torch.no_grad()
     def step(self) -> None:
+        self.grads()
         self.local_optimizer.step()
-        for p, src in self.owner:
-            dist.broadcast(local(p.data), src=src, group=self.group)
+        for i, bucket in enumerate(self.reducer.buckets):
+            for p, whole in zip(bucket.params, self._all_gather(i, self.shards[i]), strict=True):
+                local(p.data).copy_(whole)
+
+    def _all_gather(self, i: int, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's pieces of bucket i (`mine`: this rank's, one per piece) → whole local tensors, one per
+        parameter (views into one flat buffer)."""
+        bucket = self.reducer.buckets[i]
+        shard = torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
+        for t, (_, start, stop, offset) in zip(mine, self.pieces[i], strict=True):
+            shard[offset: offset + stop - start].copy_(t)
+        flat = shard.new_empty(bucket.numel)
+        dist.all_gather_single(flat, shard, group=self.reducer.group)
+        return bucket.unflatten(flat)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.local_optimizer.zero_grad(set_to_none=set_to_none)
-        for p, _ in self.owner:
-            p.grad = None
+        self.local_optimizer.zero_grad(set_to_none=True)
+        self.reducer.grad_shards = []
+        for bucket in self.reducer.buckets:
+            for p in bucket.params:
+                p.grad = None
 
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.local_optimizer)
+
+    @torch.no_grad()
+    def state_dict(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        """Collective over dp: {parameter name: {state key: whole value}}. Per-element state (tensors shaped like
+        the piece) is all-gathered bucket by bucket; scalars (Adam's step count) are the same on every piece."""
+        if not self.local_optimizer.state:
+            self._init_state()
+        states = [self.local_optimizer.state[s] for shards in self.shards for s in shards]
+        scalars = {k: v for k, v in states[0].items() if not is_per_element(v)}
+        names = {id(p): name for name, p in module.named_parameters()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for i, bucket in enumerate(self.reducer.buckets):
+            for p in bucket.params:
+                out[names[id(p)]] = {k: v.clone() for k, v in scalars.items()}
+            for key in (k for k, v in states[0].items() if is_per_element(v)):
+                mine = [self.local_optimizer.state[s][key] for s in self.shards[i]]
+                for p, whole in zip(bucket.params, self._all_gather(i, mine), strict=True):
+                    out[names[id(p)]][key] = like_param(whole.clone(), p)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, module: nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """`state`: whole per-parameter values as state_dict() gives them (any layout's, resharded by DCP); this
+        rank keeps its pieces."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        for shards, pieces in zip(self.shards, self.pieces, strict=True):
+            for shard, (p, start, stop, _) in zip(shards, pieces, strict=True):
+                self.local_optimizer.state[shard] = {
+                    k: local(v).reshape(-1)[start:stop].clone() if is_per_element(v) else v.clone()
+                    for k, v in state[names[id(p)]].items()}
+
+    def _init_state(self) -> None:
+        """The optimizer's state appears at its first step: take one of zero gradients at learning rate 0, which
+        leaves the parameters as they are (torch's get_optimizer_state_dict does the same)."""
+        lrs = [g["lr"] for g in self.local_optimizer.param_groups]
+        for g in self.local_optimizer.param_groups:
+            g["lr"] = 0.0
+            for shard in g["params"]:
+                shard.grad = torch.zeros_like(shard)
+        self.local_optimizer.step()
+        for g, lr in zip(self.local_optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.local_optimizer.zero_grad(set_to_none=True)
+
+
+def is_per_element(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def tp_sharded(p: torch.Tensor) -> bool:
+    """Whether each tensor-parallel rank holds a different part of the parameter."""
+    return isinstance(p, DTensor) and any(placement.is_shard() for placement in p.placements)
+
+
+def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`t`, a whole local tensor of `p`'s shape, as `p` is held: a DTensor of `p`'s placements under tensor
+    parallel."""
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
