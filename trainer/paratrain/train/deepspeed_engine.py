@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 for data-parallel-only layouts, behind the five calls the loop makes of TorchEngine.
 
-The model is built and initialised exactly as for every other layout (`initialize`), then handed to
-`deepspeed.initialize` with torch's AdamW over `param_groups` (nanoGPT's decay split). DeepSpeed then owns the
+The model is initialised exactly as for every other layout (`initialize`), then handed to `deepspeed.initialize`
+with torch's AdamW over `param_groups` (optim.build_optimizer). Under ZeRO-3 it is built already partitioned
+(`deepspeed.zero.Init`), so no rank ever holds it whole, and initialised one gathered parameter at a time
+(models.copy_into). DeepSpeed then owns the
 step: it averages gradients over the data-parallel ranks (ZeRO-1/2: bucketed reduce to each partition's owner;
 ZeRO-3: reduce-scatter), clips at the *global* norm with torch's `clip_grad_norm_` coefficient
 (max_norm / (norm + 1e-6), at most 1), steps its partition and all-gathers the parameters.
