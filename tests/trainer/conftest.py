@@ -20,14 +20,16 @@ def one_rank_group():
 def job_runs(tmp_path_factory):
     """Jobs shared across test modules, each run once per session: `job_runs(name, overrides, env=..., spec=...)`
     → (run_dir, metrics). Runs are keyed by what they run, not by `name` (which only names the directory), so two
-    modules asking for the same layout share one run. "{run_dir}" in an override is the job's own directory."""
+    modules asking for the same layout share one run. "{run_dir}" in an override or an environment value is the
+    job's own directory."""
     done: dict[str, tuple[Path, dict]] = {}
 
     def get(name: str, overrides: list[str], env: dict | None = None, spec: dict | None = None):
         key = json.dumps([overrides, env, spec], sort_keys=True)
         if key not in done:
             run_dir = tmp_path_factory.mktemp(name)
-            _, metrics = run_job(run_dir, [o.format(run_dir=run_dir) for o in overrides], job=spec, env=env)
+            _, metrics = run_job(run_dir, [o.format(run_dir=run_dir) for o in overrides], job=spec,
+                                 env={k: v.format(run_dir=run_dir) for k, v in (env or {}).items()})
             done[key] = run_dir, metrics
         return done[key]
 

@@ -107,14 +107,17 @@ def test_missing_init_directory_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "work" / "logs").exists(), "no rank may start"
 
 
-def test_tensor_parallel_run_from_hf_weights_starts_at_the_single_process_loss(tmp_path):
-    """Both runs' first loss is transformers' own loss of the HF model on the first step's batch."""
+def test_tensor_parallel_and_zero3_runs_from_hf_weights_start_at_the_single_process_loss(tmp_path):
+    """Every run's first loss is transformers' own loss of the HF model on the first step's batch: TP=2 loads shards,
+    DeepSpeed ZeRO-3 one gathered parameter at a time into a model built partitioned."""
     hf = hf_random_model("llama", tmp_path / "hf")
     model = ["spec.model=" + "{" + ", ".join(f"{k}: {v}" for k, v in MODELS["llama"].items()) + "}",
              f"spec.model.init={tmp_path / 'hf'}"]
     _, single = run_job(tmp_path / "single", model + layout())
     _, tp2 = run_job(tmp_path / "tp2", model + layout(tensor=2))
+    _, zero3 = run_job(tmp_path / "zero3", model + layout(data=2, zeroStage=3))
     assert_close_curves(tp2["losses"][:1], single["losses"][:1], rtol=1e-5)
+    assert_close_curves(zero3["losses"][:1], single["losses"][:1], rtol=1e-5)
     spec = job("llama").spec
     corpus = load_corpus("synthetic", None, spec.data.val_fraction, VOCAB, spec.training.seed, 16)
     x, y = global_batch(corpus.train, spec.training.batch_size, 16, spec.training.seed, 0, TRAIN_STREAM)

@@ -48,9 +48,12 @@ def runs(job_runs):
 
 
 def zero_fp32(runs, stage: int):
-    """DP=2 ZeRO run in fp32; checkpoints every 5 steps (the resume test restarts it from step 5)."""
+    """DP=2 ZeRO run in fp32; checkpoints every 5 steps (the resume test restarts it from step 5). The ZeRO-3 run
+    also records what each rank holds of the model DeepSpeed is given (in {run_dir}/handoff; the observer changes
+    nothing, so every test of that run checks it too)."""
+    observe = {"PYTHONPATH": str(MUTANTS), "PARATRAIN_TEST_MUTANT": "record_deepspeed_handoff:{run_dir}/handoff"}
     return runs(f"zero{stage}-dp2", layout(data=2, zeroStage=stage) + [
-        "spec.checkpoint.path={run_dir}/ckpt", "spec.checkpoint.interval=5"])
+        "spec.checkpoint.path={run_dir}/ckpt", "spec.checkpoint.interval=5"], env=observe if stage == 3 else None)
 
 
 @pytest.fixture
@@ -65,6 +68,21 @@ def test_zero_matches_single_process(stage, runs, reference):
     assert metrics["layout"].startswith(f"dp2·tp1·pp1 z{stage}")
     assert_parity(metrics, reference, rtol=1e-4)  # observed ~3e-7: only the summation order differs
     assert reference["losses"][-1] < reference["losses"][0] - 0.5, "the reference must learn, or parity is vacuous"
+
+
+def test_zero3_never_builds_the_whole_model_on_a_rank(runs):
+    """ZeRO-3 builds the model already partitioned (deepspeed.zero.Init) and initialises it one gathered parameter
+    at a time: when DeepSpeed is handed the initialised model, each rank holds no whole parameter, only its half
+    (padded to whole elements) of every one. Built whole and partitioned by deepspeed.initialize, every rank would
+    first hold the whole model (4Ψ bytes) here."""
+    run_dir, metrics = zero_fp32(runs, 3)
+    psi = param_count(SMALL["spec"]["model"])
+    for rank in (0, 1):
+        held = json.loads((run_dir / "handoff" / f"rank-{rank}.json").read_text())
+        assert sum(p["elements"] for p in held.values()) == psi
+        for name, p in held.items():
+            assert p["held"] == 0, f"rank {rank} holds all of {name}"
+            assert p["partition"] == math.ceil(p["elements"] / 2), f"rank {rank}'s partition of {name}: {p}"
 
 
 @pytest.mark.parametrize("mutant,stage", [("deepspeed_skips_reduction", 1), ("deepspeed_sums_instead_of_averaging", 3)])

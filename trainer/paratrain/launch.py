@@ -191,7 +191,7 @@ def preflight(job: ParallelTrainJob) -> None:
     import torch
 
     from .train.entrypoint import device_type
-    from .train.parallelize import uses_deepspeed
+    from .train.dims import ParallelDims
     from .train.precision import check_device_supports
 
     spec = job.spec
@@ -202,8 +202,9 @@ def preflight(job: ParallelTrainJob) -> None:
     if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("spec.logging.tensorboard", "writing event files needs the tensorboard package "
                                 "(pip install tensorboard)"))
+    uses_deepspeed = ParallelDims.from_spec(spec).uses_deepspeed
     try:
-        check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed(spec))
+        check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed)
     except ValueError as exc:
         path, _, message = str(exc).partition(": ")
         problems.append(Problem(path, message))

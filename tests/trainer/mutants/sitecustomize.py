@@ -1,7 +1,8 @@
 """Test-only sabotage, loaded into trainer processes via PYTHONPATH when PARATRAIN_TEST_MUTANT is set.
 
-Proves the parity tests can fail: each mutant breaks one gradient reduction the way real bugs do. One observer,
-`dump_model:<dir>`, changes nothing: it saves what each rank holds for tests to compare.
+Proves the parity tests can fail: each mutant breaks one gradient reduction the way real bugs do. Two observers
+change nothing: `dump_model:<dir>` saves what each rank holds for tests to compare, `record_deepspeed_handoff:<dir>`
+what each rank holds of the model DeepSpeed is given.
 """
 
 import os
@@ -160,5 +161,27 @@ if MUTANT:
             return result
 
         loop.Trainer.run = _run
+    elif MUTANT.startswith("record_deepspeed_handoff:"):
+        # record_deepspeed_handoff:<dir> — what each rank's model holds of every parameter when it is handed to
+        # DeepSpeed (just built and initialised; its optimizer is built next), to <dir>/rank-<N>.json.
+        import json
+        import math
+
+        from paratrain.train import deepspeed_engine
+        from paratrain.train.models import full_shape_of
+
+        record_dir = MUTANT.split(":", 1)[1]
+        original_build_optimizer = deepspeed_engine.build_optimizer
+
+        def _recording_build_optimizer(model, *args, **kwargs):
+            held = {name: {"elements": math.prod(full_shape_of(p)), "held": p.data.numel(),
+                           "partition": p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None}
+                    for name, p in model.named_parameters()}
+            os.makedirs(record_dir, exist_ok=True)
+            with open(f"{record_dir}/rank-{os.environ['RANK']}.json", "w") as f:
+                json.dump(held, f)
+            return original_build_optimizer(model, *args, **kwargs)
+
+        deepspeed_engine.build_optimizer = _recording_build_optimizer
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_MUTANT {MUTANT!r}")

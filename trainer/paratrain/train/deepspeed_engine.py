@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 for data-parallel-only layouts, behind the five calls the loop makes of TorchEngine.
 
-The model is built and initialised exactly as for every other layout (`initialize`), then handed to
-`deepspeed.initialize` with torch's AdamW over `param_groups` (nanoGPT's decay split). DeepSpeed then owns the
+The model is initialised exactly as for every other layout (`initialize`), then handed to `deepspeed.initialize`
+with torch's AdamW over `param_groups` (optim.build_optimizer). Under ZeRO-3 it is built already partitioned
+(`deepspeed.zero.Init`), so no rank ever holds it whole, and initialised one gathered parameter at a time
+(models.copy_into). DeepSpeed then owns the
 step: it averages gradients over the data-parallel ranks (ZeRO-1/2: bucketed reduce to each partition's owner;
 ZeRO-3: reduce-scatter), clips at the *global* norm with torch's `clip_grad_norm_` coefficient
 (max_norm / (norm + 1e-6), at most 1), steps its partition and all-gathers the parameters.
@@ -44,8 +46,8 @@ from .checkpoint import CheckpointError
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
 from .models import ModelConfig, build_model, initialize
-from .parallelize import param_groups
-from .precision import LossScaler
+from .optim import build_optimizer
+from .precision import DTYPES, LossScaler
 
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -288,10 +290,28 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
     import deepspeed
 
     t = spec.training
-    model = build_model(cfg).to(device)
+    config = deepspeed_config(spec, dims.dp, device, cfg.embed_dim)
+    model = _build_model(cfg, dims, device, config, DTYPES[spec.precision])
     initialize(model, t.seed, spec.model.init)
     apply_ac(model, t.activation_checkpointing)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.learning_rate, betas=(t.beta1, t.beta2))
-    ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                  config=deepspeed_config(spec, dims.dp, device, cfg.embed_dim))
-    return DeepSpeedEngine(ds=ds, module=model, zero_stage=spec.parallelism.zero_stage)
+    ds, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, dims, t), config=config)
+    return DeepSpeedEngine(ds=ds, module=model, zero_stage=dims.zero_stage)
+
+
+def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, config: dict,
+                 dtype: torch.dtype) -> nn.Module:
+    """The model on `device`; under ZeRO-3 partitioned as it is built (deepspeed.zero.Init: each module's weights
+    are split over the dp ranks as soon as its constructor returns), so no rank ever holds the whole model.
+    `initialize` then writes each weight through a gather of that one parameter (models.copy_into).
+
+    zero.Init makes the weights `dtype` (bf16/fp16 under DeepSpeed's mixed precision) right away: DeepSpeed
+    casts a model it did not partition itself, but not one built partitioned."""
+    import deepspeed
+
+    if dims.zero_stage < 3:
+        return build_model(cfg).to(device)
+    # zero.Init reads the world size from deepspeed.comm, which deepspeed.initialize would only set up later (over
+    # the torch process group already running), and otherwise takes it for 1.
+    deepspeed.init_distributed()
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, data_parallel_group=dims.group("dp")):
+        return build_model(cfg)

@@ -125,19 +125,18 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .loop import Trainer
     from .hf_config import init_problem
     from .models import model_config
-    from .parallelize import build_engine, uses_deepspeed
+    from .parallelize import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
     from .precision import check_device_supports
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
     spec = job.spec
     device, backend = pick_device(job, local_rank)
-    check_device_supports(spec.precision, device, uses_deepspeed(spec))
+    dims = ParallelDims.from_spec(spec, world, device.type)
+    check_device_supports(spec.precision, device, dims.uses_deepspeed)
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     try:
-        p = spec.parallelism
-        dims = ParallelDims(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world, device_type=device.type)
         corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
                              spec.training.seed, spec.model.block_size)
         if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):

@@ -84,17 +84,27 @@ def _stable_hash(name: str) -> int:
 
 
 def full_shape_of(param: torch.Tensor) -> torch.Size:
-    """The unsharded shape of a parameter, plain or DTensor (tensor parallel, FSDP2)."""
+    """The unsharded shape of a parameter: plain, a DTensor (tensor parallel, FSDP2), or a DeepSpeed ZeRO-3
+    partition (whose own tensor is empty)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(param, "ds_shape"):
+        return param.ds_shape
     return param.shape if not isinstance(param, DTensor) else param.size()
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the full tensor `full` into `param` (a plain tensor, or a DTensor shard)."""
+    """Copy this rank's part of the full tensor `full` into `param`: a plain tensor, a DTensor shard, or a DeepSpeed
+    ZeRO-3 partition (collective: gathered alone, written — the same on every rank — and re-partitioned from rank 0's
+    copy, so a rank holds one whole parameter at a time)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if isinstance(param, DTensor):
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            param.data.copy_(full)
+    elif isinstance(param, DTensor):
         shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
