@@ -51,7 +51,7 @@ def train(rank: int, store_file: str, out: str) -> None:
     from paratrain.train.data_parallel import OverlappedGradReducer
     from paratrain.train.dims import ParallelDims
     from paratrain.train.engine import TorchEngine
-    from paratrain.train.parallelize import param_groups
+    from paratrain.train.optim import param_groups
     from paratrain.train.zero import ZeroOneOptimizer
 
     from .test_engine import CFG, tiny_gpt
