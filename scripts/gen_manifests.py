@@ -101,7 +101,7 @@ def cluster_ready(doc: Any) -> bool:
     if not (isinstance(doc, dict) and doc.get("kind") == "ParallelTrainJob"):
         return False
     spec = parse_job(doc).spec
-    paths = [spec.checkpoint.path, spec.data.path if spec.data.source == "text" else None]
+    paths = [spec.checkpoint.path, spec.logging.tensorboard, spec.data.path if spec.data.source != "synthetic" else None]
     return all(p is None or p.startswith("/") for p in paths)
 
 
