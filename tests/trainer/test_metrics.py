@@ -41,11 +41,13 @@ def test_mfu_needs_a_known_peak_and_is_logged_as_an_event(dp2_metrics, tmp_path)
     assert dp2_metrics["mfu"] is None and dp2_metrics["peak_flops_per_device"] is None
     _, metrics = run_job(tmp_path, layout(), args=["--peak-flops", "1e12"])
     assert metrics["peak_flops_per_device"] == 1e12
-    expected = metrics["model_flops_per_token"] * metrics["tokens_per_second"] / 1e12
-    assert metrics["mfu"] == pytest.approx(expected, rel=1e-9)
+    achieved = metrics["model_flops_per_token"] * metrics["tokens_per_second"]
+    assert metrics["achieved_flops_per_second"] == pytest.approx(achieved, rel=1e-9)
+    assert metrics["mfu"] == pytest.approx(achieved / 1e12, rel=1e-9)
     assert 0 < metrics["mfu"] < 1
     events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
     (performance,) = [e for e in events if e["event"] == "performance"]
     assert performance["mfu"] == metrics["mfu"]
     assert performance["modelFlopsPerToken"] == metrics["model_flops_per_token"]
+    assert performance["achievedFlopsPerSecond"] == metrics["achieved_flops_per_second"]
     assert performance["peakMemoryBytes"] == max(metrics["peak_memory_bytes"])

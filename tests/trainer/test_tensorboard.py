@@ -22,6 +22,8 @@ def test_a_run_writes_its_curves_as_tensorboard_scalars(tmp_path):
     assert written["val/loss"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in metrics["val_losses"]]
     assert len(written["train/learning_rate"]) == steps and len(written["perf/tokens_per_second"]) == steps
     assert written["perf/model_flops_per_token"] == [(steps, metrics["model_flops_per_token"])]
+    assert written["perf/achieved_flops_per_second"] == [
+        (steps, pytest.approx(metrics["achieved_flops_per_second"], rel=1e-6))]
     assert written["memory/peak_bytes"] == [(steps, pytest.approx(max(metrics["peak_memory_bytes"]), rel=1e-6))]
     assert "perf/mfu" not in written  # unknown peak: no made-up number
 

@@ -163,8 +163,3 @@ def test_bucket_shards_cover_every_element_once(numel, shards):
     assert seen == {i: list(range(n)) for i, n in enumerate(numel)}
     assert bucket.numel == bucket.shard_numel * shards >= sum(numel)
 
-
-@pytest.fixture(autouse=True)
-def _no_leftover_group():
-    yield
-    assert not dist.is_initialized()

@@ -168,17 +168,18 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
             flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
             given_peak = os.environ.get(contract.ENV_PEAK_FLOPS)
             peak_flops = device_peak_flops(device, float(given_peak) if given_peak else None)
+            achieved = flops_per_token * result.tokens_per_second  # the whole job's model FLOP/s
             utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
-            reporter.emit("performance", modelFlopsPerToken=flops_per_token, mfu=utilisation,
-                          peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
+            reporter.emit("performance", modelFlopsPerToken=flops_per_token, achievedFlopsPerSecond=achieved,
+                          mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
             if metrics_out:
                 write_json(metrics_out, {
                     "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
                     "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
                     "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
                     "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
-                    "model_flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
-                    "mfu": utilisation,
+                    "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,
+                    "peak_flops_per_device": peak_flops, "mfu": utilisation,
                     "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
                     "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
                                           "optimizer": result.optimizer_seconds},

@@ -28,6 +28,7 @@ TENSORBOARD_TAGS = {
     "eval": {"valLoss": "val/loss"},
     "done": {"valLoss": "val/loss"},  # the final evaluation is reported with the end of training
     "performance": {"mfu": "perf/mfu", "modelFlopsPerToken": "perf/model_flops_per_token",
+                    "achievedFlopsPerSecond": "perf/achieved_flops_per_second",
                     "peakMemoryBytes": "memory/peak_bytes"},
 }
 
