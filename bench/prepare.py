@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from doc_section import DOC, write_section
+
 from paratrain.token_shards import open_token_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- bench:prepare:begin -->", "<!-- bench:prepare:end -->"
 TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 
 
@@ -85,7 +85,7 @@ def main() -> None:
 
 def write_doc(report: dict) -> None:
     c = report["checksums"]
-    lines = [BEGIN, "", f"Measured on {report['machine']} (load average {report['load_average_at_start']:.1f} at "
+    lines = [f"Measured on {report['machine']} (load average {report['load_average_at_start']:.1f} at "
              f"the start), {report['input_megabytes']:.1f} MB of text (`python bench/prepare.py`).", "",
              "| command | seconds | CPU seconds | MB/s | tokens/s |", "|---|---|---|---|---|"]
     for name, r in report["results"].items():
@@ -93,14 +93,8 @@ def write_doc(report: dict) -> None:
                      f"{r['cpu_seconds']:.2f} | "
                      f"{r['megabytes_per_second']:.2f} | {r['tokens_per_second']:,.0f} |")
     lines += ["", f"Checking every shard's SHA-256 before launch ({c['shard_megabytes']:.1f} MB of shards): "
-              f"{c['seconds']:.2f} s, {c['megabytes_per_second']:,.0f} MB/s.", "", END]
-    text = DOC.read_text()
-    if BEGIN not in text:
-        raise SystemExit(f"{DOC} has no {BEGIN} marker")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOC.write_text(head + "\n".join(lines) + tail)
-
+              f"{c['seconds']:.2f} s, {c['megabytes_per_second']:,.0f} MB/s."]
+    write_section("prepare", lines)
 
 if __name__ == "__main__":
     main()
