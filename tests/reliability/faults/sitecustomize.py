@@ -32,14 +32,14 @@ if FAULT and "RANK" in os.environ:
         # Matched by step, not by the temporary name, so a writer that skips the rename is still caught.
         step_name = checkpoint.step_dir_name(crash_step)
         if phase == "file":
-            original_sha256 = checkpoint._sha256
+            original_sha256 = checkpoint.sha256_file
 
-            def _sha256(path):
+            def sha256_file(path):
                 if RANK == crash_rank and path.parent.name.endswith(step_name):
                     _die()  # the rank file is complete; the manifest is not written yet
                 return original_sha256(path)
 
-            checkpoint._sha256 = _sha256
+            checkpoint.sha256_file = sha256_file
         elif phase == "manifest":
             original_fsync_dir = checkpoint._fsync_dir
 

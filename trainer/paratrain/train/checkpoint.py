@@ -23,7 +23,6 @@ file is kept for inspection). Another layout is not refused: it is resharded on 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ..token_shards import sha256_file  # the one streaming file hash (token shards and checkpoint files alike)
 
 log = logging.getLogger("paratrain.checkpoint")
 MANIFEST = "manifest.json"
@@ -81,14 +82,6 @@ def _read_manifest(ckpt: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -147,7 +140,7 @@ def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None) ->
         path = ckpt / name
         if not path.is_file():
             return f"{name} missing"
-        if _sha256(path) != files[name]:
+        if sha256_file(path) != files[name]:
             return f"{name} is corrupt or truncated (checksum mismatch)"
     return None
 
@@ -215,7 +208,7 @@ class Checkpointer:
         tmp, final = self._tmp(step), self.root / step_dir_name(step)
         names = sorted(p.name for p in tmp.iterdir())
         digests: list[Any] = [None] * self.world_size
-        mine = {name: _sha256(tmp / name) for name in names[self.rank::self.world_size]}
+        mine = {name: sha256_file(tmp / name) for name in names[self.rank::self.world_size]}
         dist.all_gather_object(digests, mine, group=self.group)
         if self.rank == 0:
             files = {name: digest for share in digests for name, digest in share.items()}
