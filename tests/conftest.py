@@ -1,9 +1,14 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 # Multi-process tests share 2 cores: one thread per rank keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# `.venv/bin/python -m pytest` does not activate the environment: put its scripts (paratrain, which torchrun
+# launches in `paratrain node`; shellcheck) first on PATH, as activation would.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def pytest_report_header(config):
