@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from .train.entrypoint import train_main
 
-            return train_main(args.spec)
+            _exit_now(train_main(args.spec))
         if args.command == "prepare":
             return _prepare(args)
         if args.command == "node":
@@ -148,6 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
+
+
+def _exit_now(code: int) -> None:
+    """End a trainer process with its exit code, skipping interpreter teardown: there, C++ threads of torch's
+    process groups can still be joinable and abort the process (SIGABRT), so a rank that refused a checkpoint
+    as an invalid spec would be reported as crashed. Everything the run writes is closed before it returns."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _export(job, args: argparse.Namespace) -> int:
