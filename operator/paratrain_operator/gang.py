@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from paratrain import contract
+from paratrain.api.status import clip
 
 from .clock import from_iso, to_iso
 
@@ -289,11 +290,30 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         if state.phase != RUNNING:
             events.append(Event("Normal", "GangRunning", msg))
         return Plan(replace(state, phase=RUNNING, reason="GangRunning", message=msg), events=tuple(events))
-    waiting = "; ".join(f"{p.name}: {p.waiting}" for p in current.values() if p.waiting)
+    waiting = waiting_summary(list(current.values()))
     msg = f"{started}/{policy.nodes} pods running (attempt {state.attempt})" + (f"; {waiting}" if waiting else "")
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
     return Plan(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+
+
+def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, message_chars: int = 300) -> str:
+    """Why pods wait, grouped by reason, largest group first: a count, the first few pod names and the first
+    message of each. Its length is bounded whatever the gang's size (a 1,024-pod gang must still fit in status)."""
+    groups: dict[str, list[PodView]] = {}
+    for p in sorted(pods, key=lambda p: p.rank):
+        if p.waiting:
+            groups.setdefault(p.waiting.partition(": ")[0], []).append(p)
+    ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
+    parts = []
+    for reason, group in ranked[:reasons]:
+        shown = ", ".join(p.name for p in group[:names])
+        more = f" and {len(group) - names} more" if len(group) > names else ""
+        message = clip(group[0].waiting.partition(": ")[2], message_chars)
+        parts.append(f"{len(group)} {clip(reason, 64)} ({shown}{more})" + (f": {message}" if message else ""))
+    if len(ranked) > reasons:
+        parts.append(f"{sum(len(g) for _, g in ranked[reasons:])} waiting for {len(ranked) - reasons} other reason(s)")
+    return "; ".join(parts)
 
 
 def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],

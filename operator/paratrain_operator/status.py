@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from paratrain.api.status import JobStatus, progress_text
+from paratrain.api.status import JobStatus, fit_to_schema, progress_text
 
 from . import gang
 from .clock import from_iso, to_iso
@@ -165,7 +165,7 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     elif STALLED in present:
         conditions = set_condition(conditions, STALLED, False, out["phase"], "not running", now)
     out["conditions"] = conditions
-    return JobStatus.model_validate(out).dump()
+    return JobStatus.model_validate(fit_to_schema(JobStatus, out)).dump()
 
 
 def patch(prev: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:

@@ -114,3 +114,39 @@ def test_a_field_the_crd_schema_lacks_is_caught_here():
     with pytest.raises(ValidationError):
         status.build(None, GangState(phase="Exploded"), nodes=1, pods=[], progress=None, stall_timeout=10,
                      generation=1, layout=None, now=NOW)
+
+
+def test_a_1024_pod_gang_waiting_to_be_scheduled_fits_in_status():
+    """Every pod Unschedulable with the scheduler's long message: the message summarises by reason, with a count
+    and the first pod names, and the status stays far inside its schema (one line per pod made 34 kB at 200 pods,
+    past the 32 kB limit, and every reconcile pass then failed before it wrote anything)."""
+    from paratrain import contract
+    from paratrain_operator import gang
+
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: " * 3
+    pods = [PodView(name=contract.pod_name("big", 0, r), attempt=0, rank=r, phase="Pending",
+                    waiting=f"Unschedulable: {why}") for r in range(1020)]
+    pods += [PodView(name=contract.pod_name("big", 0, r), attempt=0, rank=r, phase="Pending",
+                     waiting="ContainerCreating") for r in range(1020, 1024)]
+    plan = gang.decide(gang.Policy(name="big", nodes=1024, backoff_limit=1),
+                       GangState(phase="Pending", start_time=to_iso(NOW)), pods, NOW)
+    message = plan.state.message
+    assert message.startswith("0/1024 pods running (attempt 0); 1020 Unschedulable (big-0-0, big-0-1, big-0-2 and "
+                              "1017 more): 0/3 nodes are available"), message
+    assert "; 4 ContainerCreating (big-0-1020, big-0-1021, big-0-1022 and 1 more)" in message
+    assert len(message) < 1000
+    st = status.build(None, plan.state, nodes=1024, pods=pods, progress=None, stall_timeout=600, generation=1,
+                      layout="dp1024", now=NOW)
+    assert st["phase"] == "Pending" and st["pods"]["pending"] == 1024 and st["message"] == message
+    assert len(str(st)) < 4000
+
+
+def test_every_string_is_clipped_to_its_schema_limit():
+    """A pod's termination message is user text of any length: clipped, never a status the schema refuses."""
+    huge = "x" * 100_000
+    state = GangState(phase="Failed", reason="Error", message=huge, failure=Failure("Error", huge, pod="j-0-1"))
+    st = build(state=state)
+    assert len(st["message"]) == 32768 and st["message"].endswith("…")
+    assert len(st["failure"]["message"]) == 32768
+    assert len(condition(st, "Failed")["message"]) == 32768
+    JobStatus.model_validate(st)

@@ -7,6 +7,8 @@ and has no default, so a patch carries only what it sets (a merge patch leaves t
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -90,6 +92,37 @@ class JobStatus(_StatusModel):
     progress: Progress | None = None
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, the cut marked."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def fit_to_schema(model: type[BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` (keyed by alias) with every string clipped to its field's maxLength, nested models and lists of them
+    included: a status that outgrew its schema would be refused whole, so the pass that writes it would fail."""
+    fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    out = dict(data)
+    for key, value in data.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        limit = next((m.max_length for m in field.metadata if hasattr(m, "max_length")), None)
+        nested = next((t for t in _leaf_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)),
+                      None)
+        if isinstance(value, str) and limit is not None:
+            out[key] = clip(value, limit)
+        elif nested and isinstance(value, Mapping):
+            out[key] = fit_to_schema(nested, value)
+        elif nested and isinstance(value, list):
+            out[key] = [fit_to_schema(nested, v) if isinstance(v, Mapping) else v for v in value]
+    return out
+
+
+def _leaf_types(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation)
+    return [leaf for arg in args for leaf in _leaf_types(arg)] if args else [annotation]
 
 
 def progress_text(step: int, total_steps: int) -> str:
