@@ -1,6 +1,6 @@
 """What activation checkpointing saves and costs, measured side by side in one run.
 
-    python bench/activation_checkpointing.py [--steps 10] [--out bench/results/activation_checkpointing.json]
+    .venv/bin/python bench/activation_checkpointing.py [--steps 10] [--out bench/results/activation_checkpointing.json]
 
 For each mode (none, full, selective) the same model takes the same training steps in this process. Activation
 memory is what the forward leaves allocated for backward (torch's profiler, allocations minus frees over the
@@ -69,7 +69,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2))
     lines = [f"Measured on {report['machine']}, {report['threads']} threads: one process, a {CFG.layers}-layer, "
              f"{CFG.embed_dim}-wide GPT, {BATCH} x {CFG.block_size} tokens, dropout {CFG.dropout} "
-             "(`python bench/activation_checkpointing.py`).", "",
+             "(`.venv/bin/python bench/activation_checkpointing.py`).", "",
              "| activationCheckpointing | activations held after forward (MB) | memory vs none | "
              "forward+backward (ms) | time vs none |", "|---|---|---|---|---|"]
     for mode, r in results.items():

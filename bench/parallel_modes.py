@@ -1,6 +1,6 @@
 """Speed and memory of each parallel mode, measured side by side in one run.
 
-    python bench/parallel_modes.py [--steps 30] [--out bench/results/parallel_modes.json]
+    .venv/bin/python bench/parallel_modes.py [--steps 30] [--out bench/results/parallel_modes.json]
 
 Every layout trains the same model on the same global batches through `paratrain run` (the user's command) and
 reports tokens/s and per-rank model-state bytes (params + grads + optimizer state, counted from the tensors each
@@ -96,7 +96,7 @@ def main() -> None:
 def write_doc(report: dict) -> None:
     lines = [f"Measured on {report['machine']}, {report['steps']} steps of a "
              f"{report['model']['layers']}-layer, {report['model']['embedDim']}-wide GPT "
-             "(`python bench/parallel_modes.py`).", "",
+             "(`.venv/bin/python bench/parallel_modes.py`).", "",
              "| layout | ranks | tokens/s | speed vs single | model state per rank (MB) | memory vs single |",
              "|---|---|---|---|---|---|"]
     for name, r in report["results"].items():

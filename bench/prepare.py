@@ -1,6 +1,6 @@
 """How fast `paratrain prepare` tokenizes, and what checking a token directory before launch costs.
 
-    python bench/prepare.py [--copies 9] [--out bench/results/prepare.json]
+    .venv/bin/python bench/prepare.py [--copies 9] [--out bench/results/prepare.json]
 
 The input is examples/data/tinyshakespeare.txt repeated `--copies` times (9: about 10 MB). Each variant runs the
 user's command (`paratrain prepare`, a fresh process, interpreter start-up included) side by side in one
@@ -86,7 +86,7 @@ def main() -> None:
 def write_doc(report: dict) -> None:
     c = report["checksums"]
     lines = [f"Measured on {report['machine']} (load average {report['load_average_at_start']:.1f} at "
-             f"the start), {report['input_megabytes']:.1f} MB of text (`python bench/prepare.py`).", "",
+             f"the start), {report['input_megabytes']:.1f} MB of text (`.venv/bin/python bench/prepare.py`).", "",
              "| command | seconds | CPU seconds | MB/s | tokens/s |", "|---|---|---|---|---|"]
     for name, r in report["results"].items():
         lines.append(f"| `paratrain prepare {name.split(' (')[0]}` ({name.split(' (')[1]} | {r['seconds']:.2f} | "

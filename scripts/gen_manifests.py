@@ -1,7 +1,7 @@
 """Generate manifests/ and the chart's CRD and RBAC files from their sources; `--check` fails when they drift.
 
-    python scripts/gen_manifests.py           # write every generated file
-    python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery runs this)
+    .venv/bin/python scripts/gen_manifests.py           # write every generated file
+    .venv/bin/python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery runs this)
 
 Sources: the CRD is `paratrain.api.crd.crd_manifest()` (the typed spec); the chart's RBAC rules are
 `paratrain_operator.rbac` (what the operator declares it needs); the install bundle is the chart
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in stale:
             print(f"out of date: {path.relative_to(ROOT)}", file=sys.stderr)
         if stale:
-            print("run: python scripts/gen_manifests.py", file=sys.stderr)
+            print("run: .venv/bin/python scripts/gen_manifests.py", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
         if path in expected:

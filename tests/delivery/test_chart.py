@@ -1,6 +1,6 @@
 """The Helm chart, with Helm's own engine (helm-python-sdk): lint, renders, schema, strict Kubernetes validation.
 
-    python3 -m pytest tests/delivery -q
+    .venv/bin/python -m pytest tests/delivery -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """manifests/ and the chart's CRD copy are exactly what scripts/gen_manifests.py makes from their sources.
 
-When a test here fails after a spec or chart change: `python scripts/gen_manifests.py`, then commit the result.
+When a test here fails after a spec or chart change: `.venv/bin/python scripts/gen_manifests.py`, then commit the result.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def expected(gen) -> dict[Path, str]:
 
 def test_generated_files_are_up_to_date(gen, expected) -> None:
     stale = [str(p.relative_to(ROOT)) for p in gen.stale_files(expected)]
-    assert not stale, f"out of date: {stale}; run `python scripts/gen_manifests.py` and commit the result"
+    assert not stale, f"out of date: {stale}; run `.venv/bin/python scripts/gen_manifests.py` and commit the result"
 
 
 def test_drift_is_detected(gen, expected) -> None:

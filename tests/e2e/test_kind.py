@@ -1,7 +1,7 @@
 """The kind end to end (scripts/kind-e2e.sh): runs where docker, kind, kubectl and helm are present and the
 docker daemon answers; elsewhere it is skipped with the reason shown by `pytest -ra`.
 
-    python3 -m pytest tests/e2e/test_kind.py -ra
+    .venv/bin/python -m pytest tests/e2e/test_kind.py -ra
 """
 
 from __future__ import annotations

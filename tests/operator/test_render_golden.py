@@ -2,7 +2,7 @@
 
 After an intended change, regenerate them and read the diff:
 
-    PARATRAIN_UPDATE_GOLDENS=1 python3 -m pytest tests/operator/test_render_golden.py
+    PARATRAIN_UPDATE_GOLDENS=1 .venv/bin/python -m pytest tests/operator/test_render_golden.py
     git diff tests/operator/golden/
 """
 
