@@ -28,3 +28,11 @@ def test_the_rendezvous_port_is_listened_on_before_any_rank_starts(monkeypatch, 
     monkeypatch.setattr(launch.subprocess, "Popen", ProbeRank)
     job = parse_job(apply_overrides(TINY_JOB, layout(data=2)))
     assert launch.run_local(job, workdir=str(tmp_path), progress=False) == 0
+
+
+def test_the_rank_that_died_is_reported_not_the_peer_that_saw_it():
+    """A SIGKILLed rank 1 and rank 0's exit 75 (a peer failed) in the same poll: rank 1 is the cause."""
+    assert launch.root_failure([75, -9]) == (1, -9)
+    assert launch.root_failure([None, 75]) == (1, 75)  # alone, the peer failure is what there is to report
+    assert launch.root_failure([2, 75, None]) == (0, 2)
+    assert launch.root_failure([0, None]) is None

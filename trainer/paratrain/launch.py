@@ -212,6 +212,14 @@ def preflight(job: ParallelTrainJob) -> None:
         raise SpecError(problems)
 
 
+def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank whose failure to report, among the exit codes seen so far (None: running).
+    A rank that exited with EXIT_RETRYABLE saw a peer die: the peer is the cause (killed ranks die first, so both
+    show in the same poll). As the operator's gang.root_cause does for pods."""
+    bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+    return min(bad, key=lambda failure: failure[1] == contract.EXIT_RETRYABLE) if bad else None
+
+
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
               progress: bool = True, peak_flops: float | None = None) -> int:
     preflight(job)
@@ -229,9 +237,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
         while True:
             view.poll()
             codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
+            if failed := root_failure(codes):
                 break
             if all(c == 0 for c in codes):
                 break
