@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from paratrain import contract
 from paratrain.api import API_GROUP_VERSION, PLURAL
+from paratrain.api.status import clip
 
 from .clock import now, to_iso
 from .gang import Event
@@ -20,6 +22,9 @@ PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "Pod
            "Workload": "workloads"}
 MERGE_PATCH = "application/merge-patch+json"
 EVENT_MESSAGE_LIMIT = 1024
+# The Events posted lately, by what they say → (name, count): (namespace, job uid, type, reason, message).
+POSTED_EVENTS_KEPT = 4096
+_posted: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()
 
 
 class MissingResource(Exception):
@@ -119,19 +124,42 @@ async def patch_status(namespace: str, name: str, patch: Mapping[str, Any]) -> b
 
 
 async def post_event(job: Mapping[str, Any], event: Event) -> None:
-    """A Kubernetes Event on the job (`kubectl describe ptj`). Best effort: a lost Event never fails a reconcile."""
+    """A Kubernetes Event on the job (`kubectl describe ptj`). Best effort: a lost Event never fails a reconcile.
+
+    An Event saying what one this operator posted already says (a pass repeating itself while pod creation keeps
+    failing, say) raises that Event's count instead of adding another, as client-go's EventCorrelator does."""
     meta = job["metadata"]
     stamp = to_iso(now())
-    body = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": API_GROUP_VERSION, "kind": job.get("kind", "ParallelTrainJob"),
-                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "type": event.type, "reason": event.reason, "message": event.message[:EVENT_MESSAGE_LIMIT],
-        "source": {"component": "paratrain-operator"}, "reportingComponent": "paratrain.dev/operator",
-        "reportingInstance": socket.gethostname(), "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-    }
+    message = clip(event.message, EVENT_MESSAGE_LIMIT)
+    key = (meta["namespace"], meta.get("uid") or meta["name"], event.type, event.reason, message)
     try:
-        await client().request("POST", api_path("v1", "events", meta["namespace"]), body=body)
+        if key in _posted:
+            name, count = _posted[key]
+            try:
+                await client().request("PATCH", api_path("v1", "events", meta["namespace"], name),
+                                       body={"count": count + 1, "lastTimestamp": stamp}, content_type=MERGE_PATCH)
+                _remember(key, name, count + 1)
+                return
+            except ApiError as exc:
+                if exc.status != 404:  # 404: the Event expired (the API server keeps them an hour): post anew
+                    raise
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": API_GROUP_VERSION, "kind": job.get("kind", "ParallelTrainJob"),
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": event.type, "reason": event.reason, "message": message,
+            "source": {"component": "paratrain-operator"}, "reportingComponent": "paratrain.dev/operator",
+            "reportingInstance": socket.gethostname(), "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        created = await client().request("POST", api_path("v1", "events", meta["namespace"]), body=body)
+        _remember(key, created["metadata"]["name"], 1)
     except ApiError as exc:
         log.warning("could not post event %s on %s/%s: %s", event.reason, meta["namespace"], meta["name"], exc)
+
+
+def _remember(key: tuple[str, ...], name: str, count: int) -> None:
+    _posted[key] = (name, count)
+    _posted.move_to_end(key)
+    if len(_posted) > POSTED_EVENTS_KEPT:
+        _posted.popitem(last=False)

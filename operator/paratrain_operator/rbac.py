@@ -12,7 +12,7 @@ Why each rule:
   attempt follows a spec change.
 - get on everything the operator creates: a create answered 409 (already exists) is checked, since the name
   may be held by a same-named job's object that is about to be deleted.
-- events: the operator's own Events on the job (create only).
+- events: the operator's own Events on the job: created, and patched to count a repeat of the same Event.
 - workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
   `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works.
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
@@ -32,7 +32,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "pods", ("get", "list", "watch", "create", "delete")),
     ("", "configmaps", ("get", "create", "patch")),
     ("", "services", ("get", "create")),
-    ("", "events", ("create",)),
+    ("", "events", ("create", "patch")),
     ("scheduling.k8s.io", "workloads", ("get", "create")),
     ("scheduling.k8s.io", "podgroups", ("get", "create")),
     ("scheduling.volcano.sh", "podgroups", ("get", "create")),

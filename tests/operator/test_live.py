@@ -68,6 +68,25 @@ def test_an_invalid_spec_is_refused_by_the_api_server_naming_the_field(cluster: 
     assert cluster.job(ns, "bad") is None and cluster.job(ns, "typo") is None
 
 
+def test_a_gang_the_quota_refuses_posts_one_event_that_counts_the_repeats(cluster: Cluster, ns: str):
+    """While every pod create is refused (a quota of 0 pods), each pass says the same thing again: one
+    CreatingGang Event whose count grows, not a new Event per pass."""
+    cluster.api.create("v1/resourcequotas", {"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}}, ns)
+    # What the quota controller (not run on the test control plane) would record; admission enforces it from then.
+    cluster.api.patch("v1/resourcequotas", ns, "no-pods", {"status": {"hard": {"pods": "0"}, "used": {"pods": "0"}}},
+                      subresource="status")
+    cluster.submit(ns, "quota", fake_job())
+
+    def creating_events() -> list[dict[str, Any]] | None:
+        events = [e for e in cluster.events(ns, "quota") if e["reason"] == "CreatingGang"]
+        return events if sum(e.get("count", 1) for e in events) >= 3 else None
+
+    events = wait_for(creating_events, 90, "three passes trying to create the gang")
+    assert len(events) == 1 and events[0]["count"] >= 3, events
+    assert events[0]["lastTimestamp"] >= events[0]["firstTimestamp"]
+    assert cluster.pods(ns, "quota") == []
+
+
 def test_a_spec_only_the_operator_refuses_fails_naming_the_field_and_creates_nothing(cluster: Cluster, ns: str):
     """A relative checkpoint path is a valid spec (it works locally) that no pod could use: the operator fails the
     job, naming the field, before creating anything."""
