@@ -21,7 +21,7 @@ import kopf
 from paratrain import contract
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
 
-from . import kube, metrics, reconcile
+from . import kube, metrics, observe, reconcile
 
 JOB = (API_GROUP, API_VERSION, PLURAL)
 RESYNC_SECONDS = float(os.environ.get("PARATRAIN_RESYNC_SECONDS", "10"))
@@ -50,6 +50,7 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
     await kube.client().close()
+    await observe.close()
 
 
 async def _reconcile(namespace: str, name: str) -> None:
