@@ -108,19 +108,22 @@ def _synthetic_tokens(vocab_size: int, seed: int) -> np.ndarray:
     return tokens
 
 
-def global_batch(tokens: Tokens, batch_size: int, block_size: int, seed: int, step: int,
-                 stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (inputs, targets) of one step, each (batch_size, block_size), drawn from (seed, stream, step) alone."""
+def global_batch(tokens: Tokens, batch_size: int, block_size: int, seed: int, step: int, stream: int = 0,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (inputs, targets) of one step, each (batch_size, block_size), drawn from (seed, stream, step) alone.
+    `rows` takes some of its rows (a data-parallel rank's: `rank_rows`) without reading the others' windows. Any
+    start whose window (block_size + 1 tokens) fits may be drawn, the last one included."""
     rng = np.random.default_rng([seed, stream, step])
-    starts = rng.integers(0, len(tokens) - block_size - 1, size=batch_size)
+    starts = rng.integers(0, len(tokens) - block_size, size=batch_size)[rows]
     windows = np.stack([tokens[s: s + block_size + 1] for s in starts])
     t = torch.from_numpy(windows)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def rank_slice(batch: torch.Tensor, dp_rank: int, dp_degree: int) -> torch.Tensor:
-    per_rank = batch.shape[0] // dp_degree
-    return batch[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+def rank_rows(batch_size: int, dp_rank: int, dp_degree: int) -> slice:
+    """A data-parallel rank's contiguous share of a global batch's rows."""
+    per_rank = batch_size // dp_degree
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
 TRAIN_STREAM, VAL_STREAM = 0, 1

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..api import Spec
 from ..api.spec import TrainingSpec
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
-from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_slice
+from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .dims import ParallelDims
 from .progress import ProgressReporter
 from .tensor_parallel import reseeded
@@ -56,9 +56,9 @@ class Trainer:
 
     def _batch(self, tokens, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.spec.training, self.spec.model
-        x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream)
-        dp_rank, dp = self.dims.dp_rank, self.dims.dp
-        return rank_slice(x, dp_rank, dp).to(self.device), rank_slice(y, dp_rank, dp).to(self.device)
+        x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream,
+                            rank_rows(t.batch_size, self.dims.dp_rank, self.dims.dp))
+        return x.to(self.device), y.to(self.device)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's slice of the step's global batch, in gradientAccumulation equal contiguous parts: the same
