@@ -1,7 +1,7 @@
 """Generate manifests/ and the chart's CRD and RBAC files from their sources; `--check` fails when they drift.
 
     .venv/bin/python scripts/gen_manifests.py           # write every generated file
-    .venv/bin/python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery runs this)
+    .venv/bin/python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery)
 
 Sources: the CRD is `paratrain.api.crd.crd_manifest()` (the typed spec); the chart's RBAC rules are
 `paratrain_operator.rbac` (what the operator declares it needs); the install bundle is the chart

@@ -1,10 +1,10 @@
-"""Gang decisions, pure: the job's persisted gang state + the pods observed now + the time → the next plan.
+"""Gang decisions, pure: the job's persisted gang state + the pods observed now + the time → the next decision.
 
 `decide` reads as a checklist (after JobSet's reconcile): finished? (stop leftovers, TTL) → deadline →
 suspend / resume → failure policy → success → old attempt still around? (delete it, wait) → missing pods
 (create) → phase.
 
-A plan's new state is written to the job's status *before* its actions run. An operator killed in between
+A decision's new state is written to the job's status *before* its actions run. An operator killed in between
 redoes the same actions on restart instead of forgetting them: e.g. a gang restart persists attempt+1 first,
 then deletes the old pods; after a crash those pods are simply stale and get deleted again. Pod names carry
 the attempt, so creating a pod twice is a harmless 409, never a duplicate.
@@ -18,80 +18,17 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from paratrain import contract
-from paratrain.api.status import clip
+from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
 from .clock import from_iso, to_iso
+from .observe import PodView, as_int
 
-PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
-SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
 FINISHED = frozenset({SUCCEEDED, FAILED})
 # Pod-level reasons for a pod that failed without its program failing: the node, not the code, went away.
 DISRUPTIONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
                          "UnexpectedAdmissionError", "DeletionByPodGC", "TerminationByKubelet"})
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 _STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a deleted pod's container
-
-
-@dataclass(frozen=True)
-class PodView:
-    """What the decisions need from one pod."""
-
-    name: str
-    attempt: int  # -1 when the label is missing or unreadable: never mistaken for the current attempt
-    rank: int
-    phase: str = PENDING  # Pending | Running | Succeeded | Failed | Unknown
-    terminating: bool = False
-    exit_code: int | None = None
-    reason: str | None = None  # the pod's (Evicted) or else its container's (Error, OOMKilled)
-    message: str | None = None
-    finished_at: str | None = None
-    waiting: str | None = None  # why it is not running yet (ImagePullBackOff, Unschedulable)
-    ip: str | None = None
-    termination_message: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.phase in (SUCCEEDED, FAILED)
-
-    @property
-    def active(self) -> bool:
-        """Still (about to be) running a program, and nobody asked it to stop."""
-        return not self.done and not self.terminating
-
-
-def _int(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def pod_view(pod: Mapping[str, Any]) -> PodView:
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    labels = meta.get("labels") or {}
-    statuses = status.get("containerStatuses") or []
-    terminated = [s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")]
-    # The container that failed says why the pod failed; a clean exit only counts if none failed.
-    term = next((t for t in terminated if t.get("exitCode")), terminated[0] if terminated else {})
-    waiting = next(((s.get("state") or {}).get("waiting") for s in statuses
-                    if ((s.get("state") or {}).get("waiting") or {}).get("reason")), None)
-    unschedulable = next((c for c in status.get("conditions") or []
-                          if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
-    blocker = waiting or unschedulable
-    return PodView(
-        name=meta.get("name", ""),
-        attempt=_int(labels.get(contract.LABEL_ATTEMPT), -1),
-        rank=_int(labels.get(contract.LABEL_NODE_RANK), -1),
-        phase=status.get("phase") or PENDING,
-        terminating=bool(meta.get("deletionTimestamp")),
-        exit_code=term.get("exitCode"),
-        reason=status.get("reason") or term.get("reason"),
-        message=status.get("message") or term.get("message"),
-        finished_at=term.get("finishedAt") or meta.get("deletionTimestamp"),
-        waiting=f"{blocker.get('reason')}: {blocker.get('message', '')}".rstrip(": ") if blocker else None,
-        ip=status.get("podIP"),
-        termination_message=term.get("message"),
-    )
 
 
 @dataclass(frozen=True)
@@ -178,7 +115,7 @@ class GangState:
     @classmethod
     def from_status(cls, status: Mapping[str, Any] | None) -> GangState:
         s = status or {}
-        return cls(phase=s.get("phase"), attempt=_int(s.get("attempt"), 0), restarts=_int(s.get("restarts"), 0),
+        return cls(phase=s.get("phase"), attempt=as_int(s.get("attempt"), 0), restarts=as_int(s.get("restarts"), 0),
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    reason=s.get("reason") or "", message=s.get("message") or "")
@@ -211,7 +148,7 @@ class Event:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Decision:
     """The new state to persist, then the actions to take (in this order)."""
 
     state: GangState
@@ -226,21 +163,21 @@ def _active(pods: Sequence[PodView]) -> tuple[str, ...]:
 
 
 def fail(state: GangState, pods: Sequence[PodView], failure: Failure, now: datetime,
-         reason: str | None = None, message: str | None = None) -> Plan:
+         reason: str | None = None, message: str | None = None) -> Decision:
     """Failed for good: remember why and stop every pod still running (a finished job holds no GPUs)."""
     reason, message = reason or failure.reason, message or failure.message
     new = replace(state, phase=FAILED, completion_time=to_iso(now), failure=failure, reason=reason, message=message)
-    return Plan(new, delete_pods=_active(pods), events=(Event("Warning", reason, message),))
+    return Decision(new, delete_pods=_active(pods), events=(Event("Warning", reason, message),))
 
 
-def invalid_spec(state: GangState, pods: Sequence[PodView], message: str, now: datetime) -> Plan:
+def invalid_spec(state: GangState, pods: Sequence[PodView], message: str, now: datetime) -> Decision:
     """A spec that can never train: Failed with the field named, and no pods."""
     if state.phase in FINISHED:
-        return Plan(state, delete_pods=_active(pods))
+        return Decision(state, delete_pods=_active(pods))
     return fail(state, pods, Failure("InvalidSpec", message, retryable=False), now)
 
 
-def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Plan:
+def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Decision:
     if state.phase in FINISHED:
         return _keep_finished(policy, state, pods, now)
     start = from_iso(state.start_time)
@@ -262,7 +199,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     if len(current) == policy.nodes and all(p.phase == SUCCEEDED for p in current.values()):
         msg = f"all {policy.nodes} pods succeeded (attempt {state.attempt}, {state.restarts} restarts)"
         new = replace(state, phase=SUCCEEDED, completion_time=to_iso(now), reason="Succeeded", message=msg)
-        return Plan(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
+        return Decision(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
 
     failures = [f for f in map(classify, current.values()) if f]
     if state.gang_created:
@@ -277,7 +214,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         gone = [p.name for p in stale if not p.terminating]
         phase = RESTARTING if state.phase == RESTARTING else PENDING
         msg = f"waiting for {len(stale)} pod(s) of an earlier attempt to go before starting attempt {state.attempt}"
-        return Plan(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
+        return Decision(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
 
     missing = tuple(r for r in range(policy.nodes) if r not in current)
     if missing:
@@ -289,12 +226,12 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         msg = f"all {policy.nodes} pods running (attempt {state.attempt})"
         if state.phase != RUNNING:
             events.append(Event("Normal", "GangRunning", msg))
-        return Plan(replace(state, phase=RUNNING, reason="GangRunning", message=msg), events=tuple(events))
+        return Decision(replace(state, phase=RUNNING, reason="GangRunning", message=msg), events=tuple(events))
     waiting = waiting_summary(list(current.values()))
     msg = f"{started}/{policy.nodes} pods running (attempt {state.attempt})" + (f"; {waiting}" if waiting else "")
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
-    return Plan(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+    return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
 
 
 def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, message_chars: int = 300) -> str:
@@ -317,33 +254,33 @@ def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, m
 
 
 def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],
-                root: Failure, now: datetime, events: list[Event]) -> Plan:
+                root: Failure, now: datetime, events: list[Event]) -> Decision:
     if not root.retryable:
-        plan = fail(state, pods, root, now)
-        return replace(plan, events=(*events, *plan.events))
+        decision = fail(state, pods, root, now)
+        return replace(decision, events=(*events, *decision.events))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
-        plan = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
-        return replace(plan, events=(*events, *plan.events))
+        decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
+        return replace(decision, events=(*events, *decision.events))
     restarts = state.restarts + 1
     msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
     new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, restarts=restarts, gang_created=False,
                   failure=root, reason=root.reason, message=msg)
     # The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address).
     doomed = tuple(p.name for p in current if not p.terminating)
-    return Plan(new, delete_pods=doomed, events=(*events, Event("Warning", "RestartingGang", msg)))
+    return Decision(new, delete_pods=doomed, events=(*events, Event("Warning", "RestartingGang", msg)))
 
 
-def _suspend(state: GangState, pods: Sequence[PodView]) -> Plan:
+def _suspend(state: GangState, pods: Sequence[PodView]) -> Decision:
     doomed = tuple(p.name for p in pods if not p.terminating)
     msg = f"suspended: deleting {len(doomed)} pod(s)" if doomed else "suspended"
     events = () if state.phase == SUSPENDED else (Event("Normal", "Suspended", msg),)
     new = replace(state, phase=SUSPENDED, gang_created=False, start_time=None, reason="Suspended", message=msg)
-    return Plan(new, delete_pods=doomed, events=events)
+    return Decision(new, delete_pods=doomed, events=events)
 
 
-def _keep_finished(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Plan:
+def _keep_finished(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Decision:
     """A finished job never gets new pods; leftovers still running are stopped; after the TTL the job goes."""
     ttl, done_at = policy.ttl_seconds_after_finished, from_iso(state.completion_time)
     expired = ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl)
-    return Plan(state, delete_pods=_active(pods), delete_job=expired)
+    return Decision(state, delete_pods=_active(pods), delete_job=expired)

@@ -1,21 +1,88 @@
-"""What the operator reads: the job, its pods (by label), and rank 0's progress endpoint."""
+"""What the operator reads: the job, its pods (by label, each parsed into a `PodView`), and rank 0's progress
+endpoint."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from paratrain import contract
 from paratrain.api import API_GROUP_VERSION, PLURAL
+from paratrain.api.status import FAILED, PENDING, SUCCEEDED
 
 from .kube import ApiError, api_path, client
 
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 _progress_session: aiohttp.ClientSession | None = None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decisions need from one pod."""
+
+    name: str
+    attempt: int  # -1 when the label is missing or unreadable: never mistaken for the current attempt
+    rank: int
+    phase: str = PENDING  # Pending | Running | Succeeded | Failed | Unknown
+    terminating: bool = False
+    exit_code: int | None = None
+    reason: str | None = None  # the pod's (Evicted) or else its container's (Error, OOMKilled)
+    message: str | None = None
+    finished_at: str | None = None
+    waiting: str | None = None  # why it is not running yet (ImagePullBackOff, Unschedulable)
+    ip: str | None = None
+    termination_message: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.phase in (SUCCEEDED, FAILED)
+
+    @property
+    def active(self) -> bool:
+        """Still (about to be) running a program, and nobody asked it to stop."""
+        return not self.done and not self.terminating
+
+
+def as_int(value: Any, default: int) -> int:
+    """`value` as an int, or `default` when it is missing or unreadable (labels and status are strings)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    statuses = status.get("containerStatuses") or []
+    terminated = [s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")]
+    # The container that failed says why the pod failed; a clean exit only counts if none failed.
+    term = next((t for t in terminated if t.get("exitCode")), terminated[0] if terminated else {})
+    waiting = next(((s.get("state") or {}).get("waiting") for s in statuses
+                    if ((s.get("state") or {}).get("waiting") or {}).get("reason")), None)
+    unschedulable = next((c for c in status.get("conditions") or []
+                          if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+    blocker = waiting or unschedulable
+    return PodView(
+        name=meta.get("name", ""),
+        attempt=as_int(labels.get(contract.LABEL_ATTEMPT), -1),
+        rank=as_int(labels.get(contract.LABEL_NODE_RANK), -1),
+        phase=status.get("phase") or PENDING,
+        terminating=bool(meta.get("deletionTimestamp")),
+        exit_code=term.get("exitCode"),
+        reason=status.get("reason") or term.get("reason"),
+        message=status.get("message") or term.get("message"),
+        finished_at=term.get("finishedAt") or meta.get("deletionTimestamp"),
+        waiting=f"{blocker.get('reason')}: {blocker.get('message', '')}".rstrip(": ") if blocker else None,
+        ip=status.get("podIP"),
+        termination_message=term.get("message"),
+    )
 
 
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:

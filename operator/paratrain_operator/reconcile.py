@@ -17,7 +17,8 @@ from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, 
 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
-from .gang import Failure, GangState, Plan, PodView
+from .gang import Decision, Failure, GangState
+from .observe import PodView
 from .kube import ApiError
 from .render import render_job
 
@@ -61,38 +62,38 @@ async def _pass(body: dict[str, Any]) -> str | None:
     namespace, name = meta["namespace"], meta["name"]
     prev = body.get("status") or {}
     state, now = GangState.from_status(prev), clock_now()
-    pods = [gang.pod_view(p) for p in await observe.list_pods(namespace, name, meta["uid"])]
+    pods = [observe.pod_view(p) for p in await observe.list_pods(namespace, name, meta["uid"])]
     objects: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
         job = require_cluster_ready(parse_job(job_document(body)))
     except SpecError as exc:
-        plan = gang.invalid_spec(state, pods, "; ".join(str(p) for p in exc.problems), now)
+        decision = gang.invalid_spec(state, pods, "; ".join(str(p) for p in exc.problems), now)
     else:
-        plan = gang.decide(gang.Policy.from_job(job), state, pods, now)
-        if plan.create_ranks:
+        decision = gang.decide(gang.Policy.from_job(job), state, pods, now)
+        if decision.create_ranks:
             try:
-                objects = render_job(job, namespace, plan.state.attempt)
+                objects = render_job(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
-                plan = gang.fail(state, pods, Failure("RenderFailed", f"cannot build the gang: {exc}",
+                decision = gang.fail(state, pods, Failure("RenderFailed", f"cannot build the gang: {exc}",
                                                       retryable=False), now)
 
-    written = await _persist(body, prev, plan, job, pods)
+    written = await _persist(body, prev, decision, job, pods)
     if written is None:
         return None  # the job was deleted meanwhile
     try:
-        await _act(body, plan, objects)
+        await _act(body, decision, objects)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
             raise  # transient, or maybe fixable (RBAC, quota): retried; the resync keeps trying
-        plan = gang.fail(plan.state, pods, rejected, now)
-        if await _persist(body, written, plan, job, pods) is not None:
-            await _act(body, plan, [])
-    metrics.record_phase(namespace, name, plan.state.phase or gang.PENDING)
-    if plan.state.restarts > state.restarts:
+        decision = gang.fail(decision.state, pods, rejected, now)
+        if await _persist(body, written, decision, job, pods) is not None:
+            await _act(body, decision, [])
+    metrics.record_phase(namespace, name, decision.state.phase or gang.PENDING)
+    if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
-    return plan.state.phase
+    return decision.state.phase
 
 
 def _rejection(exc: Exception) -> Failure | None:
@@ -104,20 +105,20 @@ def _rejection(exc: Exception) -> Failure | None:
     return None
 
 
-async def _persist(body: dict[str, Any], prev: Mapping[str, Any], plan: Plan, job: ParallelTrainJob | None,
+async def _persist(body: dict[str, Any], prev: Mapping[str, Any], decision: Decision, job: ParallelTrainJob | None,
                    pods: Sequence[PodView]) -> dict[str, Any] | None:
-    """Write the plan's state (before any action: see gang's docstring) and post its Events; returns the status
+    """Write the decision's state (before any action: see gang's docstring) and post its Events; returns the status
     now stored, or None when the job is gone."""
     meta = body["metadata"]
-    progress = await _progress(plan.state, pods)
-    new = status.build(prev, plan.state, nodes=job.spec.nodes if job else 0, pods=pods, progress=progress,
+    progress = await _progress(decision.state, pods)
+    new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=pods, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
                        now=clock_now())
     patch = status.patch(prev, new)
     if patch and not await apply.patch_status(meta["namespace"], meta["name"], patch):
         return None
-    events = list(plan.events)
+    events = list(decision.events)
     stalled = status.stall_event(prev.get("conditions") or [], new.get("conditions") or [])
     if stalled:
         events.append(stalled)
@@ -139,17 +140,17 @@ async def _progress(state: GangState, pods: Sequence[PodView]) -> dict[str, Any]
     return None
 
 
-async def _act(body: dict[str, Any], plan: Plan, objects: Sequence[dict[str, Any]]) -> None:
+async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[str, Any]]) -> None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    if plan.create_ranks and objects:
-        created = await apply.create_gang(objects, plan.create_ranks)
+    if decision.create_ranks and objects:
+        created = await apply.create_gang(objects, decision.create_ranks)
         if created:
             log.info("%s/%s: created pods %s", namespace, name, ", ".join(created))
-    for pod in plan.delete_pods:
+    for pod in decision.delete_pods:
         await apply.delete_pod(namespace, pod)
-    if plan.delete_pods:
-        log.info("%s/%s: deleting pods %s", namespace, name, ", ".join(plan.delete_pods))
-    if plan.delete_job:
+    if decision.delete_pods:
+        log.info("%s/%s: deleting pods %s", namespace, name, ", ".join(decision.delete_pods))
+    if decision.delete_job:
         log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
         await apply.delete_job(namespace, name, meta["uid"])

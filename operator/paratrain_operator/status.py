@@ -35,7 +35,8 @@ from paratrain.api.status import JobStatus, fit_to_schema, progress_text
 
 from . import gang
 from .clock import from_iso, to_iso
-from .gang import GangState, PodView
+from .gang import GangState
+from .observe import PodView
 
 PHASE_CONDITIONS = (gang.RUNNING, gang.RESTARTING, gang.SUSPENDED, gang.SUCCEEDED, gang.FAILED)
 STALLED = "Stalled"

@@ -1,6 +1,7 @@
 """manifests/ and the chart's CRD copy are exactly what scripts/gen_manifests.py makes from their sources.
 
-When a test here fails after a spec or chart change: `.venv/bin/python scripts/gen_manifests.py`, then commit the result.
+When a test here fails after a spec or chart change: `.venv/bin/python scripts/gen_manifests.py`, then commit the
+result.
 """
 
 from __future__ import annotations

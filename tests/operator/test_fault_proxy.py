@@ -1,5 +1,5 @@
 """The fault proxy (support/fault_proxy.py) on the real control plane: requests pass through as the client's own
-identity, faults hit only the matching requests (the emulator's semantics: test_emulator.py), and watch streams
+identity, faults hit only the matching requests, and watch streams
 are passed on, silenced, dropped and expired as the live fault tests need."""
 
 from __future__ import annotations

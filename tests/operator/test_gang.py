@@ -1,4 +1,4 @@
-"""Gang decisions as tables: observed pods + persisted state + time → plan (no cluster, no operator)."""
+"""Gang decisions as tables: observed pods + persisted state + time → decision (no cluster, no operator)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from paratrain import contract
-from paratrain_operator import gang
+from paratrain_operator import gang, observe
 from paratrain_operator.clock import to_iso
-from paratrain_operator.gang import Failure, GangState, PodView, Policy
+from paratrain_operator.gang import Failure, GangState, Policy
+from paratrain_operator.observe import PodView
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 EARLIER = to_iso(NOW - timedelta(minutes=5))
@@ -33,48 +34,48 @@ def decide(pods, state=GangState(), policy=POLICY, now=NOW):
 
 
 def test_a_new_job_creates_every_pod_and_starts_the_clock():
-    plan = decide([])
-    assert plan.create_ranks == (0, 1, 2) and not plan.delete_pods
-    assert plan.state.phase == "Pending" and plan.state.start_time == to_iso(NOW)
-    assert [e.reason for e in plan.events] == ["CreatingGang"]
+    decision = decide([])
+    assert decision.create_ranks == (0, 1, 2) and not decision.delete_pods
+    assert decision.state.phase == "Pending" and decision.state.start_time == to_iso(NOW)
+    assert [e.reason for e in decision.events] == ["CreatingGang"]
 
 
 def test_after_an_operator_restart_only_missing_pods_are_created():
-    plan = decide(gang_of("Running"))  # created 1 of 3, then the operator died
-    assert plan.create_ranks == (1, 2)
-    assert not plan.state.gang_created
+    decision = decide(gang_of("Running"))  # created 1 of 3, then the operator died
+    assert decision.create_ranks == (1, 2)
+    assert not decision.state.gang_created
 
 
 def test_a_complete_gang_is_remembered_and_runs():
-    plan = decide(gang_of("Running", "Running", "Running"), GangState(phase="Pending", start_time=EARLIER))
-    assert plan.state.phase == "Running" and plan.state.gang_created
-    assert [e.reason for e in plan.events] == ["GangRunning"]
-    assert decide(gang_of("Running", "Running", "Running"), plan.state).events == ()  # no repeat Events
+    decision = decide(gang_of("Running", "Running", "Running"), GangState(phase="Pending", start_time=EARLIER))
+    assert decision.state.phase == "Running" and decision.state.gang_created
+    assert [e.reason for e in decision.events] == ["GangRunning"]
+    assert decide(gang_of("Running", "Running", "Running"), decision.state).events == ()  # no repeat Events
 
 
 def test_pending_pods_keep_the_job_pending_and_say_why():
-    plan = decide(gang_of("Running", "Pending", "Running", waiting="ImagePullBackOff: no such image"),
+    decision = decide(gang_of("Running", "Pending", "Running", waiting="ImagePullBackOff: no such image"),
                   GangState(phase="Pending", start_time=EARLIER))
-    assert plan.state.phase == "Pending" and not plan.create_ranks
-    assert "ImagePullBackOff" in plan.state.message
+    assert decision.state.phase == "Pending" and not decision.create_ranks
+    assert "ImagePullBackOff" in decision.state.message
 
 
 def test_success_needs_every_pod():
     assert decide(gang_of("Succeeded", "Succeeded", "Running"), RUNNING).state.phase == "Running"
-    plan = decide(gang_of("Succeeded", "Succeeded", "Succeeded"), RUNNING)
-    assert plan.state.phase == "Succeeded" and plan.state.completion_time == to_iso(NOW)
+    decision = decide(gang_of("Succeeded", "Succeeded", "Succeeded"), RUNNING)
+    assert decision.state.phase == "Succeeded" and decision.state.completion_time == to_iso(NOW)
 
 
 def test_a_retryable_failure_restarts_the_whole_gang():
     pods = [pod(0), pod(1, "Failed", exit_code=137, reason="Error"), pod(2)]
-    plan = decide(pods, RUNNING)
-    s = plan.state
+    decision = decide(pods, RUNNING)
+    s = decision.state
     assert (s.phase, s.attempt, s.restarts, s.gang_created) == ("Restarting", 1, 1, False)
     assert s.failure == Failure("Error", "pod job-0-1 exited with code 137 (killed by SIGKILL)", pod="job-0-1",
                                 exit_code=137)
-    assert set(plan.delete_pods) == {"job-0-0", "job-0-1", "job-0-2"}  # finished pods too: hostnames are reused
-    assert not plan.create_ranks  # the new attempt waits until the old pods are gone
-    assert [e.reason for e in plan.events] == ["RestartingGang"]
+    assert set(decision.delete_pods) == {"job-0-0", "job-0-1", "job-0-2"}  # finished pods too: hostnames are reused
+    assert not decision.create_ranks  # the new attempt waits until the old pods are gone
+    assert [e.reason for e in decision.events] == ["RestartingGang"]
 
 
 def test_the_root_cause_is_the_pod_that_failed_not_the_peers_that_noticed():
@@ -86,17 +87,17 @@ def test_the_root_cause_is_the_pod_that_failed_not_the_peers_that_noticed():
 
 @pytest.mark.parametrize("code", sorted(contract.PERMANENT_EXIT_CODES))
 def test_a_permanent_exit_code_fails_the_job_without_a_restart(code):
-    plan = decide([pod(0), pod(1, "Failed", exit_code=code), pod(2)], RUNNING)
-    assert plan.state.phase == "Failed" and plan.state.restarts == 0 and plan.state.attempt == 0
-    assert plan.state.failure.exit_code == code and plan.state.failure.pod == "job-0-1"
-    assert set(plan.delete_pods) == {"job-0-0", "job-0-2"}  # a failed job holds no GPUs
+    decision = decide([pod(0), pod(1, "Failed", exit_code=code), pod(2)], RUNNING)
+    assert decision.state.phase == "Failed" and decision.state.restarts == 0 and decision.state.attempt == 0
+    assert decision.state.failure.exit_code == code and decision.state.failure.pod == "job-0-1"
+    assert set(decision.delete_pods) == {"job-0-0", "job-0-2"}  # a failed job holds no GPUs
 
 
 def test_the_backoff_limit_ends_the_restarts():
     state = replace(RUNNING, restarts=2, attempt=2)
-    plan = decide(gang_of("Running", "Failed", "Running", attempt=2, exit_code=1), state)
-    assert plan.state.phase == "Failed" and plan.state.reason == "BackoffLimitExceeded"
-    assert plan.state.restarts == 2 and "backoffLimit (2" in plan.state.message
+    decision = decide(gang_of("Running", "Failed", "Running", attempt=2, exit_code=1), state)
+    assert decision.state.phase == "Failed" and decision.state.reason == "BackoffLimitExceeded"
+    assert decision.state.restarts == 2 and "backoffLimit (2" in decision.state.message
 
 
 @pytest.mark.parametrize("victim", [
@@ -104,9 +105,9 @@ def test_the_backoff_limit_ends_the_restarts():
     dict(phase="Running", terminating=True),  # deleted by hand
 ])
 def test_evicted_or_deleted_pods_are_retryable_failures(victim):
-    plan = decide([pod(0), pod(1, **victim), pod(2)], RUNNING)
-    assert plan.state.phase == "Restarting" and plan.state.restarts == 1
-    assert plan.state.failure.pod == "job-0-1"
+    decision = decide([pod(0), pod(1, **victim), pod(2)], RUNNING)
+    assert decision.state.phase == "Restarting" and decision.state.restarts == 1
+    assert decision.state.failure.pod == "job-0-1"
 
 
 @pytest.mark.parametrize("seen", [
@@ -125,29 +126,29 @@ def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure
 
 
 def test_a_pod_that_vanished_from_a_complete_gang_counts_as_deleted():
-    plan = decide([pod(0), pod(2)], RUNNING)
-    assert plan.state.phase == "Restarting" and plan.state.failure.reason == "PodDeleted"
-    assert plan.state.failure.pod == "job-0-1"
+    decision = decide([pod(0), pod(2)], RUNNING)
+    assert decision.state.phase == "Restarting" and decision.state.failure.reason == "PodDeleted"
+    assert decision.state.failure.pod == "job-0-1"
 
 
 def test_the_new_attempt_waits_for_every_old_pod_to_go():
     restarting = GangState(phase="Restarting", attempt=1, restarts=1, start_time=EARLIER)
     old = gang_of("Running", "Failed", "Succeeded", attempt=0)
-    plan = decide(old, restarting)
-    assert set(plan.delete_pods) == {"job-0-0", "job-0-1", "job-0-2"} and not plan.create_ranks
+    decision = decide(old, restarting)
+    assert set(decision.delete_pods) == {"job-0-0", "job-0-1", "job-0-2"} and not decision.create_ranks
     going = gang_of("Running", "Running", "Running", attempt=0, terminating=True)
-    plan = decide(going, restarting)
-    assert not plan.delete_pods and not plan.create_ranks and plan.state.phase == "Restarting"
-    plan = decide([], restarting)
-    assert plan.create_ranks == (0, 1, 2) and plan.state.phase == "Restarting"
-    assert decide(gang_of("Running", "Running", "Running", attempt=1), plan.state).state.phase == "Running"
+    decision = decide(going, restarting)
+    assert not decision.delete_pods and not decision.create_ranks and decision.state.phase == "Restarting"
+    decision = decide([], restarting)
+    assert decision.create_ranks == (0, 1, 2) and decision.state.phase == "Restarting"
+    assert decide(gang_of("Running", "Running", "Running", attempt=1), decision.state).state.phase == "Running"
 
 
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_finished_job_never_gets_new_pods(phase):
     done = GangState(phase=phase, completion_time=to_iso(NOW), gang_created=True)
-    plan = decide([pod(0, "Succeeded"), pod(1, "Running")], done)
-    assert not plan.create_ranks and plan.delete_pods == ("job-0-1",) and plan.state == done
+    decision = decide([pod(0, "Succeeded"), pod(1, "Running")], done)
+    assert not decision.create_ranks and decision.delete_pods == ("job-0-1",) and decision.state == done
     assert decide([], done).create_ranks == ()
 
 
@@ -160,19 +161,19 @@ def test_ttl_after_finished_deletes_the_job_when_due():
 
 def test_the_active_deadline_fails_the_job_and_stops_its_pods():
     policy = replace(POLICY, active_deadline_seconds=300)
-    plan = decide(gang_of("Running", "Running", "Running"), RUNNING, policy)
-    assert plan.state.phase == "Failed" and plan.state.reason == "DeadlineExceeded"
-    assert len(plan.delete_pods) == 3
+    decision = decide(gang_of("Running", "Running", "Running"), RUNNING, policy)
+    assert decision.state.phase == "Failed" and decision.state.reason == "DeadlineExceeded"
+    assert len(decision.delete_pods) == 3
     assert decide(gang_of("Running", "Running", "Running"), RUNNING, replace(POLICY, active_deadline_seconds=301)
                   ).state.phase == "Running"
 
 
 def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_attempt():
     policy = replace(POLICY, suspend=True)
-    plan = decide(gang_of("Running", "Running", "Running"), RUNNING, policy)
-    assert plan.state.phase == "Suspended" and len(plan.delete_pods) == 3 and plan.state.start_time is None
-    assert plan.state.restarts == 0
-    again = decide([], plan.state, policy)
+    decision = decide(gang_of("Running", "Running", "Running"), RUNNING, policy)
+    assert decision.state.phase == "Suspended" and len(decision.delete_pods) == 3 and decision.state.start_time is None
+    assert decision.state.restarts == 0
+    again = decide([], decision.state, policy)
     assert again.events == () and not again.create_ranks  # staying suspended is quiet
     resumed = decide([], again.state)
     assert resumed.state.attempt == 1 and resumed.create_ranks == (0, 1, 2)
@@ -180,14 +181,14 @@ def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_attempt():
 
 
 def test_a_job_created_suspended_never_creates_pods():
-    plan = decide([], GangState(), replace(POLICY, suspend=True))
-    assert plan.state.phase == "Suspended" and not plan.create_ranks
+    decision = decide([], GangState(), replace(POLICY, suspend=True))
+    assert decision.state.phase == "Suspended" and not decision.create_ranks
 
 
 def test_an_invalid_spec_fails_with_the_field_and_creates_nothing():
-    plan = gang.invalid_spec(GangState(), [], "spec.parallelism: data(3) x ... must equal ...", NOW)
-    assert plan.state.phase == "Failed" and plan.state.reason == "InvalidSpec"
-    assert plan.state.failure.message.startswith("spec.parallelism") and not plan.create_ranks
+    decision = gang.invalid_spec(GangState(), [], "spec.parallelism: data(3) x ... must equal ...", NOW)
+    assert decision.state.phase == "Failed" and decision.state.reason == "InvalidSpec"
+    assert decision.state.failure.message.startswith("spec.parallelism") and not decision.create_ranks
     done = GangState(phase="Succeeded")
     assert gang.invalid_spec(done, [], "x", NOW).state == done
 
@@ -198,11 +199,11 @@ def test_pod_view_reads_labels_exit_codes_and_why_a_pod_waits():
            "status": {"phase": "Failed", "podIP": "10.0.0.5", "containerStatuses": [
                {"name": "trainer", "state": {"terminated": {"exitCode": 75, "reason": "Error",
                                                             "finishedAt": "2026-11-29T11:59:00Z", "message": "m"}}}]}}
-    view = gang.pod_view(raw)
+    view = observe.pod_view(raw)
     assert (view.attempt, view.rank, view.phase, view.exit_code, view.terminating, view.ip) == \
         (1, 0, "Failed", 75, True, "10.0.0.5")
     assert view.finished_at == "2026-11-29T11:59:00Z" and view.termination_message == "m"
-    waiting = gang.pod_view({"metadata": {"name": "x", "labels": {}}, "status": {"phase": "Pending",
+    waiting = observe.pod_view({"metadata": {"name": "x", "labels": {}}, "status": {"phase": "Pending",
                              "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                              "message": "0/4 nodes have a free GPU"}]}})
     assert waiting.attempt == -1 and waiting.waiting == "Unschedulable: 0/4 nodes have a free GPU"

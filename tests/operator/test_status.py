@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from paratrain.api.status import JobStatus
 from paratrain_operator import status
 from paratrain_operator.clock import to_iso
-from paratrain_operator.gang import Failure, GangState, PodView
+from paratrain_operator.gang import Failure, GangState
+from paratrain_operator.observe import PodView
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 RUNNING = GangState(phase="Running", reason="GangRunning", message="all 2 pods running", gang_created=True,
@@ -128,14 +129,14 @@ def test_a_1024_pod_gang_waiting_to_be_scheduled_fits_in_status():
                     waiting=f"Unschedulable: {why}") for r in range(1020)]
     pods += [PodView(name=contract.pod_name("big", 0, r), attempt=0, rank=r, phase="Pending",
                      waiting="ContainerCreating") for r in range(1020, 1024)]
-    plan = gang.decide(gang.Policy(name="big", nodes=1024, backoff_limit=1),
+    decision = gang.decide(gang.Policy(name="big", nodes=1024, backoff_limit=1),
                        GangState(phase="Pending", start_time=to_iso(NOW)), pods, NOW)
-    message = plan.state.message
+    message = decision.state.message
     assert message.startswith("0/1024 pods running (attempt 0); 1020 Unschedulable (big-0-0, big-0-1, big-0-2 and "
                               "1017 more): 0/3 nodes are available"), message
     assert "; 4 ContainerCreating (big-0-1020, big-0-1021, big-0-1022 and 1 more)" in message
     assert len(message) < 1000
-    st = status.build(None, plan.state, nodes=1024, pods=pods, progress=None, stall_timeout=600, generation=1,
+    st = status.build(None, decision.state, nodes=1024, pods=pods, progress=None, stall_timeout=600, generation=1,
                       layout="dp1024", now=NOW)
     assert st["phase"] == "Pending" and st["pods"]["pending"] == 1024 and st["message"] == message
     assert len(str(st)) < 4000

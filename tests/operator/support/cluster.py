@@ -21,7 +21,7 @@ from typing import Any
 from paratrain.api import API_GROUP, API_VERSION, PLURAL
 
 from ...support.control_plane import testbin
-from .emulator import parse_route
+from .fault_proxy import parse_route
 from .kubelet import Kubelet
 from .server import wait_for
 

@@ -1,11 +1,12 @@
-"""A fault-injecting HTTP proxy between the operator and the real API server: the emulator's fault hooks
-(`inject`, `drop_watches` with `expire_history`, `mute_watches`, the request `log`), on the real thing.
+"""A fault-injecting HTTP proxy between the operator and the real API server: the faults real clusters show
+(`inject`, `drop_watches` with `expire_history`, `mute_watches`) and the request `log`, on the real thing. Also
+the API vocabulary the test support shares: `Resource`, `parse_route`, `ApiError`.
 
 The operator's kubeconfig points at the proxy (plain HTTP on 127.0.0.1, its ServiceAccount token): the proxy
 forwards each request over HTTPS (trusting the control plane's CA, presenting no client certificate) with the
 client's `Authorization` header unchanged, so the real authenticator and authorizer judge the operator's own
 identity. Responses, watch streams included, are streamed back as they come. Everyone else (tests, the test
-kubelet) talks to the API server directly, so faults reach the operator only, as on the emulator.
+kubelet) talks to the API server directly, so faults reach the operator only.
 
 It runs in its own thread and event loop: the test thread calls it, the operator's requests never wait on a test.
 """
@@ -14,33 +15,156 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
+import time
 import threading
 import traceback
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import aiohttp.web
-import kmock
 import yarl
 import yaml
 
 from ...support.control_plane import KubeApi
-from .emulator import ApiError, Fault, add_fault, apply_faults, expired_watch_event, is_watch, parse_route
 
 # Per connection, never passed on (RFC 9110 §7.6.1); the body's length and encoding are the proxy's to set.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                         "upgrade", "host", "content-length", "accept-encoding", "content-encoding"})
 
 
+@dataclass(frozen=True)
+class Resource:
+    """An API resource: `Resource.of("v1/pods")`, `Resource.of("apps/v1/deployments")`."""
+
+    group: str
+    version: str
+    plural: str
+
+    @classmethod
+    def of(cls, resource: str | Resource) -> Resource:
+        if isinstance(resource, Resource):
+            return resource
+        *group, version, plural = resource.split("/")
+        return cls("/".join(group), version, plural)
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.headers = code, reason, message, dict(headers or {})
+
+    def response(self) -> aiohttp.web.Response:
+        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
+                "reason": self.reason, "code": self.code}
+        return aiohttp.web.json_response(body, status=self.code, headers=self.headers)
+
+
+@dataclass
+class Route:
+    resource: Resource
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+
+
+def parse_route(path: str) -> Route | None:
+    """`/api/v1[/namespaces/NS]/PLURAL[/NAME[/SUB]]` or `/apis/G/V/...`; None for discovery paths."""
+    parts = [p for p in path.split("/") if p]
+    if len(parts) >= 3 and parts[0] == "api":
+        group, version, rest = "", parts[1], parts[2:]
+    elif len(parts) >= 4 and parts[0] == "apis":
+        group, version, rest = parts[1], parts[2], parts[3:]
+    else:
+        return None
+    namespace = None
+    if rest[0] == "namespaces" and len(rest) >= 3 and rest[2] not in ("status", "finalize"):
+        namespace, rest = rest[1], rest[2:]
+    return Route(Resource(group, version, rest[0]), namespace, rest[1] if len(rest) > 1 else None,
+                 "/".join(rest[2:]) or None)
+
+
+@dataclass
+class Fault:
+    """Answer matching requests with an error (or hold them) instead of serving them.
+
+    `after` matching requests are served normally first; the next `times` are faulted (None: all). With
+    `hold`, a faulted request waits until `release()` before answering (with `status` if set, else normally):
+    a test can kill a client while its request is in flight."""
+
+    method: str | None = None
+    path: re.Pattern[str] | None = None
+    status: int | None = 500
+    times: int | None = 1
+    after: int = 0
+    hold: bool = False
+    retry_after: int | None = None
+    seen: int = 0  # matching requests so far
+    faulted: int = 0
+    faulted_at: list[float] = field(default_factory=list)  # time.monotonic() of each faulted request
+    released: bool = False
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method.upper() == method.upper()) and \
+            (self.path is None or bool(self.path.search(path)))
+
+    def release(self) -> None:
+        self.released = True
+
+
+def add_fault(faults: list[Fault], method: str | None, path: str | None, **kwargs: Any) -> Fault:
+    """A fault on the next matching requests (see `Fault`); `path` is a regular expression searched in the request
+    path (not the query), e.g. `r"/pods$"` for pod creation (with method POST)."""
+    fault = Fault(method=method, path=re.compile(path) if path else None, **kwargs)
+    faults.append(fault)
+    return fault
+
+
+async def apply_faults(faults: list[Fault], method: str, path: str) -> None:
+    """Count the request against each matching fault; raise the first fault's error (after holding the request,
+    if it holds). Returns when none faults it, or a held one with no status is released."""
+    for fault in list(faults):
+        if not fault.matches(method, path):
+            continue
+        fault.seen += 1
+        if fault.seen <= fault.after or (fault.times is not None and fault.faulted >= fault.times):
+            continue
+        fault.faulted += 1
+        fault.faulted_at.append(time.monotonic())
+        while fault.hold and not fault.released:
+            await asyncio.sleep(0.02)
+        if fault.status is None:
+            return
+        headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+        reason = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
+                  503: "ServiceUnavailable"}.get(fault.status, "InternalError")
+        raise ApiError(fault.status, reason, f"injected fault: {method} {path}", headers)
+
+
+def expired_watch_event(position: int, expired_before: int) -> bytes:
+    """The line an API server's watch sends once its history no longer reaches back to `position`."""
+    status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
+              "reason": "Expired", "message": f"too old resource version: {position} ({expired_before})"}
+    return json.dumps({"type": "ERROR", "object": status}).encode() + b"\n"
+
+
+def is_watch(query: Mapping[str, str]) -> bool:
+    return query.get("watch") in ("true", "1")
+
+
 @dataclass(eq=False)
 class _Stream:
     """An open watch stream."""
 
-    resource: kmock.resource
+    resource: Resource
     upstream: aiohttp.ClientResponse
     dropped: bool = False
     muted: bool = False
@@ -63,10 +187,10 @@ class FaultProxy:
         threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True).start()
         self.url = self._call(self._start())
 
-    # ---- the tests' API (the emulator's names and meanings) ----------------------------------------------
+    # ---- the tests' API ----------------------------------------------------------------
 
     def inject(self, method: str | None = None, path: str | None = None, **kwargs: Any) -> Fault:
-        """Fault the next matching requests: see emulator.Fault."""
+        """Fault the next matching requests: see `Fault`."""
         return add_fault(self.faults, method, path, **kwargs)
 
     def drop_watches(self, resource: str | None = None, *, expire_history: bool = False) -> int:
@@ -200,7 +324,7 @@ class FaultProxy:
         return response
 
     def _select(self, resource: str | None) -> list[_Stream]:
-        res = kmock.resource(resource) if resource else None
+        res = Resource.of(resource) if resource else None
         return [s for s in self._streams if res is None or s.resource == res]
 
     async def _drop(self, resource: str | None) -> int:

@@ -16,9 +16,9 @@ program starts belong to it (found by an env marker: torchrun puts its workers i
 end with its main process. A deleted pod's main process gets SIGTERM, every process SIGKILL after the grace
 period (capped), then the kubelet confirms the deletion, as a real one does.
 
-Its API (`api`: listen, changes, fetch, patch_object, delete_object, pod_logs) is the emulator itself, in-process,
-so injected API faults hit the operator only; or, on the real control plane, `real_cluster.NodeApi`, which shows
-it only the pods the scheduler bound to its node (there the binding patch changes nothing).
+Its API (`api`: listen, changes, fetch, patch_object, delete_object) is `real_cluster.NodeApi` on the real control
+plane, which shows it only the pods the scheduler bound to its node (the binding patch changes nothing there); it
+talks to the API server directly, so faults injected through the fault proxy hit the operator only.
 
 Hooks for tests: `kill` (the container crashes), `evict` (the node evicts the pod), `pause`/`unpause`
 (SIGSTOP/SIGCONT: a hung pod), `command` (replace every container's command, e.g. with a stand-in trainer).
@@ -37,15 +37,17 @@ import socket
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import kmock
+from .fault_proxy import ApiError, Resource
 
-from .emulator import PODS, ApiError, now_iso
+PODS, CONFIGMAPS, SECRETS = Resource.of("v1/pods"), Resource.of("v1/configmaps"), Resource.of("v1/secrets")
 
-CONFIGMAPS = kmock.resource("", "v1", "configmaps")
-SECRETS = kmock.resource("", "v1", "secrets")
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 _DNS = re.compile(r"\b([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.([a-z0-9]([-a-z0-9]*"
                   r"[a-z0-9])?)\.svc(\.cluster\.local)?\b")
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")

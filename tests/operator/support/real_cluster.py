@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import kmock
 import yaml
 
 from paratrain.api.crd import crd_manifest
@@ -25,7 +24,7 @@ from paratrain_operator import rbac
 
 from ...support.control_plane import ApiResponse, ControlPlane, KubeApi, register_node, wait_for
 from .cluster import ClusterBase
-from .emulator import ApiError
+from .fault_proxy import ApiError, Resource
 from .fault_proxy import FaultProxy
 from .kubelet import Kubelet
 from .server import OnLoop
@@ -37,10 +36,10 @@ MERGE_PATCH = "application/merge-patch+json"
 NODE_CAPACITY = {"cpu": "256", "memory": "1Ti", "pods": "250", "nvidia.com/gpu": "16"}
 
 
-def resource_path(resource: str | kmock.resource, namespace: str | None = None, name: str | None = None,
+def resource_path(resource: str | Resource, namespace: str | None = None, name: str | None = None,
                   subresource: str | None = None) -> str:
-    """`"v1/pods"` or a kmock resource → its REST path."""
-    res = resource if isinstance(resource, kmock.resource) else kmock.resource(resource)
+    """`"v1/pods"` or a Resource → its REST path."""
+    res = Resource.of(resource)
     root = f"/api/{res.version}" if not res.group else f"/apis/{res.group}/{res.version}"
     path = f"{root}/namespaces/{namespace}/{res.plural}" if namespace else f"{root}/{res.plural}"
     return path + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
@@ -53,8 +52,8 @@ def _checked(response: ApiResponse) -> dict[str, Any]:
 
 
 class RealApi(OnLoop):
-    """The tests' view of the real API (the emulator's ApiServer conveniences, same signatures), plus the loop
-    the kubelet runs on (`call` runs a function there, as the emulator's `call` does on its loop)."""
+    """The tests' view of the real API (objects, create, patch, delete), plus the loop the kubelet runs on
+    (`call` runs a function there)."""
 
     def __init__(self, plane: ControlPlane):
         self.plane, self.http = plane, plane.api
@@ -92,7 +91,7 @@ class RealApi(OnLoop):
 
 
 class NodeApi:
-    """What the test kubelet needs of the API (the emulator's in-process calls, same signatures), for one node:
+    """What the test kubelet needs of the API, for one node:
     a watch of every pod (to record creations) that passes on the pods bound to this node."""
 
     def __init__(self, http: KubeApi, node: str, loop: asyncio.AbstractEventLoop):
@@ -114,20 +113,20 @@ class NodeApi:
         self._wakes.append(wake)
         return wake
 
-    def changes(self, since: int, res: kmock.resource) -> tuple[list[dict[str, Any]], int]:
+    def changes(self, since: int, res: Resource) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
             return self._events[since:], len(self._events)
 
-    def fetch(self, res: kmock.resource, namespace: str | None, name: str) -> dict[str, Any] | None:
+    def fetch(self, res: Resource, namespace: str | None, name: str) -> dict[str, Any] | None:
         response = self.http.get(resource_path(res, namespace, name))
         return None if response.status == 404 else _checked(response)
 
-    def patch_object(self, res: kmock.resource, namespace: str | None, name: str, body: Any,
+    def patch_object(self, res: Resource, namespace: str | None, name: str, body: Any,
                      subresource: str | None = None) -> dict[str, Any]:
         return _checked(self.http.request("PATCH", resource_path(res, namespace, name, subresource), body,
                                           content_type=MERGE_PATCH))
 
-    def delete_object(self, res: kmock.resource, namespace: str | None, name: str,
+    def delete_object(self, res: Resource, namespace: str | None, name: str,
                       options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return _checked(self.http.request("DELETE", resource_path(res, namespace, name), dict(options or {})))
 

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+PHASES: tuple[str, ...] = typing.get_args(Phase)
+PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = PHASES
 
 
 class _StatusModel(BaseModel):
