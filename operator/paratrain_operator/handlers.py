@@ -41,6 +41,10 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     settings.watching.label_selectors["v1", "pods"] = contract.LABEL_JOB
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # A job deleted while its resync timer is mid-pass (the TTL's own pass deletes it) keeps kopf's finalizer until
+    # the timer has exited: wait a little for that, then re-check every 2 s rather than kopf's default 60 s.
+    settings.background.instant_exit_timeout = 0.5
+    settings.background.cancellation_polling = 2
     kube.connect()
     if METRICS_PORT:
         metrics.serve(METRICS_PORT)
