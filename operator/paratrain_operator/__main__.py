@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from .kube import DEFAULT_BURST, DEFAULT_QPS
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paratrain_operator", description=__doc__.split("\n")[0])
@@ -24,11 +26,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resync-seconds", type=float,
                         default=float(os.environ.get("PARATRAIN_RESYNC_SECONDS", "10")),
                         help="how often each job is reconciled and its progress polled without any event")
+    parser.add_argument("--qps", type=float, default=float(os.environ.get("PARATRAIN_QPS", DEFAULT_QPS)),
+                        help="API requests a second, on average (client-side rate limit; 0: none)")
+    parser.add_argument("--burst", type=int, default=int(os.environ.get("PARATRAIN_BURST", DEFAULT_BURST)),
+                        help="API requests at once above --qps")
+    parser.add_argument("--write-concurrency", type=int,
+                        default=int(os.environ.get("PARATRAIN_WRITE_CONCURRENCY", "64")),
+                        help="pod creates or deletes in flight at once for one job (they start at 1 and double)")
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
     os.environ["PARATRAIN_METRICS_PORT"] = str(args.metrics_port)
     os.environ["PARATRAIN_RESYNC_SECONDS"] = str(args.resync_seconds)
+    os.environ["PARATRAIN_QPS"], os.environ["PARATRAIN_BURST"] = str(args.qps), str(args.burst)
+    os.environ["PARATRAIN_NAMESPACES"] = ",".join(args.namespace)
+    os.environ["PARATRAIN_WRITE_CONCURRENCY"] = str(args.write_concurrency)
 
     import kopf
 

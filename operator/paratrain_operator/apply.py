@@ -1,11 +1,19 @@
-"""The only module that writes to the API: idempotent creates, deletes, the status patch and Events."""
+"""The only module that writes to the API: idempotent creates, deletes, the status patch and Events.
+
+Pods are created and deleted concurrently, in slow-start batches (1, 2, 4, ... as Kubernetes' Job controller
+does): a gang the cluster refuses (quota, admission) fails after one request, not after a thousand; a gang it
+accepts goes out as fast as the client's rate limit (kube.RateLimiter) lets it. Every create asks for strict
+field validation: a field the API server does not know (a renamed beta field) is an error, not silently dropped.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import socket
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from paratrain import contract
@@ -21,6 +29,9 @@ log = logging.getLogger("paratrain.operator")
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups",
            "Workload": "workloads"}
 MERGE_PATCH = "application/merge-patch+json"
+STRICT = {"fieldValidation": "Strict"}
+# The largest slow-start batch: pod creates or deletes in flight at once for one job (--write-concurrency).
+WRITE_CONCURRENCY = int(os.environ.get("PARATRAIN_WRITE_CONCURRENCY", "64"))
 EVENT_MESSAGE_LIMIT = 1024
 # The Events posted lately, by what they say → (name, count): (namespace, job uid, type, reason, message).
 POSTED_EVENTS_KEPT = 4096
@@ -31,13 +42,17 @@ class MissingResource(Exception):
     """The cluster does not serve a kind the job needs (e.g. Volcano's PodGroup without Volcano)."""
 
 
+class Conflict(Exception):
+    """A write conditional on a job's resourceVersion found a newer job: the pass must read it again."""
+
+
 def _path(obj: Mapping[str, Any], *, named: bool) -> str:
     meta = obj["metadata"]
     return api_path(obj["apiVersion"], PLURALS[obj["kind"]], meta.get("namespace"), meta["name"] if named else None)
 
 
-async def ensure(obj: Mapping[str, Any]) -> bool:
-    """Create `obj`; True when this call created it.
+async def ensure(obj: Mapping[str, Any]) -> str | None:
+    """Create `obj`; the uid of the object this call created, or None when it existed already.
 
     One that exists already (409) is fine if this job owns it (an earlier pass, or an operator killed midway,
     created it); a ConfigMap that exists is brought up to date (a new attempt may follow a spec change). A name
@@ -45,8 +60,8 @@ async def ensure(obj: Mapping[str, Any]) -> bool:
     garbage collector or its kubelet has not removed yet, is an error until it goes: taken as ours, it would
     vanish under the gang."""
     try:
-        await client().request("POST", _path(obj, named=False), body=obj)
-        return True
+        created = await client().request("POST", _path(obj, named=False), body=obj, params=STRICT)
+        return str(((created or {}).get("metadata") or {}).get("uid", ""))
     except ApiError as exc:
         if exc.status == 404 and obj["kind"] not in ("ConfigMap", "Service", "Pod"):
             raise MissingResource(f"the cluster does not serve {obj['kind']} ({obj['apiVersion']}): {exc.message}")
@@ -67,7 +82,7 @@ async def ensure(obj: Mapping[str, Any]) -> bool:
     if obj["kind"] == "ConfigMap":
         await client().request("PATCH", _path(obj, named=True), body={"data": obj.get("data") or {}},
                                content_type=MERGE_PATCH)
-    return False
+    return None
 
 
 def _owned_alike(obj: Mapping[str, Any], existing: Mapping[str, Any] | None) -> bool:
@@ -81,8 +96,29 @@ def _owner_uids(obj: Mapping[str, Any]) -> set[str]:
     return {ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []}
 
 
-async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]) -> list[str]:
-    """The gang's shared objects, then the pods of `ranks` (in rank order); returns the pods it created.
+async def in_batches(items: Sequence[Any], call: Callable[[Any], Awaitable[Any]],
+                     limit: int | None = None) -> list[Any]:
+    """`call` on every item, concurrently in slow-start batches (1, 2, 4, ... up to `limit`, default
+    WRITE_CONCURRENCY); the first error raised stops it after its batch (the rest of that batch still finishes).
+    Returns the results in order."""
+    limit = max(1, limit or WRITE_CONCURRENCY)
+    results: list[Any] = []
+    size = 1
+    while len(results) < len(items):
+        batch = items[len(results):len(results) + size]
+        outcomes = await asyncio.gather(*(call(item) for item in batch), return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        results += outcomes
+        size = min(size * 2, limit)
+    return results
+
+
+async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int],
+                      created: Callable[[str, str], None] = lambda name, uid: None) -> list[str]:
+    """The gang's shared objects, then the pods of `ranks`; returns the pods it created, and tells `created`
+    (name, uid) of each as soon as its create is answered.
 
     Safe to repeat after a crash at any point: only what is missing gets created."""
     wanted = {str(r) for r in ranks}
@@ -90,7 +126,18 @@ async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]
             and (o["metadata"].get("labels") or {}).get(contract.LABEL_NODE_RANK) in wanted]
     for obj in (o for o in objects if o["kind"] != "Pod"):
         await ensure(obj)
-    return [p["metadata"]["name"] for p in pods if await ensure(p)]
+
+    async def create(pod: Mapping[str, Any]) -> str | None:
+        uid = await ensure(pod)
+        if uid is not None:
+            created(pod["metadata"]["name"], uid)
+            return pod["metadata"]["name"]
+        return None
+    return [name for name in await in_batches(pods, create) if name]
+
+
+async def delete_pods(namespace: str, names: Sequence[str]) -> None:
+    await in_batches(names, lambda name: delete_pod(namespace, name))
 
 
 async def delete_pod(namespace: str, name: str) -> None:
@@ -111,15 +158,22 @@ async def delete_job(namespace: str, name: str, uid: str) -> None:
             raise
 
 
-async def patch_status(namespace: str, name: str, patch: Mapping[str, Any]) -> bool:
-    """Merge-patch the status subresource; False when the job is gone."""
+async def patch_status(namespace: str, name: str, patch: Mapping[str, Any],
+                       resource_version: str | None = None) -> dict[str, Any] | None:
+    """Merge-patch the status subresource; the job as now stored, or None when the job is gone. With
+    `resource_version`, only if the job is still at that version (else Conflict): the patch may be empty, to check
+    that a pass about to act decided on the job as it is."""
+    body: dict[str, Any] = {"status": dict(patch)}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
     try:
-        await client().request("PATCH", api_path(API_GROUP_VERSION, PLURAL, namespace, name, "status"),
-                               body={"status": patch}, content_type=MERGE_PATCH)
-        return True
+        return await client().request("PATCH", api_path(API_GROUP_VERSION, PLURAL, namespace, name, "status"),
+                                      body=body, content_type=MERGE_PATCH)
     except ApiError as exc:
         if exc.status == 404:
-            return False
+            return None
+        if exc.status == 409:
+            raise Conflict(f"{namespace}/{name} changed since it was read") from exc
         raise
 
 

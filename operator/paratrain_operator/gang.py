@@ -77,7 +77,7 @@ def classify(pod: PodView) -> Failure | None:
     if pod.terminating and (pod.phase != FAILED or pod.exit_code in _STOP_SIGNAL_EXITS):
         # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
         # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
-        return Failure("PodDeleted", f"pod {pod.name} was deleted while running", pod=pod.name,
+        return Failure("PodDeleted", f"pod {pod.name} was deleted before it finished", pod=pod.name,
                        at=pod.finished_at)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
@@ -204,7 +204,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failures = [f for f in map(classify, current.values()) if f]
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failures += [Failure("PodDeleted", f"pod {name} disappeared", pod=name) for name in vanished]
+        failures += [Failure("PodDeleted", f"pod {name} was deleted before it finished", pod=name) for name in vanished]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 

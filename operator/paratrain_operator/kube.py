@@ -1,4 +1,7 @@
-"""The operator's own API access: one async HTTP session speaking plain JSON, with bounded retries.
+"""The operator's own API access: one async HTTP session speaking plain JSON, with bounded retries and a
+client-side rate limit (a token bucket: `qps` requests a second on average, bursts of up to `burst`), as
+client-go's clients have, so that a 1,024-pod gang does not flood the API server. Watches stream on a session of
+their own and are not rate limited (one per informer, open for minutes).
 
 Credentials come from the `kubernetes` package's config loaders (the pod's service account in a cluster, else
 the kubeconfig): the same sources kopf's default login uses, so both act as one identity. Objects travel as
@@ -8,8 +11,10 @@ plain dicts, so whatever the renderer builds reaches the API unchanged (no clien
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
-from collections.abc import Mapping
+import time
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -18,6 +23,28 @@ TRANSIENT = frozenset({429, 500, 502, 503, 504})
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # in-place retries of transient errors; then kopf's handler retry takes over
 MAX_RETRY_AFTER = 10.0
 BEARER_TOKEN_KEY = "BearerToken"
+DEFAULT_QPS, DEFAULT_BURST = 100.0, 200
+MAX_CONNECTIONS = 64  # requests in flight at once (aiohttp's pool); more wait for a connection
+
+
+class RateLimiter:
+    """A token bucket: `burst` requests at once, then `qps` a second. qps <= 0: no limit."""
+
+    def __init__(self, qps: float, burst: int):
+        self.qps, self.burst = qps, max(1, burst)
+        self._tokens, self._at = float(self.burst), time.monotonic()
+
+    async def acquire(self) -> None:
+        if self.qps <= 0:
+            return
+        while True:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.qps)
+            self._at = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return
+            await asyncio.sleep((1 - self._tokens) / self.qps)
 
 
 class ApiError(Exception):
@@ -43,13 +70,15 @@ def api_path(api_version: str, plural: str, namespace: str | None = None, name: 
 
 
 class Kube:
-    def __init__(self, configuration: Any):
+    def __init__(self, configuration: Any, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST):
         self._config = configuration
         self._session: aiohttp.ClientSession | None = None
+        self._watch_session: aiohttp.ClientSession | None = None
         self._ssl_context: ssl.SSLContext | bool | None = None
+        self.limiter = RateLimiter(qps, burst)
 
     @classmethod
-    def from_environment(cls) -> Kube:
+    def from_environment(cls, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST) -> Kube:
         import kubernetes
 
         configuration = kubernetes.client.Configuration()
@@ -57,7 +86,7 @@ class Kube:
             kubernetes.config.load_incluster_config(client_configuration=configuration)
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config(client_configuration=configuration)
-        return cls(configuration)
+        return cls(configuration, qps, burst)
 
     def _ssl(self) -> ssl.SSLContext | bool:
         if self._ssl_context is None:
@@ -87,19 +116,22 @@ class Kube:
         return headers
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
+        self._session = self._watch_session = None
 
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
                       content_type: str | None = None) -> Any:
         """One API call, retried in place on transient errors; raises ApiError (with the server's reason)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5),
+                                                  connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
         if body is not None and content_type is None:
             content_type = "application/json"
         for delay in (*RETRY_DELAYS, None):
             try:
+                await self.limiter.acquire()
                 return await self._once(method, path, body, params, content_type)
             except ApiError as exc:
                 if not exc.transient or delay is None:
@@ -124,6 +156,29 @@ class Kube:
                 return data
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise ApiError(0, type(exc).__name__, f"{method} {path}: {exc}") from None
+
+
+    async def watch(self, path: str, params: Mapping[str, str], silence: float) -> AsyncIterator[dict[str, Any]]:
+        """The events of one watch request (`watch=true` is added), until the server ends it or `silence`
+        seconds pass without a line (a silent stream is cut, and its client resumes). Raises ApiError."""
+        if self._watch_session is None:
+            self._watch_session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=silence),
+                read_bufsize=1 << 20)  # one event is one line: a pod with a large spec is one long line
+        url = self._config.host.rstrip("/") + path
+        try:
+            async with self._watch_session.get(url, params={**params, "watch": "true"}, ssl=self._ssl(),
+                                               headers=self._headers(None)) as response:
+                if response.status >= 400:
+                    data = await response.json(content_type=None)
+                    data = data if isinstance(data, Mapping) else {}
+                    raise ApiError(response.status, str(data.get("reason") or response.reason),
+                                   str(data.get("message") or ""))
+                async for line in response.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise ApiError(0, type(exc).__name__, f"watch {path}: {exc}") from None
 
 
 _client: Kube | None = None

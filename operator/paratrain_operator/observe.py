@@ -1,11 +1,27 @@
-"""What the operator reads: the job, its pods (by label, each parsed into a `PodView`), and rank 0's progress
-endpoint."""
+"""What the operator reads: jobs, their pods and rank 0's progress endpoint, mostly from memory.
+
+- `PodCache`: every job's pods (each parsed into a `PodView`), fed by one list + watch of labelled pods per served
+  namespace (or one cluster-wide), as client-go's informers are. A pass reads it instead of listing: a 256-pod
+  start costs the pod events once, not a LIST per event. A watch that ends resumes from its last
+  resourceVersion; one refused with 410 Gone (history moved on) lists again and replaces the cache, so pods that
+  went meanwhile go from it too; a stream silent for a minute (or `watch_seconds`, if shorter) is cut and
+  resumed.
+- `Expectations`: the creates and deletes this operator made whose watch events the cache has not shown yet
+  (after `pkg/controller`'s ControllerExpectations). While any is outstanding, a pass does not decide: the cache
+  might still show the old gang running, or miss the pods just created.
+- `JobCache`: the newest body seen of each job (kopf's job events, our own status writes). Writes based on it
+  are conditional on its resourceVersion, so a stale body costs a 409 and a re-read, never a wrong action.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import fnmatch
 import json
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +33,10 @@ from paratrain.api.status import FAILED, PENDING, SUCCEEDED
 
 from .kube import ApiError, api_path, client
 
+log = logging.getLogger("paratrain.operator")
+# A pods watch that says nothing (not even a bookmark) for this long is cut and resumed: a resumed watch costs
+# little, and the API server redelivers what a silent stream held back.
+SILENCE_SECONDS = 60.0
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 _progress_session: aiohttp.ClientSession | None = None
@@ -38,6 +58,8 @@ class PodView:
     waiting: str | None = None  # why it is not running yet (ImagePullBackOff, Unschedulable)
     ip: str | None = None
     termination_message: str | None = None
+    uid: str = ""
+    owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
 
     @property
     def done(self) -> bool:
@@ -82,7 +104,186 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         waiting=f"{blocker.get('reason')}: {blocker.get('message', '')}".rstrip(": ") if blocker else None,
         ip=status.get("podIP"),
         termination_message=term.get("message"),
+        uid=meta.get("uid", ""),
+        owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )
+
+
+JobKey = tuple[str, str]  # (namespace, job name)
+
+
+class PodCache:
+    """The pods of every job, by job, fed by list + watch (see the module docstring).
+
+    `namespaces`: the namespaces served (plain names: one informer each, as a namespaced Role allows; any glob
+    pattern: one cluster-wide informer, filtered); empty: all. `changed(key)` is called for every job whose pods
+    changed."""
+
+    def __init__(self, namespaces: Sequence[str] = (), changed: Callable[[JobKey], None] = lambda key: None,
+                 watch_seconds: float = 300):
+        globbed = any(ch in n for n in namespaces for ch in "*?[")
+        self.scopes: list[str | None] = [None] if globbed or not namespaces else list(namespaces)
+        self._patterns = list(namespaces) if globbed else []
+        self._changed, self.watch_seconds = changed, watch_seconds
+        self._jobs: dict[JobKey, dict[str, PodView]] = {}
+        self._job_of: dict[tuple[str, str], str] = {}  # (namespace, pod) → its job
+        self._synced: set[str | None] = set()
+        self.ready = asyncio.Event()  # every scope listed once
+
+    def pods(self, namespace: str, job: str, job_uid: str | None = None) -> list[PodView]:
+        """The job's pods of any attempt; with `job_uid`, only those that job owns."""
+        views = (self._jobs.get((namespace, job)) or {}).values()
+        return [p for p in views if job_uid is None or job_uid in p.owners]
+
+    def __len__(self) -> int:
+        return len(self._job_of)
+
+    async def run(self) -> None:
+        """Keep every scope's informer going (until cancelled)."""
+        await asyncio.gather(*(self._inform(scope) for scope in self.scopes))
+
+    async def _inform(self, scope: str | None) -> None:
+        path, selector = api_path("v1", "pods", scope), {"labelSelector": contract.LABEL_JOB}
+        version: str | None = None
+        failures = 0
+        while True:
+            try:
+                if version is None:
+                    listed = await client().request("GET", path, params=selector)
+                    version = listed["metadata"]["resourceVersion"]
+                    self._replace(scope, listed.get("items") or [])
+                async for event in client().watch(path, {**selector, "resourceVersion": version,
+                                                         "allowWatchBookmarks": "true",
+                                                         "timeoutSeconds": str(int(self.watch_seconds))},
+                                                  silence=min(self.watch_seconds, SILENCE_SECONDS) + 5):
+                    version = self._apply(event) or version
+                failures = 0
+            except ApiError as exc:
+                if exc.status == 410:
+                    version = None  # resuming is refused: list again
+                    continue
+                failures += 1
+                log.warning("pods watch (%s): %s; retrying", scope or "all namespaces", exc)
+                await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
+
+    def _apply(self, event: Mapping[str, Any]) -> str | None:
+        """One watch event into the cache; returns the resourceVersion it moves the watch to."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            raise ApiError(as_int(obj.get("code"), 500), str(obj.get("reason", "")), str(obj.get("message", "")))
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        if kind in ("ADDED", "MODIFIED"):
+            self._put(obj)
+        elif kind == "DELETED":
+            self._drop((obj["metadata"]["namespace"], obj["metadata"]["name"]))
+        return version
+
+    def _served(self, namespace: str) -> bool:
+        return not self._patterns or any(fnmatch.fnmatchcase(namespace, p) for p in self._patterns)
+
+    def _put(self, pod: Mapping[str, Any]) -> None:
+        meta = pod["metadata"]
+        where, job = (meta["namespace"], meta["name"]), (meta.get("labels") or {}).get(contract.LABEL_JOB)
+        if not job or not self._served(where[0]):
+            self._drop(where)
+            return
+        if self._job_of.get(where) not in (None, job):
+            self._drop(where)  # relabelled to another job
+        view = pod_view(pod)
+        pods = self._jobs.setdefault((where[0], job), {})
+        if pods.get(where[1]) != view:
+            pods[where[1]] = view
+            self._job_of[where] = job
+            self._changed((where[0], job))
+
+    def _drop(self, where: tuple[str, str]) -> None:
+        job = self._job_of.pop(where, None)
+        if job is None:
+            return
+        pods = self._jobs.get((where[0], job)) or {}
+        pods.pop(where[1], None)
+        if not pods:
+            self._jobs.pop((where[0], job), None)
+        self._changed((where[0], job))
+
+    def _replace(self, scope: str | None, items: Iterable[Mapping[str, Any]]) -> None:
+        """A fresh list of `scope` replaces what the cache held there (pods deleted unseen go)."""
+        listed = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in items}
+        for where in [w for w in self._job_of if (scope is None or w[0] == scope) and w not in listed]:
+            self._drop(where)
+        for pod in items:
+            self._put(pod)
+        self._synced.add(scope)
+        if len(self._synced) == len(self.scopes):
+            self.ready.set()
+
+
+class Expectations:
+    """Creates and deletes of pods whose watch events the cache has not shown yet, by job.
+
+    A create is seen when the cache holds the pod with the uid the API server gave it; a delete when the cache no
+    longer holds that pod alive (gone, terminating, or replaced). One not seen within `timeout` seconds is given
+    up (the watch lost it; the list that follows a broken watch will show the truth)."""
+
+    def __init__(self, timeout: float = 30.0):
+        self.timeout = timeout
+        self._creates: dict[JobKey, dict[str, tuple[str, float]]] = {}  # name → (uid, deadline)
+        self._deletes: dict[JobKey, dict[str, tuple[str, float]]] = {}
+
+    def created(self, key: JobKey, name: str, uid: str) -> None:
+        self._creates.setdefault(key, {})[name] = (uid, time.monotonic() + self.timeout)
+
+    def deleted(self, key: JobKey, name: str, uid: str) -> None:
+        self._deletes.setdefault(key, {})[name] = (uid, time.monotonic() + self.timeout)
+
+    def unseen(self, key: JobKey, pods: Iterable[PodView]) -> list[str]:
+        """The pods whose create or delete the cache (`pods`, the job's) does not show yet; forgets the rest."""
+        by_name, now = {p.name: p for p in pods}, time.monotonic()
+
+        def seen_created(name: str, uid: str) -> bool:
+            return name in by_name and by_name[name].uid == uid
+
+        def seen_deleted(name: str, uid: str) -> bool:
+            pod = by_name.get(name)
+            return pod is None or pod.uid != uid or pod.terminating
+
+        out = []
+        for table, seen in ((self._creates, seen_created), (self._deletes, seen_deleted)):
+            pending = table.get(key) or {}
+            for name, (uid, deadline) in list(pending.items()):
+                if seen(name, uid) or now > deadline:
+                    del pending[name]
+                else:
+                    out.append(name)
+            if not pending:
+                table.pop(key, None)
+        return out
+
+    def forget(self, key: JobKey) -> None:
+        self._creates.pop(key, None)
+        self._deletes.pop(key, None)
+
+
+class JobCache:
+    """The newest body seen of each job. resourceVersions are compared as numbers only to keep the newer of two
+    bodies; correctness never rests on it (writes are conditional on the body's resourceVersion)."""
+
+    def __init__(self) -> None:
+        self._bodies: dict[JobKey, dict[str, Any]] = {}
+
+    def offer(self, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        held = self._bodies.get(key)
+        if held is None or held["metadata"].get("uid") != meta.get("uid") or \
+                as_int(meta.get("resourceVersion"), 0) >= as_int(held["metadata"].get("resourceVersion"), 0):
+            self._bodies[key] = copy.deepcopy(dict(body))  # kopf's Body is a live view
+
+    def get(self, key: JobKey) -> dict[str, Any] | None:
+        return self._bodies.get(key)
+
+    def forget(self, key: JobKey) -> None:
+        self._bodies.pop(key, None)
 
 
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
@@ -92,16 +293,6 @@ async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
         if exc.status == 404:
             return None
         raise
-
-
-async def list_pods(namespace: str, job_name: str, job_uid: str) -> list[dict[str, Any]]:
-    """Every pod of the job, any attempt (fresh from the API, not a watch cache: decisions must not act on a
-    stale view, e.g. create a gang while the old one is still terminating). Only pods the job owns: those of a
-    same-named job deleted moments ago carry the same label and names, but are not this job's to count."""
-    data = await client().request("GET", api_path("v1", "pods", namespace),
-                                  params={"labelSelector": f"{contract.LABEL_JOB}={job_name}"})
-    return [pod for pod in (data or {}).get("items") or []
-            if any(ref.get("uid") == job_uid for ref in pod["metadata"].get("ownerReferences") or [])]
 
 
 async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:

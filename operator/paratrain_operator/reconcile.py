@@ -1,14 +1,24 @@
 """One reconcile pass of one job: observe → decide (gang) → persist (status) → act (apply).
 
-Level-triggered and idempotent: every pass starts from a fresh read of the job and its pods, so it does not
-matter which event triggered it, how many events were missed (a dropped watch, an operator restart) or where
-the previous pass died. Passes of one job never overlap (one lock per job, one operator replica).
+Level-triggered and idempotent: a pass starts from what is known now of the job and its pods, so it does not
+matter which trigger started it, how many were missed or where the previous pass died. What is known comes from
+memory (observe.py): the job's newest body and a watch-fed cache of pods, not a GET and a LIST per pass. Two
+rules keep a cached view from causing a wrong action:
+- expectations: while the cache does not yet show a create or delete this operator made, the pass waits
+  (the event that shows it triggers the next pass);
+- every status write is conditional on the job's resourceVersion, and a pass that acts writes (an empty patch
+  if need be) before acting: a stale job body costs a 409 and a re-read, never an action.
+
+Passes of one job never overlap (one lock per job), and triggers coalesce: a pod event asks for a pass
+COALESCE_SECONDS later, and one pass answers every trigger that came before it started. Rank 0's progress is
+read outside the lock (by the resync timer), so a hung rank 0 never holds up a pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,12 +28,23 @@ from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
 from .gang import Decision, Failure, GangState
-from .observe import PodView
 from .kube import ApiError
+from .observe import JobKey, PodView
 from .render import render_job
 
 log = logging.getLogger("paratrain.operator")
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
+COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
+CONFLICT_RETRIES = 3
+
+pods = observe.PodCache()  # replaced at startup (handlers.configure) by one for the served namespaces
+jobs = observe.JobCache()
+expectations = observe.Expectations()
+_progress: dict[JobKey, tuple[str, dict[str, Any]]] = {}  # rank 0's pod → its last report
+_locks: dict[JobKey, asyncio.Lock] = {}
+_issued = 0  # triggers so far (all jobs): a pass started after trigger t answers it
+_answered: dict[JobKey, int] = {}
+_scheduled: set[JobKey] = set()
+_tasks: set[asyncio.Task[None]] = set()
 
 
 def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,16 +55,51 @@ def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
             "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}, "spec": body.get("spec") or {}}
 
 
-async def reconcile(namespace: str, name: str) -> str | None:
-    """Run one pass; returns the job's phase, or None when the job is gone."""
-    async with _locks.setdefault((namespace, name), asyncio.Lock()):
+def request(key: JobKey, delay: float | None = None) -> None:
+    """Ask for a pass of the job soon (its pods changed); requests within `delay` seconds share one pass."""
+    if key in _scheduled:
+        return
+    _scheduled.add(key)
+    task = asyncio.get_running_loop().create_task(_later(key, COALESCE_SECONDS if delay is None else delay))
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+async def _later(key: JobKey, delay: float) -> None:
+    await asyncio.sleep(delay)
+    _scheduled.discard(key)
+    try:
+        await reconcile(*key)
+    except Exception as exc:  # noqa: BLE001 (the resync timer redoes a failed pass)
+        log.warning("%s/%s: a pass failed (the resync retries): %s", *key, exc)
+
+
+async def reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = None) -> None:
+    """Run one pass (unless a pass that started after this call answers it), from `body` or the newest body
+    known of the job."""
+    global _issued
+    key = (namespace, name)
+    _issued += 1
+    ticket = _issued
+    if body is not None:
+        jobs.offer(body)
+    async with _locks.setdefault(key, asyncio.Lock()):
+        if _answered.get(key, 0) >= ticket:
+            return
+        _answered[key] = _issued
         started = time.monotonic()
         try:
-            body = await observe.get_job(namespace, name)
-            if body is None:
-                forget(namespace, name)
-                return None
-            return await _pass(body)
+            for _ in range(CONFLICT_RETRIES):
+                current = jobs.get(key) or await _read(key)
+                if current is None:
+                    forget(namespace, name)
+                    return
+                try:
+                    await _pass(current)
+                    return
+                except apply.Conflict:
+                    await _read(key)  # another writer (kopf's annotations, a user) was first: read, redo
+            raise ApiError(409, "Conflict", f"{namespace}/{name} kept changing under {CONFLICT_RETRIES} passes")
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             raise
@@ -51,49 +107,94 @@ async def reconcile(namespace: str, name: str) -> str | None:
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
+async def _read(key: JobKey) -> dict[str, Any] | None:
+    body = await observe.get_job(*key)
+    if body is not None:
+        jobs.offer(body)
+    return body
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop what is kept in memory about a deleted job."""
-    _locks.pop((namespace, name), None)
+    key = (namespace, name)
+    _locks.pop(key, None)
+    _answered.pop(key, None)
+    _progress.pop(key, None)
+    jobs.forget(key)
+    expectations.forget(key)
     metrics.forget(namespace, name)
+
+
+async def refresh_progress(namespace: str, name: str) -> None:
+    """Read rank 0's progress report of a running job (outside the job's lock) for the next pass to write."""
+    key = (namespace, name)
+    body = jobs.get(key) or {}
+    state = GangState.from_status(body.get("status"))
+    if state.phase != gang.RUNNING:
+        return
+    rank0 = _rank0(state, pods.pods(namespace, name, body["metadata"].get("uid")))
+    if rank0 is None or rank0.phase != gang.RUNNING or not rank0.ip:
+        return
+    report = status.clean_progress(await observe.fetch_progress(rank0.ip))
+    if report:
+        _progress[key] = (rank0.name, report)
+
+
+def _rank0(state: GangState, views: Sequence[PodView]) -> PodView | None:
+    return next((p for p in views if p.attempt == state.attempt and p.rank == 0 and not p.terminating), None)
 
 
 async def _pass(body: dict[str, Any]) -> str | None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    key = (namespace, name)
     prev = body.get("status") or {}
     state, now = GangState.from_status(prev), clock_now()
-    pods = [observe.pod_view(p) for p in await observe.list_pods(namespace, name, meta["uid"])]
+    await pods.ready.wait()
+    views = pods.pods(namespace, name, meta["uid"])
+    unseen = expectations.unseen(key, views)
+    log.debug("%s/%s: pass (%d pods cached)", namespace, name, len(views))
+    if unseen:
+        log.debug("%s/%s: waiting for the watch to show %d of our own creates/deletes", namespace, name,
+                  len(unseen))
+        return prev.get("phase")
     objects: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
         job = require_cluster_ready(parse_job(job_document(body)))
     except SpecError as exc:
-        decision = gang.invalid_spec(state, pods, "; ".join(str(p) for p in exc.problems), now)
+        decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
-        decision = gang.decide(gang.Policy.from_job(job), state, pods, now)
+        decision = gang.decide(gang.Policy.from_job(job), state, views, now)
         if decision.create_ranks:
             try:
                 objects = render_job(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
-                decision = gang.fail(state, pods, Failure("RenderFailed", f"cannot build the gang: {exc}",
+                decision = gang.fail(state, views, Failure("RenderFailed", f"cannot build the gang: {exc}",
                                                       retryable=False), now)
 
-    written = await _persist(body, prev, decision, job, pods)
+    written = await _persist(body, decision, job, views)
     if written is None:
         return None  # the job was deleted meanwhile
     try:
-        await _act(body, decision, objects)
+        await _act(written, decision, objects, views)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
             raise  # transient, or maybe fixable (RBAC, quota): retried; the resync keeps trying
-        decision = gang.fail(decision.state, pods, rejected, now)
-        if await _persist(body, written, decision, job, pods) is not None:
-            await _act(body, decision, [])
+        decision = gang.fail(decision.state, views, rejected, now)
+        written = await _persist_rejection(written, decision, job, views)
+        if written is not None:
+            await _act(written, decision, [], views)
     metrics.record_phase(namespace, name, decision.state.phase or gang.PENDING)
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+def _names(names: Sequence[str], shown: int = 8) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _rejection(exc: Exception) -> Failure | None:
@@ -105,19 +206,28 @@ def _rejection(exc: Exception) -> Failure | None:
     return None
 
 
-async def _persist(body: dict[str, Any], prev: Mapping[str, Any], decision: Decision, job: ParallelTrainJob | None,
-                   pods: Sequence[PodView]) -> dict[str, Any] | None:
-    """Write the decision's state (before any action: see gang's docstring) and post its Events; returns the status
-    now stored, or None when the job is gone."""
-    meta = body["metadata"]
-    progress = await _progress(decision.state, pods)
-    new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=pods, progress=progress,
+def _acts(decision: Decision) -> bool:
+    return bool(decision.create_ranks or decision.delete_pods or decision.delete_job)
+
+
+async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
+                   views: Sequence[PodView]) -> dict[str, Any] | None:
+    """Write the decision's state (before any action: see gang's docstring), conditional on `body`'s
+    resourceVersion, and post its Events; returns the job as now stored (`body` when nothing was written), or
+    None when the job is gone. Raises apply.Conflict when the job changed since `body`."""
+    meta, prev = body["metadata"], body.get("status") or {}
+    progress = _progress_of(body, decision.state, views)
+    new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
                        now=clock_now())
     patch = status.patch(prev, new)
-    if patch and not await apply.patch_status(meta["namespace"], meta["name"], patch):
-        return None
+    stored = body
+    if patch or _acts(decision):
+        stored = await apply.patch_status(meta["namespace"], meta["name"], patch, meta.get("resourceVersion"))
+        if stored is None:
+            return None
+        jobs.offer(stored)
     events = list(decision.events)
     stalled = status.stall_event(prev.get("conditions") or [], new.get("conditions") or [])
     if stalled:
@@ -125,32 +235,58 @@ async def _persist(body: dict[str, Any], prev: Mapping[str, Any], decision: Deci
     for event in events:
         log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message)
         await apply.post_event(body, event)
-    return new
+    return stored
 
 
-async def _progress(state: GangState, pods: Sequence[PodView]) -> dict[str, Any] | None:
-    """Rank 0's report: polled while it runs; once it has exited, its termination message (the final one)."""
-    rank0 = next((p for p in pods if p.attempt == state.attempt and p.rank == 0 and not p.terminating), None)
+async def _persist_rejection(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
+                             views: Sequence[PodView]) -> dict[str, Any] | None:
+    """`_persist` a gang the API server refused, re-reading the job on a conflict instead of redoing the pass
+    (which would send the refused objects again)."""
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            return await _persist(body, decision, job, views)
+        except apply.Conflict:
+            fresh = await _read((body["metadata"]["namespace"], body["metadata"]["name"]))
+            if fresh is None:
+                return None
+            body = fresh
+    raise ApiError(409, "Conflict", f"{body['metadata']['name']} kept changing while its failure was written")
+
+
+def _progress_of(body: Mapping[str, Any], state: GangState, views: Sequence[PodView]) -> dict[str, Any] | None:
+    """Rank 0's report: the last one read while it runs; once it has exited, its termination message (the
+    final one)."""
+    rank0 = _rank0(state, views)
     if rank0 is None:
         return None
     if rank0.done:
         return status.clean_progress(rank0.termination_message)
-    if state.phase == gang.RUNNING and rank0.phase == gang.RUNNING and rank0.ip:
-        return status.clean_progress(await observe.fetch_progress(rank0.ip))
-    return None
+    meta = body["metadata"]
+    read = _progress.get((meta["namespace"], meta["name"]))
+    return read[1] if read and read[0] == rank0.name and state.phase == gang.RUNNING else None
 
 
-async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[str, Any]]) -> None:
+async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[str, Any]],
+               views: Sequence[PodView]) -> None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    key = (namespace, name)
     if decision.create_ranks and objects:
-        created = await apply.create_gang(objects, decision.create_ranks)
+        created = await apply.create_gang(objects, decision.create_ranks,
+                                          created=lambda pod, uid: expectations.created(key, pod, uid))
         if created:
-            log.info("%s/%s: created pods %s", namespace, name, ", ".join(created))
-    for pod in decision.delete_pods:
-        await apply.delete_pod(namespace, pod)
+            log.info("%s/%s: created %d pods: %s", namespace, name, len(created), _names(created))
     if decision.delete_pods:
-        log.info("%s/%s: deleting pods %s", namespace, name, ", ".join(decision.delete_pods))
+        uids = {p.name: p.uid for p in views}
+        for pod in decision.delete_pods:
+            expectations.deleted(key, pod, uids.get(pod, ""))
+        try:
+            await apply.delete_pods(namespace, decision.delete_pods)
+        except Exception:
+            expectations.forget(key)  # some deletes never went out: nothing to wait for; the next pass decides
+            raise
+        log.info("%s/%s: deleting %d pods: %s", namespace, name, len(decision.delete_pods),
+                 _names(decision.delete_pods))
     if decision.delete_job:
         log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
         await apply.delete_job(namespace, name, meta["uid"])

@@ -73,7 +73,7 @@ def test_default_render(rendered) -> None:
     assert only(objects, "ServiceAccount")["automountServiceAccountToken"] is False
     c = container(objects)
     assert c["image"] == f"ghcr.io/paratrain/operator:{APP_VERSION}"
-    assert "args" not in c  # cluster-wide: the operator's default
+    assert c["args"] == RATE_ARGS  # cluster-wide: the operator's default; the API rate limit spelt out
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"health": 8080, "metrics": 9090}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -90,6 +90,9 @@ def test_default_render(rendered) -> None:
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
+RATE_ARGS = ["--qps", "100", "--burst", "200", "--write-concurrency", "64"]
+
+
 def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> None:
     objects = rendered["namespaced"]
     kinds = {o["kind"] for o in objects}
@@ -100,10 +103,10 @@ def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> 
                                   "name": role["metadata"]["name"]}
     # The ServiceAccount stays in the release namespace; the binding in the watched one points at it.
     assert binding["subjects"][0]["namespace"] == RELEASE_NS
-    assert container(objects)["args"] == ["--namespace", "team-a"]
+    assert container(objects)["args"] == ["--namespace", "team-a", *RATE_ARGS]
     # Without watchNamespace, a namespaced install runs the release namespace's jobs.
     default_ns = render({"rbac": {"namespaced": True}}, namespace="ml")
-    assert container(default_ns)["args"] == ["--namespace", "ml"]
+    assert container(default_ns)["args"] == ["--namespace", "ml", *RATE_ARGS]
     assert only(default_ns, "Role")["metadata"]["namespace"] == "ml"
 
 
@@ -116,7 +119,7 @@ def test_customized_values_reach_the_objects(rendered) -> None:
     assert c["image"] == "registry.example.com/ml/paratrain-operator@sha256:" + "ab" * 32
     assert c["imagePullPolicy"] == "Always"
     assert c["resources"] == CUSTOMIZED["resources"]
-    assert c["args"] == ["--verbose"]
+    assert c["args"] == ["--qps", "20", "--burst", "40", "--write-concurrency", "8", "--verbose"]
     assert c["env"] == [{"name": "TZ", "value": "UTC"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["serviceAccountName"] == "trainer-operator"

@@ -117,7 +117,7 @@ def test_evicted_or_deleted_pods_are_retryable_failures(victim):
 ])
 def test_a_deleted_pod_is_reported_as_deleted_whichever_state_is_seen(seen):
     failure = decide([pod(0), pod(1, **seen), pod(2)], RUNNING).state.failure
-    assert (failure.reason, failure.message) == ("PodDeleted", "pod job-0-1 was deleted while running")
+    assert (failure.reason, failure.message) == ("PodDeleted", "pod job-0-1 was deleted before it finished")
 
 
 def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure():

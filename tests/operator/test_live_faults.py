@@ -187,7 +187,7 @@ def test_a_job_recreated_at_once_under_its_name_starts_clean(cluster: RealCluste
 @pytest.mark.parametrize("end", ["Succeeded", "Failed"])
 def test_a_finished_job_is_never_given_new_pods(cluster: RealCluster, ns: str, end: str):
     """Every trigger of a pass, after the end: its pods deleted (by hand, or by the pod garbage collector), a spec
-    change, resyncs."""
+    change. And a finished job costs nothing: no resync passes, no API requests."""
     name = end.lower()
     spec = fake_job(steps=3) if end == "Succeeded" else fake_job(steps=100, exit_code=127, exit_step=1, exit_rank=1)
     cluster.submit(ns, name, spec)
@@ -197,11 +197,18 @@ def test_a_finished_job_is_never_given_new_pods(cluster: RealCluster, ns: str, e
         return all(p["status"].get("phase") in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")
                    for p in cluster.pods(ns))
     wait_for(stopped, 15, "the job's pods to have stopped")
-    created, reasons, passes = creations(cluster, ns), cluster.event_reasons(ns, name), cluster.passes(ns, name)
+    time.sleep(1)  # the passes the last pod events asked for are over
+    passes, requests = cluster.passes(ns, name), len(cluster.operator_requests())
+    time.sleep(3 * cluster.resync_seconds + 1)
+    assert cluster.passes(ns, name) == passes  # no resync of a finished job (it has no TTL)
+    assert not [r for r in cluster.operator_requests()[requests:] if f"/namespaces/{ns}/" in r[1]]
+
+    created, reasons = creations(cluster, ns), cluster.event_reasons(ns, name)
     for pod in cluster.pods(ns):
         cluster.api.delete("v1/pods", ns, pod["metadata"]["name"], gracePeriodSeconds=0)
+    wait_for(lambda: cluster.passes(ns, name) >= passes + 1, 15, "a pass for the pods' deletion")
     cluster.api.patch(JOBS, ns, name, {"spec": {"runPolicy": {"backoffLimit": 7}}})
-    wait_for(lambda: cluster.passes(ns, name) >= passes + 4, 15, "more reconcile passes")
+    wait_for(lambda: cluster.passes(ns, name) >= passes + 2, 15, "a pass for the spec change")
     time.sleep(0.5)
     assert creations(cluster, ns) == created and cluster.pods(ns) == []
     after = cluster.status(ns, name)
@@ -214,7 +221,7 @@ def test_a_finished_job_is_never_given_new_pods(cluster: RealCluster, ns: str, e
 
 def open_watches(cluster: RealCluster) -> set[str]:
     """The resources the operator is watching right now (its streams still open)."""
-    return {where.partition("?")[0].rsplit("/", 1)[-1] for _, where, status in cluster.operator_requests()
+    return {where.partition("?")[0].rsplit("/", 1)[-1] for _, where, status, *_ in cluster.operator_requests()
             if status is None and "watch=true" in where}
 
 
@@ -291,7 +298,7 @@ def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: RealCl
     time.sleep(1)  # passes that pod events from before the mute started are over: none will see the kill
     cluster.api.call(cluster.kubelet.kill, ns, "deaf-0-0")
     status = wait_for(lambda: (s := cluster.status(ns, "deaf")).get("restarts") == 1 and s, 30,
-                      "the resync to notice the failure")
+                      "the silent stream to be cut and resumed, and the failure noticed")
     assert status["failure"]["pod"] == "deaf-0-0"
     cluster.proxy.drop_watches()  # reconnects get unmuted streams
     cluster.wait_phase(ns, "deaf", "Succeeded", 60)

@@ -35,7 +35,8 @@ def test_killed_after_creating_one_of_three_pods(cluster: RealCluster, ns: str):
     wait_for(lambda: held.faulted, 30, "the operator to be creating its second pod")
     cluster.kill_operator()
     held.release()
-    assert names(cluster, ns) == ["big-0-0"]  # one of three: a half-created gang
+    # A half-created gang: rank 0, perhaps rank 2 (its create goes out beside the held one: slow-start batches)
+    assert names(cluster, ns) in (["big-0-0"], ["big-0-0", "big-0-2"])
 
     cluster.start_operator()
     status = cluster.wait_phase(ns, "big", "Succeeded", 60)

@@ -177,7 +177,9 @@ class FaultProxy:
         self._tls = ssl.create_default_context(cafile=cluster["certificate-authority"])
         self._admin = KubeApi(kubeconfig)  # only to read the server's current resourceVersion
         self.faults: list[Fault] = []
-        self.log: list[list[Any]] = []  # [method, path?query, status (None while in flight)] of every request
+        # [method, path?query, status (None while in flight), bytes answered, start, end (monotonic seconds)] of
+        # every request; a watch's bytes grow as its events pass.
+        self.log: list[list[Any]] = []
         self.created: list[tuple[str | None, str, str]] = []  # (namespace, plural, name) of each successful create
         self.internal_errors: list[str] = []  # proxy bugs (tests assert there are none)
         self.expired_watches = 0
@@ -239,12 +241,13 @@ class FaultProxy:
         await self._session.close()
 
     async def _handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
-        entry: list[Any] = [request.method, request.path_qs, None]  # logged on arrival: watches stay open long
+        # Logged on arrival: watches stay open long.
+        entry: list[Any] = [request.method, request.path_qs, None, 0, time.monotonic(), None]
         self.log.append(entry)
         try:
             await apply_faults(self.faults, request.method, request.path)
             if request.method == "GET" and is_watch(request.query):
-                response = await self._watch(request)
+                response = await self._watch(request, entry)
             else:
                 response = await self._forward(request, entry)
         except ApiError as exc:
@@ -255,7 +258,7 @@ class FaultProxy:
         except Exception as exc:  # noqa: BLE001 (a proxy bug: answer 502 and keep it for the test to see)
             self.internal_errors.append(f"{request.method} {request.path_qs}: {traceback.format_exc()}")
             response = ApiError(502, "BadGateway", f"fault proxy error: {exc!r}").response()
-        entry[2] = response.status
+        entry[2], entry[5] = response.status, time.monotonic()
         return response
 
     def _send(self, request: aiohttp.web.Request, body: bytes | None = None) -> Any:
@@ -278,7 +281,7 @@ class FaultProxy:
             if request.method == "POST" and upstream.ok:
                 self._record_creation(request.path, body)
             # Logged before the client can see the answer: a test reads the log as soon as its call returns.
-            entry[2] = upstream.status
+            entry[2], entry[3], entry[5] = upstream.status, len(body), time.monotonic()
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             return aiohttp.web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
 
@@ -290,7 +293,7 @@ class FaultProxy:
         if name:  # reviews (access, token) answer a create but store nothing
             self.created.append((route.namespace, route.resource.plural, name))
 
-    async def _watch(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    async def _watch(self, request: aiohttp.web.Request, entry: list[Any]) -> aiohttp.web.StreamResponse:
         since = request.query.get("resourceVersion", "")
         if since not in ("", "0") and int(since) < self._expired_before:
             return await self._expired(request, int(since))
@@ -305,6 +308,7 @@ class FaultProxy:
                     if stream.dropped:
                         break
                     if not stream.muted:
+                        entry[3] += len(line)
                         await response.write(line)
             except aiohttp.ClientError:
                 pass  # the upstream stream broke (dropping closes it under the reader): the client's ends too

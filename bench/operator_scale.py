@@ -1,0 +1,204 @@
+"""The operator at cluster scale: what a gang of 1 to 1,024 pods costs the API server, measured side by side in one run.
+
+    .venv/bin/python bench/operator_scale.py [--sizes 1,64,256,1024] [--steady-finished 200 --steady-running 50]
+
+On the real control plane (scripts/testbin.sh builds it): the operator runs as its ServiceAccount behind a counting
+proxy that records every request it makes (verb, path, bytes answered, start, end); hollow nodes registered through
+the API let the real kube-scheduler bind the pods, and one thread plays their kubelets (Running at once; a deleted
+pod goes at once). Nothing trains: the figures are the operator's and the API server's alone.
+
+Scenarios:
+- start: a gang of each size, `gang: none`: time from the CR's creation to every pod created; requests per pod;
+  most pod POSTs in flight; the aftermath once all pods exist (passes, pod bytes read, job GETs, status PATCHes);
+- the same 256-pod start with `--write-concurrency 1` (one create at a time, as before issue 14) and with
+  `gang: kubernetes` (Workload + PodGroup; the scheduler binds the gang whole);
+- restart: one pod of the running 256-pod gang fails: time to the whole new gang created, and the passes after;
+- steady: finished and running 1-pod jobs, left alone for a minute: requests per job per minute, operator RSS.
+
+Writes bench/results/operator_scale.json, bench/results/operator_scale.png and its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the harness lives with the live tests' support code
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from doc_section import write_section  # noqa: E402
+
+from tests.operator.support.scale import ScaleRig, Start  # noqa: E402
+from tests.support.control_plane import ControlPlane, wait_for  # noqa: E402
+
+PODS_PER_NODE = 128
+
+
+def restart(rig: ScaleRig, namespace: str, size: int, name: str = "gang") -> dict[str, Any]:
+    """Fail one pod of the running gang; time until the next attempt's pods all exist."""
+    mark, began = len(rig.proxy.log), time.monotonic()
+    rig.hollow.finish(namespace, f"{name}-0-{size // 2}", exit_code=1)
+    prefix = f"/api/v1/namespaces/{namespace}/pods"
+
+    def created() -> list[list[Any]]:
+        posts = [r for r in rig.proxy.log[mark:] if r[0] == "POST" and r[1].split("?")[0] == prefix
+                 and r[2] == 201 and r[5] is not None]
+        return posts if len(posts) >= size else []
+    posts = wait_for(created, 300, "the new gang", interval=0.05)
+    done = max(r[5] for r in posts)
+    passes = rig.passes(namespace, name)
+    wait_for(lambda: rig.status(namespace, name).get("phase") == "Running", 300, "the new gang running")
+    rig.quiet(namespace, name)
+    deletes = [r for r in rig.proxy.log[mark:] if r[0] == "DELETE" and r[1].startswith(prefix + "/")]
+    return {"pods": size, "seconds_to_new_gang_created": round(done - began, 3),
+            "old_pods_deleted": len(deletes), "passes_after_new_gang": rig.passes(namespace, name) - passes}
+
+
+def steady(rig: ScaleRig, finished: int, running: int, window: float) -> dict[str, Any]:
+    """`finished` + `running` 1-pod jobs, then a quiet `window` of seconds: what each kind costs."""
+    namespace = rig.plane.create_namespace("steady")
+    for i in range(finished + running):
+        rig.submit(namespace, f"job-{i}", 1)
+    wait_for(lambda: sum(p.get("status", {}).get("phase") == "Running" for p in rig.pods(namespace))
+             == finished + running, 600, "every steady job's pod running", interval=1)
+    for i in range(finished):
+        rig.hollow.finish(namespace, f"job-{i}-0-0", 0, json.dumps({"step": 10, "totalSteps": 10}))
+    wait_for(lambda: sum(rig.status(namespace, f"job-{i}").get("phase") == "Succeeded" for i in range(finished))
+             == finished, 600, "the finished jobs Succeeded", interval=1)
+    time.sleep(2 * rig.resync_seconds)  # the last passes of the finish are over
+    mark = len(rig.proxy.log)
+    time.sleep(window)
+    seen = [r for r in rig.proxy.log[mark:] if f"/namespaces/{namespace}/" in r[1] and "watch=true" not in r[1]]
+
+    def per_job_minute(first: int, count: int) -> float:
+        names = {f"job-{i}" for i in range(first, first + count)}
+        hits = sum(_job_of(r[1]) in names for r in seen)
+        return round(hits / max(count, 1) / (window / 60), 3)
+    assert rig.operator and rig.operator.process
+    rss = next(int(line.split()[1]) for line in Path(f"/proc/{rig.operator.process.pid}/status").read_text()
+               .splitlines() if line.startswith("VmRSS:"))
+    return {"finished_jobs": finished, "running_jobs": running, "window_seconds": window,
+            "requests_per_finished_job_per_minute": per_job_minute(0, finished),
+            "requests_per_running_job_per_minute": per_job_minute(finished, running),
+            "requests_in_window": len(seen), "operator_rss_mib": round(rss / 1024, 1)}
+
+
+def _job_of(path: str) -> str:
+    """The job a request is about: /…/paralleltrainjobs/NAME[/status], or the job's pod (NAME-ATTEMPT-RANK)."""
+    parts = path.split("?")[0].split("/")
+    if "paralleltrainjobs" in parts and parts.index("paralleltrainjobs") + 1 < len(parts):
+        return parts[parts.index("paralleltrainjobs") + 1]
+    if "pods" in parts and parts.index("pods") + 1 < len(parts):
+        return parts[parts.index("pods") + 1].rsplit("-", 2)[0]
+    return ""
+
+
+def plot(starts: list[Start], out: Path) -> None:
+    sizes = [s.pods for s in starts]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(sizes, [s.seconds_to_all_created for s in starts], "o-", label="CR → all pods created")
+    left.plot(sizes, [s.seconds_to_running for s in starts], "s--", label="CR → phase Running")
+    left.set(xscale="log", xlabel="gang size (pods)", ylabel="seconds", title="Start time")
+    left.legend()
+    right.plot(sizes, [s.requests_per_pod for s in starts], "o-", label="operator requests per pod")
+    right.plot(sizes, [s.aftermath_passes for s in starts], "s--", label="passes after the last create")
+    right.set(xscale="log", xlabel="gang size (pods)", ylabel="count", title="API cost")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1,64,256,1024")
+    parser.add_argument("--steady-finished", type=int, default=200)
+    parser.add_argument("--steady-running", type=int, default=50)
+    parser.add_argument("--steady-window", type=float, default=60)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator_scale.json"))
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
+    plane = ControlPlane(workdir / "plane")
+    try:
+        run(plane, workdir, sizes, args)
+    finally:
+        plane.close()
+
+
+def run(plane: ControlPlane, workdir: Path, sizes: list[int], args: argparse.Namespace) -> None:
+    # Room for every scenario's pods at once (each start's gang keeps running), the restart's and the steady jobs'.
+    total = sum(sizes) + (3 * 256 if 256 in sizes else 0) + args.steady_finished + args.steady_running
+    nodes = -(-total // PODS_PER_NODE) + 1
+    rig = ScaleRig(plane, workdir, nodes=nodes)
+    results: dict[str, Any] = {"machine": f"{platform.machine()}, {platform.python_version()}", "nodes": nodes}
+    try:
+        starts = []
+        for size in sizes:
+            starts.append(rig.start(f"start-{size}", size))
+            print(f"start {size}: {starts[-1]}", flush=True)
+        results["start"] = [s.row() for s in starts]
+        if 256 in sizes:
+            results["restart"] = restart(rig, "start-256", 256)
+            print(f"restart 256: {results['restart']}", flush=True)
+            results["native_gang_256"] = rig.start("native-256", 256, scheduling={"gang": "kubernetes"}).row()
+            print(f"native gang 256: {results['native_gang_256']}", flush=True)
+            rig.start_operator(("--write-concurrency", "1"))
+            results["serial_256"] = rig.start("serial-256", 256).row()
+            print(f"serial 256: {results['serial_256']}", flush=True)
+            rig.start_operator()
+            concurrent = next(s for s in starts if s.pods == 256)
+            results["creation_speedup_256"] = round(results["serial_256"]["seconds_to_all_created"]
+                                                    / concurrent.seconds_to_all_created, 2)
+        results["steady"] = steady(rig, args.steady_finished, args.steady_running, args.steady_window)
+        print(f"steady: {results['steady']}", flush=True)
+    finally:
+        rig.close()
+    out = Path(args.out)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    plot(starts, out.with_suffix(".png"))
+    write_section("operator_scale", table(results))
+    print(f"wrote {out}, {out.with_suffix('.png')} and docs/benchmarks.md")
+
+
+def table(r: dict[str, Any]) -> list[str]:
+    lines = [f"Measured on {r['machine']}, {r['nodes']} hollow nodes, the real control plane (1.37) "
+             "(`.venv/bin/python bench/operator_scale.py`). Plot: `bench/results/operator_scale.png`.", "",
+             "| gang | CR → all pods created | CR → Running | requests / pod | pod POSTs in flight (max) | "
+             "passes after creation | pod bytes read after | status PATCHes after | watch bytes / gang bytes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = [(f"{s['pods']} pods", s) for s in r["start"]]
+    rows += [(f"{r[k]['pods']} pods, {label}", r[k]) for k, label in
+             (("native_gang_256", "`gang: kubernetes`"), ("serial_256", "`--write-concurrency 1`")) if k in r]
+    for label, s in rows:
+        lines.append(f"| {label} | {s['seconds_to_all_created']:.2f} s | {s['seconds_to_running']:.2f} s | "
+                     f"{s['requests_per_pod']} | {s['max_pod_posts_in_flight']} | {s['aftermath_passes']} | "
+                     f"{s['aftermath_pod_bytes_read']:,} | {s['aftermath_status_patches']} | "
+                     f"{s['watch_bytes'] / max(s['gang_bytes'], 1):.1f} |")
+    if "creation_speedup_256" in r:
+        lines += ["", f"Concurrent creation of 256 pods is {r['creation_speedup_256']}x faster than one at a time "
+                  "(same run)."]
+    if "restart" in r:
+        x = r["restart"]
+        lines += ["", f"Restart of the {x['pods']}-pod gang (one pod fails): new gang created in "
+                  f"{x['seconds_to_new_gang_created']:.2f} s, {x['old_pods_deleted']} old pods deleted, "
+                  f"{x['passes_after_new_gang']} passes after it."]
+    s = r["steady"]
+    lines += ["", f"Steady state, {s['finished_jobs']} finished + {s['running_jobs']} running jobs over "
+              f"{s['window_seconds']:.0f} s: {s['requests_per_finished_job_per_minute']} requests per finished job "
+              f"per minute, {s['requests_per_running_job_per_minute']} per running job (progress reads are HTTP to "
+              f"the pod, not API requests); operator RSS {s['operator_rss_mib']} MiB."]
+    return lines
+
+
+if __name__ == "__main__":
+    main()

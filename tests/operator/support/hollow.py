@@ -1,0 +1,117 @@
+"""Hollow nodes for scale runs (bench/operator_scale.py, the pass-count test): nodes registered through the API
+with no kubelet behind them, so the real kube-scheduler binds pods to them, and one thread that plays all their
+kubelets just enough for the operator: a bound pod is reported Running (pod IP 127.0.0.1, where nothing answers
+the progress read), a pod being deleted is removed at once, and `finish` ends a pod with an exit code. No process
+runs: a 1,024-pod gang costs the API server its objects and this thread a few thousand requests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+from paratrain import contract
+
+from ...support.control_plane import KubeApi, register_node
+
+MERGE_PATCH = "application/merge-patch+json"
+HOLLOW = "paratrain.test/hollow"  # the nodes' label and taint: only jobs that ask (`scheduling()`) land there
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class HollowNodes:
+    def __init__(self, api: KubeApi, count: int, *, prefix: str = "hollow", pods_per_node: int = 128,
+                 workers: int = 8):
+        self.api, self.names = api, [f"{prefix}-{i}" for i in range(count)]
+        capacity = {"cpu": "512", "memory": "4Ti", "pods": str(pods_per_node), "nvidia.com/gpu": "8"}
+        for name in self.names:
+            register_node(api, name, {"kubernetes.io/hostname": name, HOLLOW: "true"}, capacity,
+                          [{"key": HOLLOW, "value": "true", "effect": "NoSchedule"}])
+        self._mine = set(self.names)
+        self._started: set[str] = set()  # uids reported Running
+        self._removed: set[str] = set()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hollow-kubelet")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hollow-nodes", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def scheduling() -> dict[str, Any]:
+        """A job spec's `scheduling` that puts its pods on hollow nodes."""
+        return {"nodeSelector": {HOLLOW: "true"},
+                "tolerations": [{"key": HOLLOW, "operator": "Equal", "value": "true", "effect": "NoSchedule"}]}
+
+    def finish(self, namespace: str, pod: str, exit_code: int, message: str = "") -> None:
+        """The pod's container exits with `exit_code` (its termination message `message`)."""
+        body = self.api.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}").body
+        containers = [c["name"] for c in body["spec"]["containers"]]
+        terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                      "message": message, "startedAt": _now(), "finishedAt": _now()}
+        status = {"phase": "Succeeded" if exit_code == 0 else "Failed",
+                  "containerStatuses": [{"name": c, "ready": False, "restartCount": 0, "image": "hollow",
+                                         "imageID": "", "state": {"terminated": terminated}} for c in containers]}
+        self.api.must(self.api.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}/status",
+                                       {"status": status}, content_type=MERGE_PATCH))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for name in self.names:
+            self.api.request("DELETE", f"/api/v1/nodes/{name}")
+
+    # ---- the kubelets ------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        version = ""
+        while not self._stop.is_set():
+            try:
+                if not version:
+                    listed = self.api.must(self.api.get("/api/v1/pods", labelSelector=contract.LABEL_JOB))
+                    for pod in listed["items"]:
+                        self._seen(pod)
+                    version = listed["metadata"]["resourceVersion"]
+                with self.api.watch("/api/v1/pods", labelSelector=contract.LABEL_JOB, resourceVersion=version,
+                                    allowWatchBookmarks="true", timeoutSeconds="60") as stream:
+                    for line in stream:
+                        if self._stop.is_set():
+                            return
+                        event = json.loads(line)
+                        if event["type"] == "ERROR":
+                            version = ""
+                            break
+                        version = event["object"]["metadata"]["resourceVersion"]
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            self._seen(event["object"])
+            except (OSError, ValueError, AssertionError):
+                version = ""
+                self._stop.wait(0.5)
+
+    def _seen(self, pod: dict[str, Any]) -> None:
+        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        if spec.get("nodeName") not in self._mine:
+            return
+        uid, where = meta["uid"], f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        if meta.get("deletionTimestamp"):
+            if uid not in self._removed:
+                self._removed.add(uid)
+                self._pool.submit(self.api.request, "DELETE", where, {"gracePeriodSeconds": 0})
+        elif status.get("phase", "Pending") == "Pending" and uid not in self._started:
+            self._started.add(uid)
+            self._pool.submit(self._run, where, [c["name"] for c in spec["containers"]])
+
+    def _run(self, where: str, containers: list[str]) -> None:
+        started = _now()
+        status = {"phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                  "startTime": started,
+                  "conditions": [{"type": t, "status": "True", "lastTransitionTime": started}
+                                 for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")],
+                  "containerStatuses": [{"name": c, "ready": True, "restartCount": 0, "image": "hollow",
+                                         "imageID": "", "started": True, "state": {"running": {"startedAt": started}}}
+                                        for c in containers]}
+        self.api.request("PATCH", f"{where}/status", {"status": status}, content_type=MERGE_PATCH)

@@ -1,0 +1,157 @@
+"""The operator at scale on the real control plane, measured by what it asks of the API server: the operator (as
+its ServiceAccount) talks through the fault proxy, which here only counts (every request: verb, path, bytes
+answered, start and end), and its pods land on hollow nodes (hollow.py). Shared by bench/operator_scale.py (the
+figures in docs/benchmarks.md) and tests/operator/test_scale.py (the counts CI holds the operator to).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from paratrain.api import API_GROUP, API_VERSION, PLURAL
+
+from ...support.control_plane import ControlPlane, wait_for
+from .cluster import OperatorProcess, fake_job
+from .fault_proxy import FaultProxy
+from .hollow import HollowNodes
+from .real_cluster import install_crd, operator_kubeconfig, resource_path
+
+JOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
+
+
+@dataclass
+class Start:
+    """One gang's start, from the job's creation until the operator goes quiet."""
+
+    pods: int
+    seconds_to_all_created: float
+    requests_per_pod: float
+    max_pod_posts_in_flight: int
+    aftermath_passes: int  # passes after the last pod was created
+    aftermath_pod_bytes_read: int  # pod GETs and LISTs (the watch's bytes are counted apart)
+    aftermath_job_gets: int
+    aftermath_status_patches: int
+    watch_bytes: int  # every watch stream's bytes over the whole start (pods and jobs, all namespaces)
+    gang_bytes: int  # the gang's own pods, as JSON
+    seconds_to_running: float
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ScaleRig:
+    def __init__(self, plane: ControlPlane, workdir: Path, nodes: int, *, resync_seconds: float = 10,
+                 operator_args: tuple[str, ...] = ()):
+        self.plane, self.api, self.workdir = plane, plane.api, workdir
+        install_crd(plane)
+        self.proxy = FaultProxy(plane.kubeconfig)
+        self.hollow = HollowNodes(plane.api, nodes, prefix="hollow-" + re.sub(r"[^a-z0-9]+", "-", workdir.name.lower()).strip("-"))
+        self.log = workdir / "operator.log"
+        self.resync_seconds = resync_seconds
+        self.operator: OperatorProcess | None = None
+        self.start_operator(operator_args)
+
+    def start_operator(self, args: tuple[str, ...] = ()) -> None:
+        if self.operator:
+            self.operator.kill()
+        kubeconfig = operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig", server=self.proxy.url)
+        # The default pods watch (5 min) as in a cluster, not the live tests' 5 s.
+        self.operator = OperatorProcess(kubeconfig, self.log, self.resync_seconds, args,
+                                        env={"PARATRAIN_WATCH_SECONDS": "300"})
+        self.operator.start()
+
+    def close(self) -> None:
+        if self.operator:
+            self.operator.kill()
+        self.hollow.close()
+        self.proxy.close()
+
+    # ---- jobs --------------------------------------------------------------------------------------------
+
+    def submit(self, namespace: str, name: str, nodes: int, **spec: Any) -> None:
+        body = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "ParallelTrainJob",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {**fake_job(nodes=nodes), "scheduling": {**HollowNodes.scheduling(),
+                                                                 **spec.pop("scheduling", {})}, **spec}}
+        self.api.must(self.api.request("POST", resource_path(JOBS, namespace), body))
+
+    def status(self, namespace: str, name: str) -> dict[str, Any]:
+        response = self.api.get(resource_path(JOBS, namespace, name))
+        return (response.body.get("status") or {}) if response.ok else {}
+
+    def pods(self, namespace: str) -> list[dict[str, Any]]:
+        return self.api.must(self.api.get(resource_path("v1/pods", namespace)))["items"]
+
+    def passes(self, namespace: str, name: str) -> int:
+        return self.log.read_text(errors="replace").count(f" {namespace}/{name}: pass (")
+
+    def requests(self, since: int = 0) -> list[list[Any]]:
+        return list(self.proxy.log[since:])
+
+    def quiet(self, namespace: str, name: str, seconds: float = 2.0, timeout: float = 120) -> None:
+        """Until neither a pass of the job nor a request about its namespace happened for `seconds`."""
+        def settled() -> bool:
+            passes, count = self.passes(namespace, name), len(self.proxy.log)
+            time.sleep(seconds)
+            fresh = [r for r in self.proxy.log[count:] if f"/namespaces/{namespace}/" in r[1]]
+            return self.passes(namespace, name) == passes and not fresh
+        wait_for(settled, timeout, f"{namespace}/{name} to settle", interval=0)
+
+    # ---- scenarios ---------------------------------------------------------------------------------------
+
+    def start(self, namespace: str, size: int, name: str = "gang", **spec: Any) -> Start:
+        """Create a `size`-pod job; measure until its pods run and the operator is quiet."""
+        self.plane.create_namespace(namespace)
+        mark, began = len(self.proxy.log), time.monotonic()
+        watch_before = self._watch_bytes()
+        self.submit(namespace, name, size, **spec)
+        pods_path = resource_path("v1/pods", namespace)
+
+        def created() -> list[list[Any]]:
+            posts = [r for r in self.proxy.log[mark:] if r[0] == "POST" and r[1].split("?")[0] == pods_path
+                     and r[2] == 201 and r[5] is not None]
+            return posts if len(posts) >= size else []
+        posts = wait_for(created, 300, f"{size} pods created", interval=0.05)
+        last_created = max(r[5] for r in posts)
+        passes_at_created = self.passes(namespace, name)
+        wait_for(lambda: self.status(namespace, name).get("phase") == "Running", 300, f"{namespace} Running",
+                 interval=0.1)
+        running = time.monotonic()
+        self.quiet(namespace, name)
+        mine = [r for r in self.proxy.log[mark:] if f"/namespaces/{namespace}/" in r[1]]
+        after = [r for r in mine if r[4] > last_created]
+        job_path = resource_path(JOBS, namespace, name)
+        return Start(
+            pods=size,
+            seconds_to_all_created=round(last_created - began, 3),
+            requests_per_pod=round(len(mine) / size, 2),
+            max_pod_posts_in_flight=max_overlap([(r[4], r[5]) for r in posts]),
+            aftermath_passes=self.passes(namespace, name) - passes_at_created,
+            aftermath_pod_bytes_read=sum(r[3] for r in after if r[0] == "GET" and "/pods" in r[1]
+                                         and "watch=true" not in r[1]),
+            aftermath_job_gets=sum(r[0] == "GET" and r[1].split("?")[0] == job_path for r in after),
+            aftermath_status_patches=sum(r[0] == "PATCH" and r[1].split("?")[0] == f"{job_path}/status"
+                                         for r in after),
+            watch_bytes=self._watch_bytes() - watch_before,
+            gang_bytes=sum(len(json.dumps(p, separators=(",", ":"))) for p in self.pods(namespace)),
+            seconds_to_running=round(running - began, 3),
+        )
+
+    def _watch_bytes(self) -> int:
+        return sum(r[3] for r in self.proxy.log if "watch=true" in r[1])
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one moment."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = current = 0
+    for _, step in edges:
+        current += step
+        most = max(most, current)
+    return most
+

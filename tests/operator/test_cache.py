@@ -1,0 +1,177 @@
+"""The operator's memory (observe.PodCache, Expectations, JobCache), its rate limiter and slow-start batches, and
+the rule that keeps a pass from acting on a cache that does not show its own writes yet. No API server: the cache
+is fed watch events as the informer would feed them; the live tests run the informer itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from paratrain import contract
+from paratrain_operator import apply, kube, observe, reconcile
+
+JOB_UID = "uid-job"
+
+
+def pod(name: str, job: str = "job", uid: str | None = None, phase: str = "Pending", deleting: bool = False,
+        owner: str = JOB_UID, namespace: str = "ns", version: int = 1) -> dict[str, Any]:
+    attempt, rank = name.rsplit("-", 2)[-2:]
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+                            "resourceVersion": str(version),
+                            "labels": {contract.LABEL_JOB: job, contract.LABEL_ATTEMPT: attempt,
+                                       contract.LABEL_NODE_RANK: rank},
+                            "ownerReferences": [{"uid": owner}]}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    return {"metadata": meta, "status": {"phase": phase}}
+
+
+def names(cache: observe.PodCache, job: str = "job", uid: str | None = JOB_UID) -> list[str]:
+    return sorted(p.name for p in cache.pods("ns", job, uid))
+
+
+def test_watch_events_keep_each_jobs_pods_and_say_which_job_changed():
+    changed: list[tuple[str, str]] = []
+    cache = observe.PodCache(changed=changed.append)
+    cache._replace(None, [pod("job-0-0"), pod("other-0-0", job="other")])
+    assert cache.ready.is_set() and names(cache) == ["job-0-0"] and names(cache, "other") == ["other-0-0"]
+    changed.clear()
+    assert cache._apply({"type": "ADDED", "object": pod("job-0-1", version=7)}) == "7"
+    cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Running")})
+    cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Running")})  # nothing new: no pass
+    assert changed == [("ns", "job"), ("ns", "job")]
+    assert {p.name: p.phase for p in cache.pods("ns", "job")} == {"job-0-0": "Running", "job-0-1": "Pending"}
+    cache._apply({"type": "DELETED", "object": pod("job-0-1")})
+    cache._apply({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}})
+    assert names(cache) == ["job-0-0"] and changed[-1] == ("ns", "job") and len(cache) == 2
+
+
+def test_a_same_named_earlier_jobs_pods_are_not_this_jobs():
+    cache = observe.PodCache()
+    cache._replace(None, [pod("job-0-0"), pod("job-0-1", owner="uid-earlier")])
+    assert names(cache) == ["job-0-0"] and names(cache, uid=None) == ["job-0-0", "job-0-1"]
+
+
+def test_a_relist_drops_pods_deleted_while_the_watch_was_away():
+    """After 410 Gone the informer lists again: a pod deleted meanwhile sent no event, and must go anyway."""
+    changed: list[tuple[str, str]] = []
+    cache = observe.PodCache(["ns", "other-ns"], changed=changed.append)
+    cache._replace("ns", [pod("job-0-0"), pod("job-0-1")])
+    assert not cache.ready.is_set()  # one scope of two listed
+    cache._replace("other-ns", [pod("job-0-0", namespace="other-ns")])
+    assert cache.ready.is_set()
+    changed.clear()
+    cache._replace("ns", [pod("job-0-0")])
+    assert names(cache) == ["job-0-0"] and changed == [("ns", "job")]
+    assert [p.name for p in cache.pods("other-ns", "job")] == ["job-0-0"]  # another scope's list leaves it be
+
+
+def test_an_error_event_is_raised_so_that_the_informer_lists_again():
+    with pytest.raises(kube.ApiError) as caught:
+        observe.PodCache()._apply({"type": "ERROR", "object": {"code": 410, "reason": "Expired", "message": "old"}})
+    assert caught.value.status == 410
+
+
+def test_namespace_patterns_watch_everything_and_keep_what_matches():
+    cache = observe.PodCache(["team-*"])
+    assert cache.scopes == [None]
+    cache._replace(None, [pod("job-0-0", namespace="team-a"), pod("job-0-0", namespace="kube-system")])
+    assert len(cache) == 1 and cache.pods("team-a", "job")
+    assert observe.PodCache(["a", "b"]).scopes == ["a", "b"] and observe.PodCache().scopes == [None]
+
+
+def test_expectations_hold_until_the_cache_shows_our_own_creates_and_deletes():
+    key, exp = ("ns", "job"), observe.Expectations()
+    cache = observe.PodCache()
+    cache._replace(None, [pod("job-0-0", phase="Running")])
+    exp.created(key, "job-1-0", "uid-new")
+    exp.deleted(key, "job-0-0", "uid-job-0-0")
+    assert sorted(exp.unseen(key, cache.pods("ns", "job"))) == ["job-0-0", "job-1-0"]
+    cache._apply({"type": "MODIFIED", "object": pod("job-0-0", deleting=True)})  # terminating: deletion seen
+    cache._apply({"type": "ADDED", "object": pod("job-1-0", uid="uid-other")})  # not the pod we created
+    assert exp.unseen(key, cache.pods("ns", "job")) == ["job-1-0"]
+    cache._apply({"type": "MODIFIED", "object": pod("job-1-0", uid="uid-new")})
+    assert exp.unseen(key, cache.pods("ns", "job")) == []
+    exp.timeout = 0
+    exp.created(key, "job-1-1", "uid-lost")
+    time.sleep(0.01)
+    assert exp.unseen(key, cache.pods("ns", "job")) == []  # an event never seen is given up after the timeout
+
+
+class NoApi:
+    """A client that fails the test's pass the moment it would touch the API."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, **_: Any) -> Any:
+        self.calls.append((method, path))
+        raise kube.ApiError(503, "Unavailable", "the test's API is down")
+
+
+def test_a_pass_never_acts_on_a_cache_that_misses_its_own_creates(monkeypatch: pytest.MonkeyPatch):
+    """Pods just created, not yet in the cache: a pass deciding now would see a gang short of those pods and create
+    them again (or, after a restart, see the old gang still running). It waits; once the watch shows them it
+    goes ahead."""
+    api = NoApi()
+    monkeypatch.setattr(kube, "_client", api)
+    monkeypatch.setattr(reconcile, "pods", observe.PodCache())
+    monkeypatch.setattr(reconcile, "expectations", observe.Expectations())
+    reconcile.pods._replace(None, [])
+    body = {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
+            "metadata": {"name": "job", "namespace": "ns", "uid": JOB_UID, "resourceVersion": "5"},
+            "spec": {"nodes": 2, "parallelism": {"data": 2}, "training": {"batchSize": 8}},
+            "status": {"phase": "Pending", "attempt": 0}}
+    reconcile.expectations.created(("ns", "job"), "job-0-0", "uid-job-0-0")
+    assert asyncio.run(reconcile._pass(body)) == "Pending" and api.calls == []
+    reconcile.pods._apply({"type": "ADDED", "object": pod("job-0-0")})
+    with pytest.raises(kube.ApiError):
+        asyncio.run(reconcile._pass(body))
+    assert api.calls and api.calls[0][0] == "PATCH"  # the status write that comes before creating job-0-1
+
+
+def test_the_newer_body_of_a_job_is_kept():
+    jobs = observe.JobCache()
+    body = lambda version, uid="a": {"metadata": {"namespace": "ns", "name": "j", "uid": uid,  # noqa: E731
+                                                  "resourceVersion": str(version)}}
+    jobs.offer(body(10))
+    jobs.offer(body(9))  # a watch event older than our own write's answer
+    assert jobs.get(("ns", "j"))["metadata"]["resourceVersion"] == "10"
+    jobs.offer(body(3, uid="b"))  # a new job of the same name
+    assert jobs.get(("ns", "j"))["metadata"]["uid"] == "b"
+
+
+def test_the_rate_limiter_lets_a_burst_through_then_paces():
+    async def main() -> float:
+        limiter = kube.RateLimiter(qps=50, burst=10)
+        start = time.monotonic()
+        for _ in range(20):
+            await limiter.acquire()
+        return time.monotonic() - start
+    elapsed = asyncio.run(main())
+    assert 0.15 <= elapsed < 2.0  # 10 at once, then 10 more at 50/s: about 0.2 s
+
+
+def test_slow_start_batches_double_and_stop_after_a_failing_batch():
+    sizes: list[int] = []
+    in_flight = 0
+
+    async def call(item: int) -> int:
+        nonlocal in_flight
+        in_flight += 1
+        await asyncio.sleep(0.01)
+        sizes.append(in_flight)
+        in_flight -= 1
+        if item == 5:
+            raise RuntimeError("refused")
+        return item * 2
+
+    assert asyncio.run(apply.in_batches(list(range(5)), call)) == [0, 2, 4, 6, 8]
+    assert max(sizes) == 2  # batches of 1, 2, then the last 2 of a batch of 4
+    sizes.clear()
+    with pytest.raises(RuntimeError):
+        asyncio.run(apply.in_batches(list(range(100)), call))
+    assert len(sizes) == 7  # batches of 1, 2 and 4: item 5 is in the third, which finishes; nothing after it
