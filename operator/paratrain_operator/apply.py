@@ -148,6 +148,15 @@ async def delete_pod(namespace: str, name: str) -> None:
             raise
 
 
+async def delete_object(obj: Mapping[str, Any]) -> None:
+    """Delete `obj` (a reference: apiVersion, kind, name, namespace); one already gone is fine."""
+    try:
+        await client().request("DELETE", _path(obj, named=True))
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+
+
 async def delete_job(namespace: str, name: str, uid: str) -> None:
     """Delete the job (its gang goes with it through ownerReferences); the uid guards a same-named new job."""
     options = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}

@@ -14,7 +14,9 @@ Why each rule:
   may be held by a same-named job's object that is about to be deleted.
 - events: the operator's own Events on the job: created, and patched to count a repeat of the same Event.
 - workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
-  `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works.
+  `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works. A native
+  PodGroup is one attempt's scheduling instance: the next attempt deletes it (`delete`), so restarts and resumes
+  leave one, not one each (all are owned by the job and go with it).
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
 - customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
 Reads of rank 0's progress endpoint are plain HTTP to the pod IP, not API calls.
@@ -34,7 +36,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "services", ("get", "create")),
     ("", "events", ("create", "patch")),
     ("scheduling.k8s.io", "workloads", ("get", "create")),
-    ("scheduling.k8s.io", "podgroups", ("get", "create")),
+    ("scheduling.k8s.io", "podgroups", ("get", "create", "delete")),
     ("scheduling.volcano.sh", "podgroups", ("get", "create")),
     ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
 )

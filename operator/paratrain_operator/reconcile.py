@@ -30,7 +30,7 @@ from .clock import now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
 from .observe import JobKey, PodView
-from .render import render_job
+from .render import render_job, superseded
 
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
@@ -159,6 +159,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
                   len(unseen))
         return prev.get("phase")
     objects: list[dict[str, Any]] = []
+    replaced: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
         job = require_cluster_ready(parse_job(job_document(body)))
@@ -169,6 +170,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
         if decision.create_ranks:
             try:
                 objects = render_job(job, namespace, decision.state.attempt)
+                replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
                 decision = gang.fail(state, views, Failure("RenderFailed", f"cannot build the gang: {exc}",
                                                       retryable=False), now)
@@ -178,6 +180,8 @@ async def _pass(body: dict[str, Any]) -> str | None:
         return None  # the job was deleted meanwhile
     try:
         await _act(written, decision, objects, views)
+        for obj in replaced:  # e.g. the previous attempt's PodGroup: its pods are gone, the new gang exists
+            await apply.delete_object(obj)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:

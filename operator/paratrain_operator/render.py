@@ -177,3 +177,14 @@ def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> list[
     if plan.pod_group:
         objects.append(pod_group(plan, job.spec))
     return objects + [pod(plan, node, job.spec) for node in plan.nodes]
+
+
+def superseded(job: ParallelTrainJob, namespace: str, attempt: int) -> list[dict[str, Any]]:
+    """What gang attempt `attempt` replaces, to delete once it is created: the native PodGroup of the attempt
+    before (one scheduling instance each; Volcano's and scheduler-plugins' groups are reused). References only
+    (apiVersion, kind, name, namespace)."""
+    if attempt == 0 or job.spec.scheduling.gang != "kubernetes":
+        return []
+    old = pod_group(plan_gang(job, namespace, attempt - 1), job.spec)
+    return [{"apiVersion": old["apiVersion"], "kind": old["kind"],
+             "metadata": {"name": old["metadata"]["name"], "namespace": namespace}}]

@@ -27,19 +27,26 @@ def _now() -> str:
 
 class HollowNodes:
     def __init__(self, api: KubeApi, count: int, *, prefix: str = "hollow", pods_per_node: int = 128,
-                 workers: int = 8):
-        self.api, self.names = api, [f"{prefix}-{i}" for i in range(count)]
-        capacity = {"cpu": "512", "memory": "4Ti", "pods": str(pods_per_node), "nvidia.com/gpu": "8"}
-        for name in self.names:
-            register_node(api, name, {"kubernetes.io/hostname": name, HOLLOW: "true"}, capacity,
-                          [{"key": HOLLOW, "value": "true", "effect": "NoSchedule"}])
-        self._mine = set(self.names)
+                 capacity: dict[str, str] | None = None, workers: int = 8):
+        self.api, self.prefix, self.names = api, prefix, []
+        self.capacity = capacity or {"cpu": "512", "memory": "4Ti", "pods": str(pods_per_node), "nvidia.com/gpu": "8"}
+        self._mine: set[str] = set()
+        self.add(count)
         self._started: set[str] = set()  # uids reported Running
         self._removed: set[str] = set()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hollow-kubelet")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hollow-nodes", daemon=True)
         self._thread.start()
+
+    def add(self, count: int) -> None:
+        """Register `count` more nodes."""
+        for _ in range(count):
+            name = f"{self.prefix}-{len(self.names)}"
+            register_node(self.api, name, {"kubernetes.io/hostname": name, HOLLOW: "true"}, self.capacity,
+                          [{"key": HOLLOW, "value": "true", "effect": "NoSchedule"}])
+            self.names.append(name)
+            self._mine.add(name)
 
     @staticmethod
     def scheduling() -> dict[str, Any]:

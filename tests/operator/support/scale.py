@@ -46,11 +46,12 @@ class Start:
 
 class ScaleRig:
     def __init__(self, plane: ControlPlane, workdir: Path, nodes: int, *, resync_seconds: float = 10,
-                 operator_args: tuple[str, ...] = ()):
+                 operator_args: tuple[str, ...] = (), node_capacity: dict[str, str] | None = None):
         self.plane, self.api, self.workdir = plane, plane.api, workdir
         install_crd(plane)
         self.proxy = FaultProxy(plane.kubeconfig)
-        self.hollow = HollowNodes(plane.api, nodes, prefix="hollow-" + re.sub(r"[^a-z0-9]+", "-", workdir.name.lower()).strip("-"))
+        self.hollow = HollowNodes(plane.api, nodes, capacity=node_capacity,
+                                  prefix="hollow-" + re.sub(r"[^a-z0-9]+", "-", workdir.name.lower()).strip("-"))
         self.log = workdir / "operator.log"
         self.resync_seconds = resync_seconds
         self.operator: OperatorProcess | None = None
