@@ -46,10 +46,11 @@ def crd_text() -> str:
 
 def rbac_text() -> str:
     """The operator's RBAC rules as the chart reads them: `rules` wherever it serves jobs, `clusterRules` added
-    for a cluster-wide install."""
+    for a cluster-wide install, `leaseRules` in its own namespace for leader election."""
     from paratrain_operator import rbac
 
-    doc = {"rules": rbac.policy_rules(rbac.RULES), "clusterRules": rbac.policy_rules(rbac.CLUSTER_RULES)}
+    doc = {"rules": rbac.policy_rules(rbac.RULES), "clusterRules": rbac.policy_rules(rbac.CLUSTER_RULES),
+           "leaseRules": rbac.policy_rules(rbac.LEASE_RULES)}
     return HEADER.format(source="paratrain_operator.rbac") + yaml.safe_dump(doc, sort_keys=False,
                                                                             default_flow_style=None, width=120)
 

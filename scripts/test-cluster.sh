@@ -108,12 +108,9 @@ readyz() {
     "https://127.0.0.1:$API_PORT/readyz" > /dev/null 2>&1
 }
 
-up() {
-  stop_all
-  BIN="$(bash "$HERE/testbin.sh")"
-  mkdir -p "$DIR/logs"
+# etcd, then kube-apiserver, on ports picked now; returns 1 when either does not come up.
+start_store_and_apiserver() {
   rm -rf "$DIR/etcd"
-  make_pki
   API_PORT="$(free_port)"
   local etcd_port etcd_peer
   etcd_port="$(free_port)"
@@ -125,6 +122,16 @@ up() {
     --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
     --initial-cluster "test=http://127.0.0.1:$etcd_peer" --log-level warn
+  local tries=0
+  until curl -sf --max-time 1 "http://127.0.0.1:$etcd_port/health" > /dev/null 2>&1; do
+    if ! kill -0 "$(sed -n 1p "$DIR/pids")" 2>/dev/null || (( tries >= 100 )); then
+      echo "test-cluster: etcd did not start; its log ($DIR/logs/etcd.log) ends:" >&2
+      tail -5 "$DIR/logs/etcd.log" >&2
+      return 1
+    fi
+    sleep 0.1
+    tries=$((tries + 1))
+  done
 
   # The endpoint reconciler refuses a loopback advertise address; nothing here routes to the `kubernetes` Service.
   # Kubelets (the tests' log servers) are reached at their InternalIP only: never a DNS lookup of a node name.
@@ -149,16 +156,33 @@ up() {
     if ! kill -0 "$(sed -n 2p "$DIR/pids")" 2>/dev/null; then
       echo "test-cluster: kube-apiserver exited; its log ($DIR/logs/kube-apiserver.log) ends:" >&2
       tail -20 "$DIR/logs/kube-apiserver.log" >&2
-      stop_all
-      exit 1
+      return 1
     fi
     if (( waited >= READY_TIMEOUT * 10 )); then
       echo "test-cluster: kube-apiserver not ready after ${READY_TIMEOUT}s; see $DIR/logs/" >&2
-      stop_all
-      exit 1
+      return 1
     fi
     sleep 0.1
     waited=$((waited + 1))
+  done
+}
+
+up() {
+  stop_all
+  BIN="$(bash "$HERE/testbin.sh")"
+  mkdir -p "$DIR/logs"
+  make_pki
+  # A port picked free can be taken by another process before the component binds it: try again with new ports.
+  local attempt
+  for attempt in 1 2 3; do
+    if start_store_and_apiserver; then
+      break
+    fi
+    stop_all
+    if (( attempt == 3 )); then
+      exit 1
+    fi
+    echo "test-cluster: retrying with other ports" >&2
   done
 
   # Each controller acts as its own ServiceAccount (as kubeadm sets it up): the garbage collector's may delete any

@@ -2,6 +2,7 @@
 
     python -m paratrain_operator                      # every namespace
     python -m paratrain_operator --namespace team-a   # only these (repeatable)
+    python -m paratrain_operator --leader-elect       # one of several replicas: acts only while it holds the Lease
 
 Liveness is served at --liveness (default http://0.0.0.0:8080/healthz), Prometheus metrics at
 http://0.0.0.0:--metrics-port/metrics (default 9090; 0 turns them off). Credentials: the pod's service account
@@ -11,10 +12,47 @@ in a cluster, else $KUBECONFIG / ~/.kube/config. The RBAC it needs is in `paratr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
+import urllib.parse
+from pathlib import Path
 
 from .kube import DEFAULT_BURST, DEFAULT_QPS
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def own_namespace() -> str:
+    """The namespace this pod runs in (its service account's), else $POD_NAMESPACE, else `default`."""
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return os.environ.get("POD_NAMESPACE", "default")
+
+
+async def stand_by(args: argparse.Namespace) -> None:
+    """Wait for the Lease, answering liveness meanwhile (a standby is healthy); returns once this replica leads.
+    The API client lives on this loop only: kopf's loop gets its own."""
+    import aiohttp.web
+
+    from . import kube, leader
+
+    url = urllib.parse.urlsplit(args.liveness)
+    app = aiohttp.web.Application()
+    app.router.add_get(url.path or "/", lambda _: aiohttp.web.json_response({"standby": True}))
+    runner = aiohttp.web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, url.hostname, url.port or 80).start()
+    kube.connect(kube.Kube.from_environment(args.qps, args.burst))
+    try:
+        leader.elector = leader.Elector(args.lease_namespace or own_namespace(), args.lease_name,
+                                        lease_seconds=args.lease_seconds,
+                                        renew_deadline=args.lease_seconds * 0.7,
+                                        retry_seconds=min(2.0, args.lease_seconds / 5))
+        await leader.elector.acquire()
+    finally:
+        await kube.client().close()
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-concurrency", type=int,
                         default=int(os.environ.get("PARATRAIN_WRITE_CONCURRENCY", "64")),
                         help="pod creates or deletes in flight at once for one job (they start at 1 and double)")
+    parser.add_argument("--leader-elect", action="store_true",
+                        help="run as one of several replicas: act only while holding a coordination.k8s.io Lease")
+    parser.add_argument("--lease-name", default="paratrain-operator", help="the Lease's name")
+    parser.add_argument("--lease-namespace", default="",
+                        help="the Lease's namespace (default: the operator's own)")
+    parser.add_argument("--lease-seconds", type=float, default=10.0,
+                        help="how long a Lease not renewed stays held: a standby takes over about this long after "
+                             "the leader stops renewing")
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
@@ -47,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import handlers  # noqa: F401 (registers the handlers)
 
     kopf.configure(verbose=args.verbose)
+    if args.leader_elect:
+        asyncio.run(stand_by(args))
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=args.liveness)
     return 0

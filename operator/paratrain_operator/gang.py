@@ -17,7 +17,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import Field, model_validator
+
 from paratrain import contract
+from paratrain.api import status as status_model
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
 from .clock import from_iso, to_iso
@@ -31,31 +34,25 @@ _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 _STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a deleted pod's container
 
 
-@dataclass(frozen=True)
-class Failure:
-    """Why a gang (or the job) failed, as shown in `status.failure`."""
+class Failure(status_model.Failure):
+    """Why a gang (or the job) failed: `status.failure`'s own model (pod, exitCode, reason, message), plus what the
+    decisions alone need, never written to status."""
 
-    reason: str
-    message: str
-    pod: str | None = None
-    exit_code: int | None = None
-    retryable: bool = True
-    at: str | None = None  # when the pod stopped: the earliest failure is the likeliest root cause
+    retryable: bool = Field(True, exclude=True)
+    at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clipped(cls, data: Any) -> Any:
+        """A pod's message is user text of any length: clipped to the schema's limits, never refused."""
+        return status_model.fit_to_schema(status_model.Failure, data) if isinstance(data, Mapping) else data
 
     def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"reason": self.reason, "message": self.message}
-        if self.pod:
-            out["pod"] = self.pod
-        if self.exit_code is not None:
-            out["exitCode"] = self.exit_code
-        return out
+        return self.dump()
 
     @classmethod
     def from_status(cls, data: Mapping[str, Any] | None) -> Failure | None:
-        if not data:
-            return None
-        return cls(reason=str(data.get("reason", "")), message=str(data.get("message", "")), pod=data.get("pod"),
-                   exit_code=data.get("exitCode"))
+        return cls.model_validate(data) if data else None
 
 
 def describe_exit(code: int) -> str:
@@ -77,15 +74,16 @@ def classify(pod: PodView) -> Failure | None:
     if pod.terminating and (pod.phase != FAILED or pod.exit_code in _STOP_SIGNAL_EXITS):
         # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
         # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
-        return Failure("PodDeleted", f"pod {pod.name} was deleted before it finished", pod=pod.name,
+        return Failure(reason="PodDeleted", message=f"pod {pod.name} was deleted before it finished", pod=pod.name,
                        at=pod.finished_at)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
-            return Failure(reason, f"pod {pod.name} failed: {reason}" + (f": {pod.message}" if pod.message else ""),
+            return Failure(reason=reason, message=f"pod {pod.name} failed: {reason}" + (f": {pod.message}" if pod.message else ""),
                            pod=pod.name, exit_code=pod.exit_code, at=pod.finished_at)
         code = pod.exit_code
-        return Failure(pod.reason or "Error", f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
+        return Failure(reason=pod.reason or "Error",
+                       message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
                        pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
                        at=pod.finished_at)
     return None
@@ -174,7 +172,7 @@ def invalid_spec(state: GangState, pods: Sequence[PodView], message: str, now: d
     """A spec that can never train: Failed with the field named, and no pods."""
     if state.phase in FINISHED:
         return Decision(state, delete_pods=_active(pods))
-    return fail(state, pods, Failure("InvalidSpec", message, retryable=False), now)
+    return fail(state, pods, Failure(reason="InvalidSpec", message=message, retryable=False), now)
 
 
 def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Decision:
@@ -183,7 +181,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     start = from_iso(state.start_time)
     deadline = policy.active_deadline_seconds
     if deadline and start and now >= start + timedelta(seconds=deadline):
-        return fail(state, pods, Failure("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds "
+        return fail(state, pods, Failure(reason="DeadlineExceeded", message=f"the job ran longer than activeDeadlineSeconds "
                                          f"({deadline}s, started {state.start_time})", retryable=False), now)
     if policy.suspend:
         return _suspend(state, pods)
@@ -204,7 +202,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failures = [f for f in map(classify, current.values()) if f]
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failures += [Failure("PodDeleted", f"pod {name} was deleted before it finished", pod=name) for name in vanished]
+        failures += [Failure(reason="PodDeleted", message=f"pod {name} was deleted before it finished", pod=name)
+                     for name in vanished]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 

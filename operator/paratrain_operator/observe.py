@@ -282,6 +282,9 @@ class JobCache:
     def get(self, key: JobKey) -> dict[str, Any] | None:
         return self._bodies.get(key)
 
+    def items(self) -> list[tuple[JobKey, dict[str, Any]]]:
+        return list(self._bodies.items())
+
     def forget(self, key: JobKey) -> None:
         self._bodies.pop(key, None)
 

@@ -19,6 +19,8 @@ Why each rule:
   leave one, not one each (all are owned by the job and go with it).
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
 - customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
+- leases (coordination.k8s.io), only in the operator's own namespace (a Role there): leader election among its
+  replicas (`--leader-elect`): read, created once, renewed and taken over by update.
 Reads of rank 0's progress endpoint are plain HTTP to the pod IP, not API calls.
 """
 
@@ -44,6 +46,11 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "namespaces", ("list", "watch")),
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
+)
+
+# In the operator's own namespace only, for leader election.
+LEASE_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("coordination.k8s.io", "leases", ("get", "create", "update")),
 )
 
 

@@ -172,7 +172,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
                 objects = render_job(job, namespace, decision.state.attempt)
                 replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
-                decision = gang.fail(state, views, Failure("RenderFailed", f"cannot build the gang: {exc}",
+                decision = gang.fail(state, views, Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}",
                                                       retryable=False), now)
 
     written = await _persist(body, decision, job, views)
@@ -204,9 +204,9 @@ def _names(names: Sequence[str], shown: int = 8) -> str:
 def _rejection(exc: Exception) -> Failure | None:
     """A gang the cluster will never accept, as the job's failure; None for errors worth retrying."""
     if isinstance(exc, apply.MissingResource):
-        return Failure("MissingResource", str(exc), retryable=False)
+        return Failure(reason="MissingResource", message=str(exc), retryable=False)
     if isinstance(exc, ApiError) and exc.status in (400, 422):
-        return Failure("RejectedByAPI", f"the API server rejected the gang: {exc.message}", retryable=False)
+        return Failure(reason="RejectedByAPI", message=f"the API server rejected the gang: {exc.message}", retryable=False)
     return None
 
 

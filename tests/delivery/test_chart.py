@@ -24,6 +24,11 @@ APP_VERSION = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion
 
 
 
+def job_rbac(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects less the leader election's Role and RoleBinding (a Lease in the release namespace)."""
+    return [o for o in objects if not o["metadata"]["name"].endswith("-leader-election")]
+
+
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
     containers = only(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert [c["name"] for c in containers] == ["operator"]
@@ -62,12 +67,19 @@ def test_install_dry_run_prints_notes() -> None:
 def test_default_render(rendered) -> None:
     objects = rendered["default"]
     assert sorted(o["kind"] for o in objects) == sorted(
-        ["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"])
+        ["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
+         "Role", "RoleBinding"])
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] in {"ServiceAccount", "Service",
                                                                                "Deployment"}} == {RELEASE_NS}
     deployment = only(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas, one acting (leader election on a Lease): the Lease's Role is in the release namespace only.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
+    lease_role = only(objects, "Role")
+    assert lease_role["metadata"]["namespace"] == RELEASE_NS
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]
+    assert only(objects, "RoleBinding")["roleRef"]["name"] == lease_role["metadata"]["name"]
     pod = deployment["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is True
     assert only(objects, "ServiceAccount")["automountServiceAccountToken"] is False
@@ -90,14 +102,14 @@ def test_default_render(rendered) -> None:
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
-RATE_ARGS = ["--qps", "100", "--burst", "200", "--write-concurrency", "64"]
+RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", "--qps", "100", "--burst", "200", "--write-concurrency", "64"]
 
 
 def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> None:
     objects = rendered["namespaced"]
     kinds = {o["kind"] for o in objects}
     assert {"Role", "RoleBinding"} <= kinds and not {"ClusterRole", "ClusterRoleBinding"} & kinds
-    role, binding = only(objects, "Role"), only(objects, "RoleBinding")
+    role, binding = only(job_rbac(objects), "Role"), only(job_rbac(objects), "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
@@ -107,7 +119,7 @@ def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> 
     # Without watchNamespace, a namespaced install runs the release namespace's jobs.
     default_ns = render({"rbac": {"namespaced": True}}, namespace="ml")
     assert container(default_ns)["args"] == ["--namespace", "ml", *RATE_ARGS]
-    assert only(default_ns, "Role")["metadata"]["namespace"] == "ml"
+    assert only(job_rbac(default_ns), "Role")["metadata"]["namespace"] == "ml"
 
 
 def test_customized_values_reach_the_objects(rendered) -> None:
@@ -119,7 +131,8 @@ def test_customized_values_reach_the_objects(rendered) -> None:
     assert c["image"] == "registry.example.com/ml/paratrain-operator@sha256:" + "ab" * 32
     assert c["imagePullPolicy"] == "Always"
     assert c["resources"] == CUSTOMIZED["resources"]
-    assert c["args"] == ["--qps", "20", "--burst", "40", "--write-concurrency", "8", "--verbose"]
+    assert c["args"] == ["--leader-elect", "--lease-seconds", "10", "--qps", "20", "--burst", "40",
+                         "--write-concurrency", "8", "--verbose"]
     assert c["env"] == [{"name": "TZ", "value": "UTC"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["serviceAccountName"] == "trainer-operator"

@@ -55,6 +55,10 @@ def test_the_checker_catches_each_violation(rendered, mutate, violation: str) ->
 @pytest.mark.parametrize("value_set", list(VALUE_SETS))
 def test_rbac_is_least_privilege(rendered, value_set: str) -> None:
     roles = [o for o in rendered[value_set] if o["kind"] in {"ClusterRole", "Role"}]
+    lease = [r for r in roles if r["metadata"]["name"].endswith("-leader-election")]
+    assert len(lease) == 1 and granted(lease[0]["rules"]) == granted(rbac.policy_rules(rbac.LEASE_RULES))
+    assert lease[0]["kind"] == "Role"  # leases in the operator's own namespace only
+    roles = [r for r in roles if r not in lease]
     assert len(roles) == 1
     rules = roles[0]["rules"]
     assert rbac_wildcards(rules) == []
@@ -74,7 +78,8 @@ def test_rbac_is_what_the_operator_declares(rendered) -> None:
     declared = granted(rbac.policy_rules(rbac.RULES))
     assert granted(only(rendered["default"], "ClusterRole")["rules"]) == \
         declared | granted(rbac.policy_rules(rbac.CLUSTER_RULES))
-    assert granted(only(rendered["namespaced"], "Role")["rules"]) == declared
+    job_roles = [o for o in rendered["namespaced"] if not o["metadata"]["name"].endswith("-leader-election")]
+    assert granted(only(job_roles, "Role")["rules"]) == declared
     # A namespaced install creates nothing cluster-scoped but the CRD.
     assert not {o["kind"] for o in rendered["namespaced"]} & {"ClusterRole", "ClusterRoleBinding"}
 

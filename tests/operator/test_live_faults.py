@@ -172,7 +172,7 @@ def test_a_job_recreated_at_once_under_its_name_starts_clean(cluster: RealCluste
     for rank in (0, 1):
         cluster.api.call(cluster.kubelet.pause, ns, f"again-0-{rank}")
     cluster.api.delete(JOBS, ns, "again")
-    wait_for(lambda: cluster.job(ns, "again") is None, 10, "the operator to let the job go (kopf's finalizer)")
+    wait_for(lambda: cluster.job(ns, "again") is None, 10, "the job to go (it carries no finalizer)")
     # The old gang: still there, terminating (the garbage collector deletes it once it sees the job go).
     wait_for(lambda: any(p["metadata"].get("deletionTimestamp") for p in cluster.pods(ns)), 5,
              "the old gang to be terminating")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .support.cluster import fake_job, fake_trainer_command
+from .support.cluster import JOBS, fake_job, fake_trainer_command
 from .support.real_cluster import RealCluster
 from .support.server import wait_for
 
@@ -63,3 +63,17 @@ def test_killed_in_the_middle_of_a_gang_restart(cluster: RealCluster, ns: str):
     status = cluster.wait_phase(ns, "job", "Succeeded", 60)
     assert status["restarts"] == 1  # the restart is not counted twice
     assert cluster.pod_creations(ns) == ["job-0-0", "job-0-1", "job-1-0", "job-1-1"]
+
+
+def test_a_job_and_its_namespace_are_deleted_while_no_operator_runs(cluster: RealCluster, ns: str):
+    """No finalizer waits for the operator: with every replica down (a node lost, an upgrade gone wrong), `kubectl
+    delete ptj` and `kubectl delete namespace` complete, and the garbage collector takes the gang."""
+    cluster.submit(ns, "orphan", fake_job(steps=200))
+    cluster.wait_phase(ns, "orphan", "Running", 30)
+    assert not cluster.job(ns, "orphan")["metadata"].get("finalizers")
+    cluster.kill_operator()
+    cluster.api.delete(JOBS, ns, "orphan")
+    wait_for(lambda: cluster.job(ns, "orphan") is None, 10, "the job to be deleted")
+    wait_for(lambda: not cluster.pods(ns), 30, "the garbage collector to take the gang")
+    cluster.api.delete("v1/namespaces", None, ns)
+    wait_for(lambda: cluster.api.object("v1/namespaces", None, ns) is None, 60, "the namespace to be deleted")

@@ -88,7 +88,7 @@ def test_stalled_is_not_judged_unless_running():
 
 def test_failure_and_times_are_reported():
     failed = GangState(phase="Failed", reason="BackoffLimitExceeded", message="m", start_time=to_iso(NOW),
-                       completion_time=to_iso(NOW), failure=Failure("Error", "pod j-0-1 exited with code 137",
+                       completion_time=to_iso(NOW), failure=Failure(reason="Error", message="pod j-0-1 exited with code 137",
                                                                     pod="j-0-1", exit_code=137))
     st = build(state=failed)
     assert st["failure"] == {"pod": "j-0-1", "exitCode": 137, "reason": "Error",
@@ -145,7 +145,8 @@ def test_a_1024_pod_gang_waiting_to_be_scheduled_fits_in_status():
 def test_every_string_is_clipped_to_its_schema_limit():
     """A pod's termination message is user text of any length: clipped, never a status the schema refuses."""
     huge = "x" * 100_000
-    state = GangState(phase="Failed", reason="Error", message=huge, failure=Failure("Error", huge, pod="j-0-1"))
+    state = GangState(phase="Failed", reason="Error", message=huge,
+                      failure=Failure(reason="Error", message=huge, pod="j-0-1"))
     st = build(state=state)
     assert len(st["message"]) == 32768 and st["message"].endswith("…")
     assert len(st["failure"]["message"]) == 32768

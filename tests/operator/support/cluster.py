@@ -114,10 +114,10 @@ class ClusterBase:
     kubelet: Kubelet
     kubeconfig: Path
 
-    def __init__(self, workdir: Path, resync_seconds: float):
+    def __init__(self, workdir: Path, resync_seconds: float, operator_args: tuple[str, ...] = ()):
         self.workdir = workdir
         self.operator_log = workdir / "operator.log"
-        self.resync_seconds = resync_seconds
+        self.resync_seconds, self.operator_args = resync_seconds, operator_args
         self._operator: OperatorProcess | None = None
 
     # ---- the operator ------------------------------------------------------------------------------------
@@ -126,7 +126,8 @@ class ClusterBase:
         return self.kubeconfig
 
     def start_operator(self) -> None:
-        self._operator = OperatorProcess(self.operator_kubeconfig(), self.operator_log, self.resync_seconds)
+        self._operator = OperatorProcess(self.operator_kubeconfig(), self.operator_log, self.resync_seconds,
+                                         self.operator_args)
         self._operator.start()
 
     @property

@@ -212,8 +212,9 @@ class LogServer:
 class RealCluster(ClusterBase):
     def __init__(self, plane: ControlPlane, workdir: Path, *,
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
-                 resync_seconds: float = 1.0, node: str = "test-node", faults: bool = False):
-        super().__init__(workdir, resync_seconds)
+                 resync_seconds: float = 1.0, node: str = "test-node", faults: bool = False,
+                 operator_args: tuple[str, ...] = ()):
+        super().__init__(workdir, resync_seconds, operator_args)
         self.plane, self.kubeconfig = plane, plane.kubeconfig
         install_crd(plane)
         self.api = RealApi(plane)
@@ -289,9 +290,18 @@ def operator_kubeconfig(plane: ControlPlane, path: Path, server: str | None = No
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR_ACCOUNT},
                "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_ACCOUNT, "namespace": OPERATOR_NAMESPACE}]}
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_ACCOUNT}}
+    # Leader election's Lease, in the operator's own namespace only (as the chart's Role).
+    lease_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                  "metadata": {"name": f"{OPERATOR_ACCOUNT}-leader-election"},
+                  "rules": rbac.policy_rules(rbac.LEASE_RULES)}
+    lease_binding = {**binding, "kind": "RoleBinding", "metadata": lease_role["metadata"],
+                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                 "name": lease_role["metadata"]["name"]}}
+    namespaced = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{OPERATOR_NAMESPACE}"
     for path_, body in ((f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts", account),
                         ("/apis/rbac.authorization.k8s.io/v1/clusterroles", role),
-                        ("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)):
+                        ("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding),
+                        (f"{namespaced}/roles", lease_role), (f"{namespaced}/rolebindings", lease_binding)):
         response = api.create(path_, body)
         if response.status == 409:  # another test module's: bring the rules up to date
             api.must(api.request("PUT", f"{path_}/{body['metadata']['name']}", _with_version(api, path_, body)))

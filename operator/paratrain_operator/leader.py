@@ -1,0 +1,138 @@
+"""Leader election on a `coordination.k8s.io/v1` Lease, as client-go's leaderelection does it: of the operator's
+replicas exactly one acts; the others stand by and take over when its lease runs out.
+
+- The holder renews the Lease every `retry_seconds`; one that cannot renew for `renew_deadline` seconds exits at
+  once (`python -m paratrain_operator` ends the process): an operator that might have lost its lease must stop
+  acting before another one starts.
+- A standby tries every `retry_seconds`. It takes the Lease once it has seen the same record (holder, renewTime)
+  unchanged for `leaseDurationSeconds` by its own clock (clocks of different nodes are never compared), or at once
+  when the holder released it (a graceful shutdown, e.g. a rolling update).
+- Every write is conditional on the Lease's resourceVersion: two standbys racing for it cannot both win.
+
+With the defaults (lease 10 s, renew deadline 7 s, retry 2 s), a standby acts within about 12 s of the holder's
+last renewal; the holder has given up by then (7 s < 10 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from .kube import ApiError, api_path, client
+
+log = logging.getLogger("paratrain.operator")
+LEASES = "coordination.k8s.io/v1"
+
+
+class LostLease(Exception):
+    """The holder could not renew its Lease in time."""
+
+
+def micro_time() -> str:
+    """A Kubernetes MicroTime: RFC 3339 with microseconds."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Elector:
+    def __init__(self, namespace: str, name: str, identity: str | None = None, *, lease_seconds: float = 10,
+                 renew_deadline: float = 7, retry_seconds: float = 2):
+        assert renew_deadline < lease_seconds, "the holder must give up before a standby may take over"
+        self.namespace, self.name = namespace, name
+        self.identity = identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        self.lease_seconds, self.renew_deadline, self.retry_seconds = lease_seconds, renew_deadline, retry_seconds
+        self._seen: tuple[Any, ...] | None = None  # the last record seen, and when (our clock)
+        self._seen_at = 0.0
+        self.leading = False
+
+    @property
+    def path(self) -> str:
+        return api_path(LEASES, "leases", self.namespace, self.name)
+
+    async def acquire(self) -> None:
+        """Wait until this replica holds the Lease."""
+        logged = False
+        while not await self._try():
+            if not logged:
+                log.info("standing by: Lease %s/%s is held by another replica", self.namespace, self.name)
+                logged = True
+            await asyncio.sleep(self.retry_seconds)
+        log.info("leading: acquired Lease %s/%s as %s", self.namespace, self.name, self.identity)
+
+    async def keep(self) -> None:
+        """Renew the Lease until cancelled; raises LostLease when a renewal does not succeed in time."""
+        while True:
+            await asyncio.sleep(self.retry_seconds)
+            deadline = time.monotonic() + self.renew_deadline
+            while not await self._try():
+                if time.monotonic() + self.retry_seconds > deadline:
+                    self.leading = False
+                    raise LostLease(f"could not renew Lease {self.namespace}/{self.name} for "
+                                    f"{self.renew_deadline:.0f}s")
+                await asyncio.sleep(self.retry_seconds)
+
+    async def release(self) -> None:
+        """Give the Lease up (a graceful stop): a standby takes over at once instead of after it expires."""
+        if not self.leading:
+            return
+        try:
+            lease = await client().request("GET", self.path)
+            if (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+                now = micro_time()
+                lease["spec"] = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
+                                 "acquireTime": now, "renewTime": now}
+                await client().request("PUT", self.path, body=lease)
+            log.info("released Lease %s/%s", self.namespace, self.name)
+        except ApiError as exc:
+            log.warning("could not release Lease %s/%s (it expires by itself): %s", self.namespace, self.name, exc)
+        self.leading = False
+
+    async def _try(self) -> bool:
+        """One try to acquire or renew; True when this replica holds the Lease now."""
+        now = micro_time()
+        try:
+            lease = await client().request("GET", self.path)
+        except ApiError as exc:
+            if exc.status != 404:
+                log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)
+                return False
+            return await self._write("POST", {"apiVersion": LEASES, "kind": "Lease",
+                                              "metadata": {"name": self.name, "namespace": self.namespace},
+                                              "spec": self._spec(now, now, 0)})
+        spec = lease.get("spec") or {}
+        holder = spec.get("holderIdentity") or ""
+        record = (holder, spec.get("renewTime"), spec.get("leaseTransitions"))
+        if record != self._seen:
+            self._seen, self._seen_at = record, time.monotonic()
+        if holder and holder != self.identity and \
+                time.monotonic() < self._seen_at + float(spec.get("leaseDurationSeconds") or self.lease_seconds):
+            return False
+        transitions = int(spec.get("leaseTransitions") or 0)
+        acquired = spec.get("acquireTime") if holder == self.identity else now
+        lease["spec"] = self._spec(acquired or now, now, transitions if holder == self.identity else transitions + 1)
+        return await self._write("PUT", lease)
+
+    def _spec(self, acquired: str, renewed: str, transitions: int) -> dict[str, Any]:
+        return {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.lease_seconds),
+                "acquireTime": acquired, "renewTime": renewed, "leaseTransitions": transitions}
+
+    async def _write(self, method: str, lease: dict[str, Any]) -> bool:
+        path = api_path(LEASES, "leases", self.namespace, None if method == "POST" else self.name)
+        try:
+            written = await client().request(method, path, body=lease)
+        except ApiError as exc:
+            if exc.status not in (409, 422):  # 409: another replica wrote first (it holds the Lease now)
+                log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)
+            return False
+        spec = written.get("spec") or {}
+        self._seen = (spec.get("holderIdentity") or "", spec.get("renewTime"), spec.get("leaseTransitions"))
+        self._seen_at = time.monotonic()
+        self.leading = True
+        return True
+
+
+elector: Elector | None = None  # set by `python -m paratrain_operator --leader-elect`
