@@ -79,8 +79,9 @@ def classify(pod: PodView) -> Failure | None:
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
-            return Failure(reason=reason, message=f"pod {pod.name} failed: {reason}" + (f": {pod.message}" if pod.message else ""),
-                           pod=pod.name, exit_code=pod.exit_code, at=pod.finished_at)
+            detail = f": {pod.message}" if pod.message else ""
+            return Failure(reason=reason, message=f"pod {pod.name} failed: {reason}{detail}", pod=pod.name,
+                           exit_code=pod.exit_code, at=pod.finished_at)
         code = pod.exit_code
         return Failure(reason=pod.reason or "Error",
                        message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
@@ -181,8 +182,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     start = from_iso(state.start_time)
     deadline = policy.active_deadline_seconds
     if deadline and start and now >= start + timedelta(seconds=deadline):
-        return fail(state, pods, Failure(reason="DeadlineExceeded", message=f"the job ran longer than activeDeadlineSeconds "
-                                         f"({deadline}s, started {state.start_time})", retryable=False), now)
+        message = f"the job ran longer than activeDeadlineSeconds ({deadline}s, started {state.start_time})"
+        return fail(state, pods, Failure(reason="DeadlineExceeded", message=message, retryable=False), now)
     if policy.suspend:
         return _suspend(state, pods)
     events: list[Event] = []

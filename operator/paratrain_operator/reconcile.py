@@ -172,8 +172,8 @@ async def _pass(body: dict[str, Any]) -> str | None:
                 objects = render_job(job, namespace, decision.state.attempt)
                 replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
-                decision = gang.fail(state, views, Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}",
-                                                      retryable=False), now)
+                failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)
+                decision = gang.fail(state, views, failure, now)
 
     written = await _persist(body, decision, job, views)
     if written is None:
@@ -206,7 +206,8 @@ def _rejection(exc: Exception) -> Failure | None:
     if isinstance(exc, apply.MissingResource):
         return Failure(reason="MissingResource", message=str(exc), retryable=False)
     if isinstance(exc, ApiError) and exc.status in (400, 422):
-        return Failure(reason="RejectedByAPI", message=f"the API server rejected the gang: {exc.message}", retryable=False)
+        return Failure(reason="RejectedByAPI", message=f"the API server rejected the gang: {exc.message}",
+                       retryable=False)
     return None
 
 

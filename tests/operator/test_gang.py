@@ -71,8 +71,8 @@ def test_a_retryable_failure_restarts_the_whole_gang():
     decision = decide(pods, RUNNING)
     s = decision.state
     assert (s.phase, s.attempt, s.restarts, s.gang_created) == ("Restarting", 1, 1, False)
-    assert s.failure == Failure(reason="Error", message="pod job-0-1 exited with code 137 (killed by SIGKILL)", pod="job-0-1",
-                                exit_code=137)
+    assert s.failure == Failure(reason="Error", message="pod job-0-1 exited with code 137 (killed by SIGKILL)",
+                                pod="job-0-1", exit_code=137)
     assert set(decision.delete_pods) == {"job-0-0", "job-0-1", "job-0-2"}  # finished pods too: hostnames are reused
     assert not decision.create_ranks  # the new attempt waits until the old pods are gone
     assert [e.reason for e in decision.events] == ["RestartingGang"]

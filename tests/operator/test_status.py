@@ -88,8 +88,9 @@ def test_stalled_is_not_judged_unless_running():
 
 def test_failure_and_times_are_reported():
     failed = GangState(phase="Failed", reason="BackoffLimitExceeded", message="m", start_time=to_iso(NOW),
-                       completion_time=to_iso(NOW), failure=Failure(reason="Error", message="pod j-0-1 exited with code 137",
-                                                                    pod="j-0-1", exit_code=137))
+                       completion_time=to_iso(NOW),
+                       failure=Failure(reason="Error", message="pod j-0-1 exited with code 137", pod="j-0-1",
+                                       exit_code=137))
     st = build(state=failed)
     assert st["failure"] == {"pod": "j-0-1", "exitCode": 137, "reason": "Error",
                              "message": "pod j-0-1 exited with code 137"}
