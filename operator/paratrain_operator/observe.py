@@ -298,6 +298,17 @@ async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
+async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | None:
+    """The object `ref` (apiVersion, kind, name, namespace) names, or None when it does not exist."""
+    meta = ref["metadata"]
+    try:
+        return await client().request("GET", api_path(ref["apiVersion"], plural, meta.get("namespace"), meta["name"]))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:
     """Rank 0's `GET /progress` JSON, or None when it does not answer (starting, hung, gone) or answers more than
     PROGRESS_MAX_BYTES (the pod runs user code): pods need no API credentials to report progress. One HTTP session

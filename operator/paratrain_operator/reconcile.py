@@ -30,7 +30,7 @@ from .clock import now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
 from .observe import JobKey, PodView
-from .render import render_job, superseded
+from .render import native_pod_group, render_job, superseded
 
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
@@ -220,27 +220,44 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     """Write the decision's state (before any action: see gang's docstring), conditional on `body`'s
     resourceVersion, and post its Events; returns the job as now stored (`body` when nothing was written), or
     None when the job is gone. Raises apply.Conflict when the job changed since `body`."""
-    meta, prev = body["metadata"], body.get("status") or {}
+    meta, stored_status = body["metadata"], body.get("status") or {}
+    prev, events = stored_status, list(decision.events)
+    if job is not None and decision.state.phase == gang.RUNNING and prev.get("phase") != gang.RUNNING:
+        prev, warning = await _with_gang_check(prev, job, meta["namespace"], decision.state.attempt)
+        events += [warning] if warning else []
     progress = _progress_of(body, decision.state, views)
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
                        now=clock_now())
-    patch = status.patch(prev, new)
+    patch = status.patch(stored_status, new)
     stored = body
     if patch or _acts(decision):
         stored = await apply.patch_status(meta["namespace"], meta["name"], patch, meta.get("resourceVersion"))
         if stored is None:
             return None
         jobs.offer(stored)
-    events = list(decision.events)
-    stalled = status.stall_event(prev.get("conditions") or [], new.get("conditions") or [])
+    stalled = status.stall_event(stored_status.get("conditions") or [], new.get("conditions") or [])
     if stalled:
         events.append(stalled)
     for event in events:
         log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message)
         await apply.post_event(body, event)
     return stored
+
+
+async def _with_gang_check(prev: Mapping[str, Any], job: ParallelTrainJob, namespace: str,
+                           attempt: int) -> tuple[Mapping[str, Any], gang.Event | None]:
+    """`prev` with the GangScheduled condition of a native gang that just started running (one PodGroup read per
+    attempt; other passes keep the condition as written), and a Warning Event when the gang was not enforced."""
+    ref = native_pod_group(job, namespace, attempt)
+    if ref is None:
+        return prev, None
+    name = ref["metadata"]["name"]
+    placed, reason, message = status.gang_scheduled(await observe.get_object(ref, "podgroups"), name)
+    conditions = status.set_condition(prev.get("conditions") or [], status.GANG_SCHEDULED, placed, reason, message,
+                                      clock_now())
+    return {**prev, "conditions": conditions}, None if placed else gang.Event("Warning", reason, message)
 
 
 async def _persist_rejection(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,

@@ -179,12 +179,18 @@ def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> list[
     return objects + [pod(plan, node, job.spec) for node in plan.nodes]
 
 
+def native_pod_group(job: ParallelTrainJob, namespace: str, attempt: int) -> dict[str, Any] | None:
+    """A reference (apiVersion, kind, name, namespace) to attempt `attempt`'s native PodGroup; None unless the job's
+    gang is `kubernetes`."""
+    if job.spec.scheduling.gang != "kubernetes":
+        return None
+    group = pod_group(plan_gang(job, namespace, attempt), job.spec)
+    return {"apiVersion": group["apiVersion"], "kind": group["kind"],
+            "metadata": {"name": group["metadata"]["name"], "namespace": namespace}}
+
+
 def superseded(job: ParallelTrainJob, namespace: str, attempt: int) -> list[dict[str, Any]]:
     """What gang attempt `attempt` replaces, to delete once it is created: the native PodGroup of the attempt
-    before (one scheduling instance each; Volcano's and scheduler-plugins' groups are reused). References only
-    (apiVersion, kind, name, namespace)."""
-    if attempt == 0 or job.spec.scheduling.gang != "kubernetes":
-        return []
-    old = pod_group(plan_gang(job, namespace, attempt - 1), job.spec)
-    return [{"apiVersion": old["apiVersion"], "kind": old["kind"],
-             "metadata": {"name": old["metadata"]["name"], "namespace": namespace}}]
+    before (one scheduling instance each; Volcano's and scheduler-plugins' groups are reused)."""
+    old = native_pod_group(job, namespace, attempt - 1) if attempt > 0 else None
+    return [old] if old else []

@@ -40,6 +40,7 @@ from .observe import PodView
 
 PHASE_CONDITIONS = (gang.RUNNING, gang.RESTARTING, gang.SUSPENDED, gang.SUCCEEDED, gang.FAILED)
 STALLED = "Stalled"
+GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "observedGeneration", "attempt", "restarts", "gangCreated",
               "startTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
@@ -187,3 +188,16 @@ def stall_event(prev: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, An
     if (before or {}).get("status") == "True" and after.get("reason") == "Progressing":
         return gang.Event("Normal", "Progressing", "training progress resumed")
     return None
+
+
+def gang_scheduled(pod_group: Mapping[str, Any] | None, name: str) -> tuple[bool, str, str]:
+    """(placed whole?, reason, message) from a native PodGroup, read once its gang runs. kube-scheduler marks a
+    group it placed whole `PodGroupInitiallyScheduled=True`; one without the GenericWorkload gate ignores the group
+    and places the pods one by one, leaving no such condition: the cluster did not enforce the gang."""
+    conditions = (pod_group or {}).get("status", {}).get("conditions") or []
+    placed = next((c for c in conditions if c.get("type") == "PodGroupInitiallyScheduled"), None)
+    if placed and placed.get("status") == "True":
+        return True, "ScheduledAsGang", f"kube-scheduler placed the gang as a whole (PodGroup {name})"
+    why = "does not exist" if pod_group is None else "has no PodGroupInitiallyScheduled=True condition"
+    return False, "GangNotEnforced", (f"the pods run, but PodGroup {name} {why}: kube-scheduler placed them one by "
+                                      "one, not all or nothing (is its GenericWorkload feature gate on?)")

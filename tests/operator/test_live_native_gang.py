@@ -46,7 +46,9 @@ def test_a_native_gang_is_held_whole_binds_whole_and_restarts_into_a_fresh_podgr
     rig.hollow.add(1)  # capacity arrives: the whole gang binds
     placed = wait_for(lambda: (b := bound(rig, 0)) and all(b.values()) and b, 60, "the gang to bind whole")
     assert len(set(placed.values())) == 3
-    wait_for(lambda: rig.status(NS, JOB).get("phase") == "Running", 30, "the job Running")
+    status = wait_for(lambda: (s := rig.status(NS, JOB)).get("phase") == "Running" and s, 30, "the job Running")
+    gang = next(c for c in status["conditions"] if c["type"] == "GangScheduled")  # read off the PodGroup
+    assert (gang["status"], gang["reason"]) == ("True", "ScheduledAsGang"), gang
 
     rig.hollow.finish(NS, f"{JOB}-0-1", exit_code=1)  # a retryable failure: the whole gang restarts
     restarted = wait_for(lambda: (b := bound(rig, 1)) and len(b) == 3 and all(b.values()) and b, 60,

@@ -153,3 +153,13 @@ def test_every_string_is_clipped_to_its_schema_limit():
     assert len(st["failure"]["message"]) == 32768
     assert len(condition(st, "Failed")["message"]) == 32768
     JobStatus.model_validate(st)
+
+
+def test_a_native_gang_placed_whole_or_not_is_told_apart_by_its_podgroup():
+    placed = {"status": {"conditions": [{"type": "PodGroupInitiallyScheduled", "status": "True"}]}}
+    assert status.gang_scheduled(placed, "j-0")[:2] == (True, "ScheduledAsGang")
+    # A scheduler without the GenericWorkload gate leaves the group untouched, or the group is gone.
+    for group in ({"status": {}}, {"status": {"conditions": [{"type": "PodGroupInitiallyScheduled",
+                                                              "status": "False"}]}}, None):
+        ok, reason, message = status.gang_scheduled(group, "j-0")
+        assert (ok, reason) == (False, "GangNotEnforced") and "j-0" in message and "GenericWorkload" in message
