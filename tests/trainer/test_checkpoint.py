@@ -94,3 +94,44 @@ def test_metadata_that_would_run_code_is_refused_before_it_runs(saved, tmp_path)
     with pytest.raises(CheckpointError, match="global builtins.exec is not DCP metadata"):
         full_model_state(ckpt)
     assert not marker.exists()
+
+
+def tamper_metadata(ckpt, change) -> None:
+    """Rewrite the checkpoint's .metadata through `change(meta)` and vouch for it in the manifest (a foreign or
+    tampered writer: the checksums match)."""
+    from paratrain.train.checkpoint import SafeReader
+
+    meta = SafeReader(ckpt).read_metadata()
+    change(meta)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][".metadata"] = hashlib.sha256((ckpt / ".metadata").read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("path", ["../outside.distcp", "/etc/hostname", "unlisted.distcp"])
+def test_metadata_pointing_outside_the_hashed_files_is_refused(saved, tmp_path, path):
+    """DCP joins each item's relative_path onto the directory: only bare names the manifest hashes may be read."""
+    ckpt = tmp_path / "step-00000003"
+    (tmp_path / "outside.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes())
+    (ckpt / "unlisted.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes())
+
+    def redirect(meta) -> None:
+        for info in meta.storage_data.values():
+            info.relative_path = path
+    tamper_metadata(ckpt, redirect)
+    with pytest.raises(CheckpointError, match="not a data file the manifest hashes"):
+        full_model_state(ckpt)
+    checkpointer, _ = saved
+    with pytest.raises(CheckpointError, match="not a data file the manifest hashes"):
+        checkpointer.load(ckpt, {"engine": RecordingEngine(torch.zeros(4)).state_dict()})
+
+
+def test_metadata_declaring_more_than_the_files_hold_is_refused_before_allocating(saved, tmp_path):
+    ckpt = tmp_path / "step-00000003"
+
+    def inflate(meta) -> None:
+        meta.state_dict_metadata["engine.model.w"].size = torch.Size([10**13])  # 40 TB of fp32
+    tamper_metadata(ckpt, inflate)
+    with pytest.raises(CheckpointError, match=r"declares 40,000,000,0[\d,]+ bytes of tensors; the checkpoint.s files"):
+        full_model_state(ckpt)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -106,13 +107,28 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (tensors DCP already reads weights-only)."""
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (tensors DCP already reads weights-only), and
+    held to what the manifest vouches for: DCP joins each item's `relative_path` onto the directory, so every one
+    must be a bare name the manifest hashes (not `../x` or `/x`, files no checksum covers); and the tensors it
+    declares cannot hold more bytes than the checkpoint's files do (a reader allocates them from these sizes)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> metadata.Metadata:
-        with open(Path(self.path) / DCP_METADATA, "rb") as f:
+        ckpt = Path(self.path)
+        with open(ckpt / DCP_METADATA, "rb") as f:
             meta = _MetadataUnpickler(f).load()
         if not isinstance(meta, metadata.Metadata):
             raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(meta).__name__}, not DCP metadata")
+        hashed = set(((_read_manifest(ckpt) or {}).get("files") or {}))
+        for info in (meta.storage_data or {}).values():
+            name = str(getattr(info, "relative_path", ""))
+            if name not in hashed or name in (DCP_METADATA, MANIFEST) or Path(name).name != name:
+                raise pickle.UnpicklingError(f"{DCP_METADATA} points at {name!r}, not a data file the manifest hashes")
+        declared = sum(math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+                       for md in meta.state_dict_metadata.values() if isinstance(md, metadata.TensorStorageMetadata))
+        stored = sum((ckpt / name).stat().st_size for name in hashed if name not in (DCP_METADATA, MANIFEST))
+        if declared > stored:
+            raise pickle.UnpicklingError(f"{DCP_METADATA} declares {declared:,} bytes of tensors; the checkpoint's "
+                                         f"files hold {stored:,}")
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = metadata.StorageMeta()
         meta.storage_meta.load_id = self.load_id
@@ -206,7 +222,7 @@ class Checkpointer:
     def _commit(self, step: int, meta: dict) -> None:
         """Hash the files DCP wrote (each rank a share), then rank 0 writes the manifest and renames into place."""
         tmp, final = self._tmp(step), self.root / step_dir_name(step)
-        names = sorted(p.name for p in tmp.iterdir())
+        names = self._rank0_says(sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None)
         digests: list[Any] = [None] * self.world_size
         mine = {name: sha256_file(tmp / name) for name in names[self.rank::self.world_size]}
         dist.all_gather_object(digests, mine, group=self.group)
@@ -245,10 +261,19 @@ class Checkpointer:
         dist.all_gather_object(problems, problem, group=self.group)
         return [p for p in problems if p]
 
+    def _rank0_says(self, value: Any) -> Any:
+        """Collective: rank 0's `value` on every rank. What rank 0 sees of the checkpoint directory is what every
+        rank works from: on a network filesystem another rank's listing can lag, and ranks that disagree on the
+        file set leave a file unhashed, or call different collectives and hang."""
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def latest(self) -> tuple[Path, dict] | None:
         """Collective: the newest checkpoint whose every file matches its manifest, with the manifest, or None."""
-        for ckpt in self.candidates():
-            manifest = _read_manifest(ckpt)
+        seen = self._rank0_says([(p.name, _read_manifest(p)) for p in self.candidates()] if self.rank == 0 else None)
+        for name, manifest in seen:
+            ckpt = self.root / name
             if manifest is not None:
                 self._check_format(ckpt, manifest)
             names = sorted(manifest.get("files", {})) if manifest else []
