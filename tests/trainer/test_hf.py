@@ -161,3 +161,39 @@ def test_paratrain_export_turns_a_tensor_parallel_checkpoint_into_a_transformers
                               "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf2")],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "no complete checkpoint" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_a_sharded_checkpoint_loads_as_its_single_file_does(family, tmp_path):
+    """Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + model.safetensors.index.json), as
+    `save_pretrained` writes every model over its shard size (all the 7B-class ones)."""
+    hf = hf_random_model(family, tmp_path)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="20KB")
+    assert not (sharded / "model.safetensors").exists() and len(list(sharded.glob("model-*.safetensors"))) > 2
+    j = job(family, init=str(sharded))
+    assert init_problem(j.spec.model, VOCAB) is None
+    model = build_model(model_config(j.spec, VOCAB))
+    load_hf_into(model, sharded)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens()), hf_logits(tmp_path), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config, problem", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('{"model_type": "llama", "rope_parameters": [1]}', "holds another model"),
+    ("{", "cannot read"),
+])
+def test_a_malformed_config_is_named_not_a_crash(tmp_path, config, problem):
+    export_hf(job("llama"), paratrain_model(job("llama")).state_dict(), tmp_path)
+    (tmp_path / "config.json").write_text(config)
+    assert problem in init_problem(job("llama", init=str(tmp_path)).spec.model, VOCAB)
+
+
+def test_a_sharded_index_naming_a_file_elsewhere_is_refused(tmp_path):
+    hf = hf_random_model("llama", tmp_path)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace('"model-00001', '"../model-00001'))
+    problem = init_problem(job("llama", init=str(tmp_path / "sharded")).spec.model, VOCAB)
+    assert "not a file in" in problem and "../model-00001" in problem

@@ -10,6 +10,7 @@ attention biases, which paratrain's GPT has none of, are written as zeros and mu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ..api import ParallelTrainJob
-from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json
+from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json, weight_shards
 from .models import build_model, copy_into, full_shape_of, model_config
 
 # (paratrain name, Hugging Face name) as regular expression and replacement, per family.
@@ -106,21 +107,24 @@ def load_hf_into(model: nn.Module, directory: str | Path) -> None:
     directory: each full tensor is read, and this rank's part copied in, as init_weights does."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as f:
-        keys = set(f.keys())
+    shards = weight_shards(directory)  # a sharded checkpoint's index, or {} for one model.safetensors
+    with contextlib.ExitStack() as stack:
+        files = {file: stack.enter_context(safe_open(str(Path(directory) / file), framework="pt"))
+                 for file in sorted(set(shards.values())) or [WEIGHTS_FILE]}
+        where = shards or dict.fromkeys(files[WEIGHTS_FILE].keys(), WEIGHTS_FILE)
 
         def get(hf: str) -> torch.Tensor:
-            if hf == "lm_head.weight" and hf not in keys:  # tied embeddings (Llama 3.2 1B/3B): an untied copy
+            if hf == "lm_head.weight" and hf not in where:  # tied embeddings (Llama 3.2 1B/3B): an untied copy
                 hf = TIED_EMBEDDING[model.family]
-            if hf not in keys:
+            if hf not in where:
                 raise KeyError(hf)
-            return f.get_tensor(hf)
+            return files[where[hf]].get_tensor(hf)
 
         for name, param in model.named_parameters():
             try:
                 full = from_hf(model.family, name, get)
             except KeyError as exc:
-                raise ValueError(f"spec.model.init: {directory}/{WEIGHTS_FILE} has no {exc} (for {name})") from None
+                raise ValueError(f"spec.model.init: {directory} has no {exc} (for {name})") from None
             if full.shape != full_shape_of(param):
                 raise ValueError(f"spec.model.init: {name} is {tuple(full.shape)} in {directory}, the spec's model "
                                  f"needs {tuple(full_shape_of(param))}")

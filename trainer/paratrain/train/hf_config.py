@@ -14,6 +14,7 @@ from typing import Any
 from ..api.spec import ModelSpec
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: tensor name → the file holding it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt": "GPT2LMHeadModel"}
 
 
@@ -41,7 +42,8 @@ def config_json(model: ModelSpec, vocab_size: int) -> dict[str, Any]:
 
 def _rope(config: dict[str, Any]) -> tuple[float | None, Any]:
     """(rope theta, the scaling it asks for besides plain RoPE, or None)."""
-    params = config.get("rope_parameters") or {}
+    params = config.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     return theta, scaling
@@ -80,19 +82,44 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a Hugging Face model directory; ValueError (naming spec.model.init) if unreadable."""
     path = Path(directory) / CONFIG_FILE
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"spec.model.init: cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"spec.model.init: {path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def weight_shards(directory: str | Path) -> dict[str, str]:
+    """Tensor name → the safetensors file holding it, from a sharded checkpoint's index (Hugging Face's
+    `model.safetensors.index.json`); empty for a single model.safetensors. ValueError (naming spec.model.init) for
+    an index that is unreadable or names a file that is not a bare name in the directory."""
+    directory = Path(directory)
+    path = directory / WEIGHTS_INDEX
+    if (directory / WEIGHTS_FILE).is_file() or not path.is_file():
+        return {}
+    try:
+        weight_map = json.loads(path.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"spec.model.init: cannot read {path}: {exc}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"spec.model.init: {path} has no weight_map")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not (directory / file).is_file():
+            raise ValueError(f"spec.model.init: {path} puts {name} in {file!r}, not a file in {directory}")
+    return weight_map
 
 
 def init_problem(model: ModelSpec, vocab_size: int | None) -> str | None:
     """Why `model.init` cannot initialise this model (missing directory or files, other shapes), or None."""
     directory = Path(model.init)
-    if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
-        return (f"{model.init}: not a Hugging Face model directory with {CONFIG_FILE} and {WEIGHTS_FILE} (looked in "
-                f"{directory.resolve()})")
+    weights = (directory / WEIGHTS_FILE).is_file() or (directory / WEIGHTS_INDEX).is_file()
+    if not (directory / CONFIG_FILE).is_file() or not weights:
+        return (f"{model.init}: not a Hugging Face model directory with {CONFIG_FILE} and {WEIGHTS_FILE} (or "
+                f"{WEIGHTS_INDEX} and its shards; looked in {directory.resolve()})")
     try:
         config = read_config(directory)
+        weight_shards(directory)
     except ValueError as exc:
         return str(exc).removeprefix("spec.model.init: ")
     wrong = mismatches(model, config, vocab_size)
