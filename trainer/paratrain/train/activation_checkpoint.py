@@ -1,8 +1,9 @@
 """Activation checkpointing (spec.training.activationCheckpointing), applied per transformer block.
 
 - full: a block keeps only its input; backward runs its forward again to rebuild the rest.
-- selective: a block keeps the outputs of its matmuls and of attention (the costly ops) and recomputes the cheap
-  ones in between (norms, activations, dropout, residual adds), after torchtitan's op-level selective AC.
+- selective: a block keeps the outputs of its matmuls, of attention and of tensor parallel's collectives (the
+  costly ops: recomputing an all-reduce costs a collective) and recomputes the cheap ones in between (norms,
+  activations, dropout, residual adds), after torchtitan's op-level selective AC.
 
 The block's `forward` is replaced on the instance rather than the block wrapped in a module (torch's
 checkpoint_wrapper), so parameter names — which weight init, tensor-parallel plans and checkpoints key on — stay
@@ -23,14 +24,17 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
-_aten = torch.ops.aten
-# What selective AC keeps: matmul and attention outputs (every attention kernel torch may dispatch to).
+_aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
+# What selective AC keeps: matmul and attention outputs (every attention kernel torch may dispatch to), and the
+# collectives DTensor issues for tensor parallel (with their waits: a recomputed wait would need the collective).
 SAVED_OPS = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
+    _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
+    _c10d.wait_tensor.default,
 })
 
 
