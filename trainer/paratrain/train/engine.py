@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from .data_parallel import OverlappedGradReducer
 from .dims import ParallelDims
@@ -31,9 +32,29 @@ from .tensors import local, local_bytes
 from .zero import ZeroOneOptimizer, optimizer_state_bytes
 
 
+# Tokens per piece of the loss: its fp32 copy of the logits and log-softmax exist for one piece at a time
+# (4,096 tokens × a 128k vocabulary × 4 bytes = 2 GB), never for the whole batch (32 × 2,048 tokens: 34 GB each).
+CE_CHUNK_TOKENS = 4096
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; in fp32 whatever the autocast dtype (the softmax over the vocabulary needs the range)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean token loss; in fp32 whatever the autocast dtype (the softmax over the vocabulary needs the range),
+    computed CE_CHUNK_TOKENS tokens at a time. In training each piece is recomputed in backward rather than its
+    fp32 copies saved, so only the logits themselves stay alive."""
+    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
+    count = flat_targets.numel()
+    if count <= CE_CHUNK_TOKENS or isinstance(flat, DTensor):
+        return F.cross_entropy(flat.float(), flat_targets)
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, count, CE_CHUNK_TOKENS):
+        piece = (flat[start:start + CE_CHUNK_TOKENS], flat_targets[start:start + CE_CHUNK_TOKENS])
+        total = total + (checkpoint(_summed_cross_entropy, *piece, use_reentrant=False) if torch.is_grad_enabled()
+                         else _summed_cross_entropy(*piece))
+    return total / count
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 @torch.no_grad()

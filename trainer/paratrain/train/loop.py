@@ -105,11 +105,18 @@ class Trainer:
         self._emit("resume", step=step, checkpoint=str(self.checkpointer.root))
 
     def evaluate(self) -> float:
+        """The mean validation loss over evalSteps batches. Each rank's slice goes through in gradientAccumulation
+        parts, as in training: in one forward it would hold that many times the activations and logits training
+        ever holds (a 1B model with a 128k vocabulary ran out of memory there, before its first checkpoint)."""
+        t = self.spec.training
         total = 0.0
-        for i in range(self.spec.training.eval_steps):
+        for i in range(t.eval_steps):
             x, y = self._batch(self.corpus.val, i, VAL_STREAM)
-            total += mean_over_reporters(self.engine.evaluate(x, y), self.device)
-        return total / self.spec.training.eval_steps
+            parts = [self.engine.evaluate(xp, yp) for xp, yp in zip(x.chunk(t.gradient_accumulation),
+                                                                   y.chunk(t.gradient_accumulation), strict=True)]
+            computed = [loss for loss in parts if loss is not None]  # pipeline stages other than the last: none
+            total += mean_over_reporters(sum(computed) / len(computed) if computed else None, self.device)
+        return total / t.eval_steps
 
     def save(self, step: int) -> None:
         r = self.result
