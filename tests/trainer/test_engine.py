@@ -94,3 +94,11 @@ def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then,
     scale = engine.zero.loss_scale
     engine.load_extra_state(checkpoint, step=0, skipped_steps=0)
     assert engine.zero.loss_scale == scale
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_deepspeed_reduces_gradients_in_fp32_whatever_the_precision(precision):
+    """As the torch-native layouts do: a bf16 run's reductions would otherwise sum in bf16 (DeepSpeed's default is
+    the model's dtype)."""
+    spec = Spec(nodes=2, precision=precision, parallelism={"data": 2, "zeroStage": 2})
+    assert deepspeed_config(spec, 2, torch.device("cpu"), CFG.embed_dim)["communication_data_type"] == "fp32"
