@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..api.spec import TrainingSpec
 from .data_parallel import OverlappedGradReducer
@@ -15,20 +16,24 @@ from .zero import ZeroOneOptimizer
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings, not biases or norm gains (nanoGPT's split), by each parameter's full shape
-    (a DeepSpeed ZeRO-3 partition's own tensor is flat)."""
+    (a DeepSpeed ZeRO-3 partition's own tensor is flat). Each split further by kind, DTensors (tensor-parallel
+    shards) apart from plain tensors (the replicated norms beside them): torch's foreach kernels batch a group's
+    step over its tensors but refuse a list that mixes the two."""
     params = [p for p in model.parameters() if p.requires_grad]
-    matrix = {id(p): len(full_shape_of(p)) >= 2 for p in params}
-    return [{"params": [p for p in params if matrix[id(p)]], "weight_decay": weight_decay},
-            {"params": [p for p in params if not matrix[id(p)]], "weight_decay": 0.0}]
+    groups = []
+    for decay, is_matrix in ((weight_decay, True), (0.0, False)):
+        chosen = [p for p in params if (len(full_shape_of(p)) >= 2) == is_matrix]
+        for kind in (True, False):
+            same_kind = [p for p in chosen if isinstance(p, DTensor) == kind]
+            if same_kind:
+                groups.append({"params": same_kind, "weight_decay": decay})
+    return groups
 
 
 def _foreach(dims: ParallelDims) -> bool | None:
-    """torch's foreach kernels batch a step over many tensors, but refuse lists that mix DTensors and plain tensors
-    (TP shards next to replicated norms, unless FSDP2 makes every parameter a DTensor). DeepSpeed's optimizer steps
-    one flat partition per group: torch's default choice there."""
-    if dims.uses_deepspeed:
-        return None
-    return not (dims.tp_enabled and not dims.fsdp_enabled)
+    """foreach everywhere (param_groups never mixes DTensors and plain tensors in a group); DeepSpeed's optimizer
+    steps one flat partition per group: torch's default choice there."""
+    return None if dims.uses_deepspeed else True
 
 
 def build_optimizer(model: nn.Module, dims: ParallelDims, training: TrainingSpec,
