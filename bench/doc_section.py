@@ -16,3 +16,4 @@ def write_section(name: str, lines: list[str], doc: Path = DOC) -> None:
     head, _, rest = text.partition(begin)
     _, _, tail = rest.partition(end)
     doc.write_text(head + "\n".join([begin, "", *lines, "", end]) + tail)
+    print(f"updated the {name} section of {doc}")

@@ -1,4 +1,5 @@
-"""Generate manifests/ and the chart's CRD and RBAC files from their sources; `--check` fails when they drift.
+"""Generate manifests/, the chart's CRD and RBAC files and docs/reference.md from their sources; `--check` fails
+when they drift.
 
     .venv/bin/python scripts/gen_manifests.py           # write every generated file
     .venv/bin/python scripts/gen_manifests.py --check   # exit 1 listing the files that differ (tests/delivery)
@@ -28,6 +29,7 @@ CHART_CRD = CHART_DIR / "files" / "crds" / "paralleltrainjobs.paratrain.dev.yaml
 CHART_RBAC = CHART_DIR / "files" / "rbac.yaml"
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = ROOT / "examples"
+REFERENCE = ROOT / "docs" / "reference.md"
 
 RELEASE_NAME = "paratrain"
 NAMESPACE = "paratrain-system"
@@ -126,8 +128,10 @@ def expected_files() -> dict[Path, str]:
         (chart / CHART_CRD.relative_to(CHART_DIR)).write_text(crd)
         (chart / CHART_RBAC.relative_to(CHART_DIR)).write_text(rbac)
         bundle = install_bundle(chart)
+    from paratrain.api.reference import reference_markdown
+
     return {CHART_CRD: crd, CHART_RBAC: rbac, MANIFESTS / "crd.yaml": crd, MANIFESTS / "install.yaml": bundle,
-            **example_jobs()}
+            REFERENCE: reference_markdown(), **example_jobs()}
 
 
 def stale_files(expected: dict[Path, str]) -> list[Path]:

@@ -114,7 +114,7 @@ class ModelSpec(_Model):
     norm_eps: float | None = Field(None, gt=0.0, le=0.1, description=(
         "Epsilon of LayerNorm (gpt) or RMSNorm (llama). Default: 1e-5."))
     block_size: int = Field(64, ge=2, le=131072, description="Context length in tokens.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability in attention and residual paths; 0 for pretraining.")
     vocab_size: int = Field(256, ge=2, le=1_000_000, description="Vocabulary of the synthetic source only.")
     init: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$", description=(
         "A Hugging Face model directory (config.json, model.safetensors) to start from instead of random weights; "
@@ -145,7 +145,7 @@ class DataSpec(_Model):
 
 
 class TrainingSpec(_Model):
-    steps: int = Field(100, ge=1, le=100_000_000)
+    steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to train.")
     batch_size: int = Field(8, ge=1, le=1_000_000, description="Sequences per optimizer step, over all DP ranks.")
     gradient_accumulation: int = Field(1, ge=1, le=1024, description=(
         "Micro-steps per optimizer step, each of batchSize/gradientAccumulation sequences; gradients are reduced "
@@ -153,16 +153,20 @@ class TrainingSpec(_Model):
     activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description=(
         "Recompute activations in backward instead of keeping them, per block: full keeps only each block's "
         "input; selective keeps matmul and attention outputs and recomputes the cheap ops between them."))
-    learning_rate: float = Field(1e-3, gt=0.0, le=10.0)
-    min_learning_rate: float = Field(1e-4, ge=0.0, le=10.0)
-    warmup_steps: int = Field(10, ge=0, le=100_000_000)
-    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    learning_rate: float = Field(1e-3, gt=0.0, le=10.0, description="Peak learning rate, reached after warmupSteps.")
+    min_learning_rate: float = Field(1e-4, ge=0.0, le=10.0, description=(
+        "Learning rate at the last step: cosine decay from learningRate after warmup; at most learningRate."))
+    warmup_steps: int = Field(10, ge=0, le=100_000_000, description="Steps of linear warmup from 0; at most steps.")
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0, description=(
+        "AdamW weight decay, on matrices and embeddings only (not biases or norm gains)."))
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW's first-moment decay.")
+    beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW's second-moment decay.")
     grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Max global gradient norm; 0 disables clipping.")
-    eval_interval: int = Field(50, ge=1, le=100_000_000)
-    eval_steps: int = Field(10, ge=1, le=100_000)
-    seed: int = Field(1337, ge=0, le=2**31 - 1)
+    eval_interval: int = Field(50, ge=1, le=100_000_000, description=(
+        "Steps between validation-loss evaluations (and at the last step)."))
+    eval_steps: int = Field(10, ge=1, le=100_000, description="Validation batches averaged per evaluation.")
+    seed: int = Field(1337, ge=0, le=2**31 - 1, description=(
+        "Seeds weights, data order and dropout: the same seed and data give the same loss curve in every layout."))
 
 
 class CheckpointSpec(_Model):
@@ -183,16 +187,19 @@ class LoggingSpec(_Model):
 
 class ResourcesSpec(_Model):
     gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 trains on CPU with gloo.")
-    cpu: str = Field("1", pattern=QUANTITY, max_length=32)
-    memory: str = Field("2Gi", pattern=QUANTITY, max_length=32)
+    cpu: str = Field("1", pattern=QUANTITY, max_length=32, description="CPU per pod (requests = limits).")
+    memory: str = Field("2Gi", pattern=QUANTITY, max_length=32, description=(
+        "Memory per pod (requests = limits), /dev/shm included."))
     shm_size: str = Field("1Gi", pattern=QUANTITY, max_length=32, description="Size of the /dev/shm emptyDir.")
 
 
 class RunPolicy(_Model):
     backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
-    active_deadline_seconds: int | None = Field(None, ge=1, le=10 * 365 * 86400)
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=10 * 365 * 86400)
-    suspend: bool = False
+    active_deadline_seconds: int | None = Field(None, ge=1, le=10 * 365 * 86400, description=(
+        "Fail the job once it has run this long (from its gang's start; a resume restarts the clock)."))
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=10 * 365 * 86400, description=(
+        "Delete the job (and its pods) this long after it succeeded or failed; unset: keep it."))
+    suspend: bool = Field(False, description="Stop the gang (delete its pods) and keep the job; false again resumes it.")
     stall_timeout_seconds: int = Field(
         900, ge=10, le=7 * 86400, description="Progress silent this long sets the Stalled condition."
     )
@@ -202,11 +209,12 @@ class RunPolicy(_Model):
 
 
 class Toleration(_Model):
-    key: str | None = Field(None, max_length=LABEL_KEY_MAX_LENGTH, pattern=LABEL_KEY)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(None, max_length=LABEL_KEY_MAX_LENGTH, pattern=LABEL_KEY, description="The taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Equal (the default) or Exists.")
+    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE, description="The taint value (Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect tolerated; unset: all.")
+    toleration_seconds: int | None = Field(None, description="NoExecute only: how long the pod stays after the taint.")
 
     @model_validator(mode="after")
     def _api_server_rules(self) -> Toleration:
@@ -228,29 +236,35 @@ class SchedulingSpec(_Model):
     topology_key: str | None = Field(None, pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
         "Keep the whole gang in one domain of this node label (e.g. topology.kubernetes.io/zone, or a rack or "
         "network-block label): gang 'kubernetes' only, Kubernetes 1.37 with TopologyAwareWorkloadScheduling."))
-    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
-    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "The pods' PriorityClass (and the native PodGroup's)."))
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64, description=(
+        "Node labels every pod of the gang requires."))
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description=(
+        "Taints the pods tolerate (e.g. a GPU pool's)."))
     # Affinity is Kubernetes' own structure; it is passed through as data (never as text) and
     # validated by the API server's pod schema.
-    affinity: dict[str, Any] | None = None
+    affinity: dict[str, Any] | None = Field(None, description=(
+        "A Kubernetes Affinity, passed to every pod as it is (checked by the API server)."))
 
 
 class EnvVar(_Model):
-    name: str = Field(pattern=ENV_NAME, max_length=128)
-    value: str = Field("", max_length=32768)
+    name: str = Field(pattern=ENV_NAME, max_length=128, description="The variable's name.")
+    value: str = Field("", max_length=32768, description="Its value (plain text: use a Secret volume for secrets).")
 
 
 class Volume(_Model):
     """A volume mounted into every pod: a PVC (data, checkpoints), a ConfigMap, a Secret or an emptyDir."""
 
-    name: str = Field(pattern=DNS_LABEL, max_length=63)
-    mount_path: str = Field(pattern=ABS_PATH, max_length=4096)
-    read_only: bool = False
-    persistent_volume_claim: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
-    config_map: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
-    secret: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
-    empty_dir: bool = False
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="The volume's name in the pod.")
+    mount_path: str = Field(pattern=ABS_PATH, max_length=4096, description=(
+        "Where the trainer container sees it (an absolute path, e.g. /data or /checkpoints)."))
+    read_only: bool = Field(False, description="Mount it read-only.")
+    persistent_volume_claim: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "Source: this PersistentVolumeClaim (shared by every pod: ReadWriteMany for checkpoints)."))
+    config_map: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description="Source: this ConfigMap.")
+    secret: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description="Source: this Secret.")
+    empty_dir: bool = Field(False, description="Source: an empty directory per pod (gone with the pod).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Volume:
@@ -263,13 +277,16 @@ class Volume(_Model):
 class PodSpec(_Model):
     """What real clusters need from the user, merged into every pod as data."""
 
-    env: list[EnvVar] = Field(default_factory=list, max_length=256)
-    volumes: list[Volume] = Field(default_factory=list, max_length=64)
+    env: list[EnvVar] = Field(default_factory=list, max_length=256, description=(
+        "Extra environment variables of the trainer container."))
+    volumes: list[Volume] = Field(default_factory=list, max_length=64, description=(
+        "Volumes mounted into the trainer container: absolute data and checkpoint paths live on these in a cluster."))
     image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]] = Field(
-        default_factory=list, max_length=16
-    )
-    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
-    annotations: dict[LabelKey, Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict, max_length=64)
+        default_factory=list, max_length=16, description="Secrets for pulling the trainer image from a private registry.")
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64, description=(
+        "Extra labels on every pod (paratrain's own win)."))
+    annotations: dict[LabelKey, Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict, max_length=64,
+                                                                                description="Extra annotations on every pod.")
 
     @field_validator("annotations")
     @classmethod
@@ -282,11 +299,13 @@ class PodSpec(_Model):
 
 
 class Spec(_Model):
-    image: str = Field("ghcr.io/paratrain/trainer:0.1.0", pattern=IMAGE, max_length=512)
+    image: str = Field("ghcr.io/paratrain/trainer:0.1.0", pattern=IMAGE, max_length=512, description=(
+        "The trainer image every pod runs (cluster only; a local run uses this checkout)."))
     nodes: int = Field(1, ge=1, le=4096, description="Pods in the gang.")
     procs_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per pod.")
     parallelism: Parallelism = Field(default_factory=Parallelism)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
+        "Mixed precision: bf16 or fp16 autocast with fp32 master weights (fp16 with dynamic loss scaling)."))
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
