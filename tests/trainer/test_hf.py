@@ -146,6 +146,11 @@ def test_paratrain_export_turns_a_tensor_parallel_checkpoint_into_a_transformers
                             capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr
     assert "config.json, model.safetensors, tokenizer.json" in export.stdout
+    # Which checkpoint, of which layout: the newest, step 2, of the TP=2 run.
+    assert "paratrain export: step 2 (" in export.stdout and "step-00000002" in export.stdout, export.stdout
+    assert "written by layout dp1·tp2·pp1" in export.stdout, export.stdout
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors' 0600 made like the rest
 
     trained = parse_job({**TINY_JOB, "spec": {**TINY_JOB["spec"], "model": {
         "family": "llama", "layers": 2, "heads": 4, "kvHeads": 2, "embedDim": 32, "blockSize": 16}}})

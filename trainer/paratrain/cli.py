@@ -167,11 +167,12 @@ def _export(job, args: argparse.Namespace) -> int:
     from .train.hf import export_checkpoint
 
     try:
-        out = export_checkpoint(job, args.checkpoint, args.out)
+        out, ckpt, manifest = export_checkpoint(job, args.checkpoint, args.out)
     except ValueError as exc:  # CheckpointError, or a checkpoint of another model than the job's
         print(f"paratrain export: {exc}", file=sys.stderr)
         return 1
-    print(f"paratrain export: wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    print(f"paratrain export: step {manifest.get('step')} ({ckpt}, written by layout {manifest.get('layout')}) -> "
+          f"{out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     return 0
 
 

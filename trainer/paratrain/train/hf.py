@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -153,17 +154,29 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     if tokenizer_json:
         shutil.copyfile(tokenizer_json, out / TOKENIZER_FILE)
+    _usual_modes(out)
     return out
 
 
+def _usual_modes(out: Path) -> None:
+    """Give the files the mode any new file gets here (0644 under the usual umask): safetensors writes its file
+    0600, beside 0644 config.json, and a model directory is made to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
-def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path) -> Path:
+
+
+def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, Path, dict]:
     """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
     under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
-    reads one."""
-    from .checkpoint import full_model_state, newest_sound
+    reads one. Returns the directory, the checkpoint exported and its manifest (step, layout)."""
+    from .checkpoint import MANIFEST, full_model_state, newest_sound
 
     ckpt = newest_sound(checkpoint)
     data = job.spec.data
     tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    return export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None)
+    out = export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None)
+    return out, ckpt, json.loads((ckpt / MANIFEST).read_text())
