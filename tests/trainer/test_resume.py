@@ -50,3 +50,17 @@ def test_run_resumes_under_another_precision(zero, first, then, tmp_path):
     assert resumed["resumed_from_step"] == 8
     assert resumed["skipped_steps"] == 0
     assert_close_curves(resumed["losses"], straight["losses"], rtol=5e-3)  # bf16 rounding: test_parity's bound
+
+
+def test_a_pipeline_and_tensor_parallel_run_with_dropout_resumes_exactly(tmp_path):
+    """pp2×tp2 with dropout: torch's pipeline runs a metadata forward on the first step of every run (so on the
+    resumed run's first step too, not only the uninterrupted run's step 0). It must not advance tensor parallel's
+    dropout stream, or the resumed step draws other masks."""
+    overrides = layout(pipeline=2, tensor=2, microbatches=2) + [
+        f"spec.checkpoint.path={tmp_path / 'ckpt'}", "spec.checkpoint.interval=2", "spec.training.steps=4",
+        "spec.model.dropout=0.2"]
+    _, straight = run_job(tmp_path / "straight", overrides)
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000004")  # the rerun finds step 2
+    _, resumed = run_job(tmp_path / "resumed", overrides)
+    assert resumed["resumed_from_step"] == 2
+    assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)

@@ -36,4 +36,27 @@ def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.d
     """A schedule whose loss_fn already weighs each microbatch (engine.loss_weight). Not scale_grads: it divides
     every gradient the stage holds after each run, so would divide earlier micro-steps' gradients again."""
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
+    _keep_rng_streams_through_metadata_forward(stage)
     return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _keep_rng_streams_through_metadata_forward(stage: PipelineStage) -> None:
+    """torch runs a metadata forward through the stage (`_prepare_forward_infra`: on the first step and after each
+    switch between training and evaluation) under fork_rng, which puts torch's generators back but not tensor
+    parallel's per-rank dropout streams (RNGStream): they would advance, and a resumed pp×tp run with dropout
+    would draw other masks than the uninterrupted one. Put them back as well."""
+    streams = list({id(m.heads_rng): m.heads_rng for m in stage.submod.modules()
+                    if getattr(m, "heads_rng", None) is not None}.values())
+    if not streams:
+        return
+    prepare = stage._prepare_forward_infra
+
+    def prepare_keeping_streams(*args, **kwargs):
+        states = [stream.state for stream in streams]
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            for stream, state in zip(streams, states, strict=True):
+                stream.state = state
+
+    stage._prepare_forward_infra = prepare_keeping_streams
