@@ -49,12 +49,7 @@ def restart(rig: ScaleRig, namespace: str, size: int, name: str = "gang") -> dic
     mark, began = len(rig.proxy.log), time.monotonic()
     rig.hollow.finish(namespace, f"{name}-0-{size // 2}", exit_code=1)
     prefix = f"/api/v1/namespaces/{namespace}/pods"
-
-    def created() -> list[list[Any]]:
-        posts = [r for r in rig.proxy.log[mark:] if r[0] == "POST" and r[1].split("?")[0] == prefix
-                 and r[2] == 201 and r[5] is not None]
-        return posts if len(posts) >= size else []
-    posts = wait_for(created, 300, "the new gang", interval=0.05)
+    posts = rig.wait_created(namespace, size, since=mark)
     done = max(r[5] for r in posts)
     passes = rig.passes(namespace, name)
     wait_for(lambda: rig.status(namespace, name).get("phase") == "Running", 300, "the new gang running")

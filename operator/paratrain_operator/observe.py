@@ -289,15 +289,6 @@ class JobCache:
         self._bodies.pop(key, None)
 
 
-async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        return await client().request("GET", api_path(API_GROUP_VERSION, PLURAL, namespace, name))
-    except ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | None:
     """The object `ref` (apiVersion, kind, name, namespace) names, or None when it does not exist."""
     meta = ref["metadata"]
@@ -307,6 +298,11 @@ async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | No
         if exc.status == 404:
             return None
         raise
+
+
+async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
+    return await get_object({"apiVersion": API_GROUP_VERSION, "metadata": {"namespace": namespace, "name": name}},
+                            PLURAL)
 
 
 async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:

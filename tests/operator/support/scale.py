@@ -94,6 +94,16 @@ class ScaleRig:
     def requests(self, since: int = 0) -> list[list[Any]]:
         return list(self.proxy.log[since:])
 
+    def wait_created(self, namespace: str, count: int, since: int) -> list[list[Any]]:
+        """The operator's successful pod POSTs in `namespace` after log entry `since`, once there are `count`."""
+        pods_path = resource_path("v1/pods", namespace)
+
+        def created() -> list[list[Any]]:
+            posts = [r for r in self.proxy.log[since:] if r[0] == "POST" and r[1].split("?")[0] == pods_path
+                     and r[2] == 201 and r[5] is not None]
+            return posts if len(posts) >= count else []
+        return wait_for(created, 300, f"{count} pods created in {namespace}", interval=0.05)
+
     def quiet(self, namespace: str, name: str, seconds: float = 2.0, timeout: float = 120) -> None:
         """Until neither a pass of the job nor a request about its namespace happened for `seconds`."""
         def settled() -> bool:
@@ -111,13 +121,7 @@ class ScaleRig:
         mark, began = len(self.proxy.log), time.monotonic()
         watch_before = self._watch_bytes()
         self.submit(namespace, name, size, **spec)
-        pods_path = resource_path("v1/pods", namespace)
-
-        def created() -> list[list[Any]]:
-            posts = [r for r in self.proxy.log[mark:] if r[0] == "POST" and r[1].split("?")[0] == pods_path
-                     and r[2] == 201 and r[5] is not None]
-            return posts if len(posts) >= size else []
-        posts = wait_for(created, 300, f"{size} pods created", interval=0.05)
+        posts = self.wait_created(namespace, size, since=mark)
         last_created = max(r[5] for r in posts)
         passes_at_created = self.passes(namespace, name)
         wait_for(lambda: self.status(namespace, name).get("phase") == "Running", 300, f"{namespace} Running",
