@@ -20,8 +20,9 @@ class RecordingEngine:
     def state_dict(self) -> dict:
         return {"model": {"w": self.weights}, "optim": {}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.loaded = state
+    def restore(self, load) -> None:
+        self.loaded = self.state_dict()
+        load(self.loaded)
 
     def extra_state(self) -> dict:
         return {}

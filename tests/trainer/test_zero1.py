@@ -45,6 +45,13 @@ def counted_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
+def whole(share: dict) -> dict:
+    """Every dp rank's share of a checkpoint's optimizer state, merged (collective)."""
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, share)
+    return {name: values for each in shares for name, values in each.items()}
+
+
 def train(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -88,12 +95,15 @@ def train(rank: int, store_file: str, out: str) -> None:
             single_engine.forward_backward([(x, y)])
             norms.append((result.grad_norm, single_engine.optimizer_step(lr=1e-2).grad_norm))
 
-        state = optimizer.state_dict(model)
+        share = optimizer.state_dict(model)  # what this rank hands DCP
+        state = whole(share)
         reference_state = get_optimizer_state_dict(single, single_engine.optimizer)["state"]  # a plain run's
-        # The same state read back by a run of other buckets (other shard boundaries).
+        # The same state read back by a run of other buckets (other shard boundaries), from a template of the
+        # parameters it holds pieces of.
         other_model, reloaded, _ = zero1(10**9)
-        reloaded.load_state_dict(other_model, state)
-        reloaded_state = reloaded.state_dict(other_model)
+        template = reloaded.load_template(other_model)
+        reloaded.load_state_dict(other_model, {name: state[name] for name in template})
+        reloaded_state = whole(reloaded.state_dict(other_model))
         psi = sum(p.numel() for p in model.parameters())
         report = {
             "buckets": len(reducer.buckets), "counts": counts, "norms": norms, "psi": psi,
@@ -104,6 +114,11 @@ def train(rank: int, store_file: str, out: str) -> None:
                                for name in reference_state for key in ("exp_avg", "exp_avg_sq")),
             "steps": sorted({state[name]["step"].item() for name in reference_state}),
             "reload_equal": all(torch.equal(state[n][k], reloaded_state[n][k]) for n in state for k in state[n]),
+            "kept": sorted(share), "kept_bytes": sum(v.numel() * v.element_size() for values in share.values()
+                                                     for v in values.values()),
+            "kept_devices": sorted({str(v.device) for values in share.values() for v in values.values()}),
+            "largest_bytes": max(8 * p.numel() for p in model.parameters()),
+            "template": sorted(template), "names": sorted(reference_state),
         }
         with open(f"{out}.{rank}", "w") as f:
             json.dump(report, f)
@@ -150,6 +165,19 @@ def test_checkpoint_state_is_whole_per_parameter_and_reloads_into_other_buckets(
         assert report["same_format"]  # a plain optimizer's get_optimizer_state_dict: names and keys
         assert report["steps"] == [STEPS]
         assert report["reload_equal"]
+
+
+def test_each_rank_saves_its_own_half_of_the_optimizer_state_from_host_memory(reports):
+    """A save gathers the whole state bucket by bucket, but each parameter's is kept (on the host) by one dp rank
+    only: at 8B parameters, every GPU holding all of Adam's moments at once would need 64 GB more."""
+    kept = [set(report["kept"]) for report in reports]
+    assert kept[0].isdisjoint(kept[1]) and kept[0] | kept[1] == set(reports[0]["names"])
+    psi, largest = reports[0]["psi"], reports[0]["largest_bytes"]
+    for report in reports:
+        assert report["kept_devices"] == ["cpu"]
+        assert report["kept_bytes"] <= 8 * psi / 2 + largest
+        # A resume reads back only the parameters this rank holds pieces of.
+        assert set(report["template"]) < set(report["names"])
 
 
 @pytest.mark.parametrize("numel,shards", [([5, 3, 8], 2), ([5, 3, 8], 3), ([1], 4), ([7, 1, 1], 4)])

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ from torch import nn
 
 from ..api import Spec
 from .activation_checkpoint import apply_ac
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, in_batches, save_owners
 from .dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
 from .models import ModelConfig, build_model, initialize
@@ -52,6 +52,9 @@ from .precision import DTYPES, LossScaler
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# A resume loads whole fp32 weights and moments in parts of this many elements per tensor kind (3 x 1 GiB of host
+# memory), each part one collective load.
+LOAD_PART_ELEMENTS = 2**28
 
 
 def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) -> dict:
@@ -113,6 +116,8 @@ class DeepSpeedEngine:
     ds: object  # deepspeed.DeepSpeedEngine
     module: nn.Module  # the model DeepSpeed wraps
     zero_stage: int
+    dp: int  # data-parallel ranks (DeepSpeed's whole world)
+    dp_rank: int
     last_param_bytes: int = 0
     last_grad_bytes: int = 0
 
@@ -156,10 +161,13 @@ class DeepSpeedEngine:
         return cross_entropy(self.ds(x), y).item()
 
     def state_dict(self) -> dict:
-        """TorchEngine's checkpoint format (checkpoint.py), gathered from the ZeRO partitions (collective): whole
-        fp32 tensors keyed by parameter name — the master weights, Adam's moments and step count. Every rank holds
-        all of them (DCP writes each once): at a save or load, each rank holds the whole fp32 model and Adam state
-        for a moment, 16Ψ bytes, however ZeRO shards them in training.
+        """This rank's share of TorchEngine's checkpoint format (checkpoint.py), gathered from the ZeRO partitions
+        (collective over dp): whole fp32 tensors keyed by parameter name — the master weights, Adam's moments and
+        step count — of the parameters `checkpoint.save_owners` gives this rank. DCP writes each from its keeper.
+
+        Each tensor is gathered alone and moved to host memory at once (or dropped by the ranks that do not keep
+        it), so a device holds its partitions plus one gathered tensor, and a host 16Ψ/N bytes: never the whole
+        fp32 model and Adam state (96 GB for 8B parameters) on every GPU.
 
         The low-precision weights are not saved: DeepSpeed keeps them equal to the cast of the masters.
         """
@@ -168,24 +176,44 @@ class DeepSpeedEngine:
         self._link_optimizer_state()
         # Torch's AdamW counts steps per parameter; DeepSpeed's per flat group. Every group steps together.
         step = self.zero.optimizer.state[self.masters[0]]["step"]
+        params = list(self.module.named_parameters())
+        owners = save_owners([_numel(p) for _, p in params], self.dp)
         model, optim = {}, {}
-        for name, p in self.module.named_parameters():
-            model[name] = safe_get_full_fp32_param(p)
-            optim[name] = {key: safe_get_full_optimizer_state(p, key) for key in ADAM_MOMENTS}
-            optim[name]["step"] = step.detach().clone()
+        for (name, p), owner in zip(params, owners, strict=True):
+            mine = owner == self.dp_rank
+            moments = {}
+            for key in ADAM_MOMENTS:  # one gathered tensor at a time on the device
+                moment = safe_get_full_optimizer_state(p, key)
+                moments[key] = moment.cpu() if mine else None
+            weights = safe_get_full_fp32_param(p)
+            if mine:
+                model[name] = weights.cpu()
+                optim[name] = {**moments, "step": step.detach().cpu().clone()}
         return {"model": model, "optim": optim}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """`state`: a state_dict() filled in place by the checkpoint, of any layout and engine (collective)."""
+    def restore(self, load: Callable[[dict], None]) -> None:
+        """Restore from a checkpoint of any layout and engine: `load(part)` fills `part`, a state_dict-shaped
+        template, from it (a collective). The parameters come in parts of at most LOAD_PART_ELEMENTS elements, whole
+        fp32 tensors in host memory, each rank copying out its partitions: the host never holds the whole state."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         self._link_optimizer_state()
-        for name, p in self.module.named_parameters():
-            safe_set_full_fp32_param(p, state["model"][name])
-            for key in ADAM_MOMENTS:
-                safe_set_full_optimizer_state(p, state["optim"][name][key], key)
-        steps = {float(s["step"]) for s in state["optim"].values()}
+        params = list(self.module.named_parameters())
+        steps: set[float] = set()
+        for part in in_batches([_numel(p) for _, p in params], LOAD_PART_ELEMENTS):
+            state: dict = {"model": {}, "optim": {}}
+            for name, p in (params[i] for i in part):
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                state["model"][name] = torch.empty(shape, dtype=torch.float32)
+                state["optim"][name] = {key: torch.empty(shape, dtype=torch.float32) for key in ADAM_MOMENTS}
+                state["optim"][name]["step"] = torch.tensor(0.0)
+            load(state)
+            for name, p in (params[i] for i in part):
+                safe_set_full_fp32_param(p, state["model"][name])
+                for key in ADAM_MOMENTS:
+                    safe_set_full_optimizer_state(p, state["optim"][name][key], key)
+                steps.add(float(state["optim"][name]["step"]))
         if len(steps) != 1:
             raise CheckpointError(f"the checkpoint's parameters have taken different numbers of optimizer steps "
                                   f"({sorted(steps)}); DeepSpeed keeps one count for all of them")
@@ -265,6 +293,11 @@ class DeepSpeedEngine:
                 "optimizer": _storage_bytes([*moments, *self.masters])}
 
 
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's whole size; ZeRO-3 leaves a partitioned parameter's tensor empty (ds_numel is its size)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def _loss_scaler_state(scaler) -> dict[str, float]:
     return {k: float(getattr(scaler, k)) for k in LOSS_SCALER_STATE if hasattr(scaler, k)}
 
@@ -299,7 +332,7 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
     initialize(model, t.seed, spec.model.init)
     apply_ac(model, t.activation_checkpointing)
     ds, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, dims, t), config=config)
-    return DeepSpeedEngine(ds=ds, module=model, zero_stage=dims.zero_stage)
+    return DeepSpeedEngine(ds=ds, module=model, zero_stage=dims.zero_stage, dp=dims.dp, dp_rank=dims.dp_rank)
 
 
 def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, config: dict,

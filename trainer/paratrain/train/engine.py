@@ -1,7 +1,7 @@
 """TorchEngine: one training step for every torch-native layout (DDP, TP, PP, FSDP2/ZeRO-1, and their mixes).
 
 The loop talks to an engine through forward_backward, optimizer_step, evaluate, state_bytes and the checkpoint
-calls — state_dict / load_state_dict (the model and optimizer, FQN-keyed tensors that any layout can read back),
+calls — state_dict / restore (the model and optimizer, FQN-keyed tensors that any layout can read back),
 extra_state / load_extra_state (the loss scaler, JSON), rank_state / load_rank_state (this rank's own RNG stream,
 not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
 """
@@ -223,8 +223,13 @@ class TorchEngine:
             optim = get_optimizer_state_dict(self.module, self.optimizer)["state"]
         return {"model": get_model_state_dict(self.module), "optim": optim}
 
-    def load_state_dict(self, state: dict) -> None:
-        """`state`: a state_dict() filled in place by the checkpoint."""
+    def restore(self, load: Callable[[dict], None]) -> None:
+        """Restore from a checkpoint of any layout: `load(template)` fills a state_dict-shaped template in place (a
+        collective). Under composed ZeRO-1 the template holds the optimizer state of this rank's pieces only."""
+        optim = (self.optimizer.load_template(self.module) if isinstance(self.optimizer, ZeroOneOptimizer)
+                 else get_optimizer_state_dict(self.module, self.optimizer)["state"])
+        state = {"model": get_model_state_dict(self.module), "optim": optim}
+        load(state)
         set_model_state_dict(self.module, state["model"])
         if isinstance(self.optimizer, ZeroOneOptimizer):
             self.optimizer.load_state_dict(self.module, state["optim"])

@@ -85,13 +85,13 @@ class Trainer:
             return
         ckpt, manifest = found
         step, own_key = manifest["step"], rank_key(self.checkpointer.rank)
-        state = {"engine": self.engine.state_dict()}
-        if self.checkpointer.same_sharding(manifest):
-            state["rank"] = {own_key: self._rank_state()}
-        self.checkpointer.load(ckpt, state)
-        self.engine.load_state_dict(state["engine"])
+        self.engine.restore(lambda part: self.checkpointer.load(ckpt, {"engine": part}))
         self.engine.load_extra_state(manifest["engine"], step, manifest["skippedSteps"])
-        own = state.get("rank", {}).get(own_key)
+        own = None
+        if self.checkpointer.same_sharding(manifest):
+            state = {"rank": {own_key: self._rank_state()}}
+            self.checkpointer.load(ckpt, state)
+            own = state["rank"][own_key]
         self.engine.load_rank_state(own, step)
         if own:
             set_rng_state(own["rng"])

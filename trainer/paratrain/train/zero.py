@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from .checkpoint import save_owners
 from .data_parallel import OverlappedGradReducer
 from .precision import DTYPES
 from .tensors import local, local_bytes
@@ -142,21 +143,42 @@ class ZeroOneOptimizer:
 
     @torch.no_grad()
     def state_dict(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-        """Collective over dp: {parameter name: {state key: whole value}}. Per-element state (tensors shaped like
-        the piece) is all-gathered bucket by bucket; scalars (Adam's step count) are the same on every piece."""
+        """Collective over dp: {parameter name: {state key: whole value}} for the parameters `save_owners` gives
+        this dp rank, in host memory. Per-element state (tensors shaped like the piece) is all-gathered bucket by
+        bucket and each parameter's kept by one rank, so a device holds one gathered bucket at a time and a host
+        about 1/dp of the state; scalars (Adam's step count) are the same on every piece."""
         if not self.local_optimizer.state:
             self._init_state()
         states = [self.local_optimizer.state[s] for shards in self.shards for s in shards]
         scalars = {k: v for k, v in states[0].items() if not is_per_element(v)}
         names = {id(p): name for name, p in module.named_parameters()}
+        params = [p for bucket in self.reducer.buckets for p in bucket.params]
+        mine = {id(p) for p, owner in zip(params, save_owners([p.numel() for p in params], self.reducer.size),
+                                          strict=True) if owner == self.reducer.rank}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for i, bucket in enumerate(self.reducer.buckets):
             for p in bucket.params:
-                out[names[id(p)]] = {k: v.clone() for k, v in scalars.items()}
+                if id(p) in mine:
+                    out[names[id(p)]] = {k: v.cpu().clone() for k, v in scalars.items()}
             for key in (k for k, v in states[0].items() if is_per_element(v)):
-                mine = [self.local_optimizer.state[s][key] for s in self.shards[i]]
-                for p, whole in zip(bucket.params, self._all_gather(i, mine), strict=True):
-                    out[names[id(p)]][key] = like_param(whole.clone(), p)
+                pieces = [self.local_optimizer.state[s][key] for s in self.shards[i]]
+                for p, whole in zip(bucket.params, self._all_gather(i, pieces), strict=True):
+                    if id(p) in mine:
+                        out[names[id(p)]][key] = like_param(whole.cpu().clone(), p)
+        return out
+
+    def load_template(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        """What `load_state_dict` reads, to be filled from a checkpoint: the whole state, in host memory, of the
+        parameters with a piece in this rank's shard (about 1/dp of them)."""
+        if not self.local_optimizer.state:
+            self._init_state()
+        names = {id(p): name for name, p in module.named_parameters()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for shards, pieces in zip(self.shards, self.pieces, strict=True):
+            for shard, (p, *_) in zip(shards, pieces, strict=True):
+                out[names[id(p)]] = {
+                    k: like_param(torch.empty(local(p).shape, dtype=v.dtype), p) if is_per_element(v)
+                    else v.cpu().clone() for k, v in self.local_optimizer.state[shard].items()}
         return out
 
     @torch.no_grad()
