@@ -26,8 +26,10 @@ What each rank holds (`state_bytes`, from the storages of the tensors it keeps, 
   model state;
 - optimizer: Adam's two moments for this rank's partition *and* DeepSpeed's fp32 master copy of it, which it keeps
   even when the model itself is fp32 (a redundant copy then): 12Ψ/N, the paper's K = 12, not 8Ψ/N.
-In bf16/fp16 the weights and gradients take 2 bytes: 2Ψ (2Ψ/N at ZeRO-3) + 2Ψ/N + 12Ψ/N, the paper's mixed-precision
-ZeRO layout.
+In bf16/fp16 the weights take 2 bytes, 2Ψ (2Ψ/N at ZeRO-3), and gradients accumulate in fp32 (`grad_accum_dtype`,
+as torch-native layouts accumulate): 4Ψ/N of partitions at ZeRO-2/3 beside the 2-byte gradients backward produces.
+At ZeRO-1 in bf16 DeepSpeed then uses its BF16_Optimizer, which keeps whole fp32 gradients (4Ψ) and Adam and masters
+for its partition (12Ψ/N).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
         # DeepSpeed's default (the model's dtype) would sum bf16/fp16 gradients of N ranks in 8/11-bit mantissas,
         # and the same spec would train with other numerics in another layout.
         "communication_data_type": "fp32",
+        # ... and accumulated over micro-steps in fp32, as torch-native layouts accumulate into fp32 gradients.
+        "data_types": {"grad_accum_dtype": "fp32"},
         "bf16": {"enabled": spec.precision == "bf16"},
         "fp16": {
             "enabled": spec.precision == "fp16",
@@ -123,7 +127,8 @@ class DeepSpeedEngine:
 
     @property
     def zero(self):
-        """DeepSpeed's ZeRO optimizer (stage 1/2: DeepSpeedZeroOptimizer; 3: DeepSpeedZeroOptimizer_Stage3)."""
+        """DeepSpeed's ZeRO optimizer (stage 1/2: DeepSpeedZeroOptimizer; 3: DeepSpeedZeroOptimizer_Stage3; stage 1
+        in bf16: BF16_Optimizer, DeepSpeed's choice for fp32 gradient accumulation there)."""
         return self.ds.optimizer
 
     @property
@@ -131,6 +136,8 @@ class DeepSpeedEngine:
         """This rank's fp32 master partitions, one flat tensor per group: what the inner AdamW steps."""
         if self.zero_stage == 3:
             return list(self.zero.fp32_partitioned_groups_flat)
+        if hasattr(self.zero, "fp32_groups_flat_partition"):  # BF16_Optimizer
+            return list(self.zero.fp32_groups_flat_partition)
         return list(self.zero.single_partition_of_fp32_groups)
 
     def forward_backward(self, micro_batches: list[Batch]) -> float:
@@ -238,10 +245,10 @@ class DeepSpeedEngine:
             self.zero._lazy_init_hp_params_optimizer_state()
 
     def extra_state(self) -> dict:
-        return {"lossScaler": _loss_scaler_state(self.zero.loss_scaler)}
+        return {"lossScaler": _loss_scaler_state(getattr(self.zero, "loss_scaler", None))}
 
     def load_extra_state(self, extra: dict, step: int, skipped_steps: int) -> None:
-        scaler, saved = self.zero.loss_scaler, extra.get("lossScaler", {})
+        scaler, saved = getattr(self.zero, "loss_scaler", None), extra.get("lossScaler", {})
         # A checkpoint of another precision holds another kind of scaler (fp16's dynamic one, or fp32/bf16's
         # constant 1), one of TorchEngine none of DeepSpeed's: this run keeps the one it started with.
         if saved.keys() == _loss_scaler_state(scaler).keys():
@@ -271,13 +278,18 @@ class DeepSpeedEngine:
         if persistent:
             persistent[0].all_gather(persistent)
 
-    def _grad_bytes(self) -> int:
-        """Gradient storage held now (called just before the step): partitions plus any whole .grad left."""
+    def grad_accumulators(self) -> list[torch.Tensor]:
+        """Where DeepSpeed accumulates the step's gradients over micro-steps (fp32): ZeRO-2/3 this rank's
+        partitions; ZeRO-1 in bf16 (BF16_Optimizer) whole fp32 buffers."""
         if self.zero_stage == 3:
-            partitions = [self.zero.grad_partitions_flat_buffer]
-        else:
-            partitions = [g for grads in self.zero.averaged_gradients.values() if grads for g in grads]
-        return _storage_bytes([*partitions, *(p.grad for p in self.module.parameters())])
+            return [self.zero.grad_partitions_flat_buffer]
+        if hasattr(self.zero, "fp32_groups_gradients_flat"):  # BF16_Optimizer
+            return list(self.zero.fp32_groups_gradients_flat)
+        return [g for grads in self.zero.averaged_gradients.values() if grads for g in grads]
+
+    def _grad_bytes(self) -> int:
+        """Gradient storage held now (called just before the step): accumulators plus any whole .grad left."""
+        return _storage_bytes([*self.grad_accumulators(), *(p.grad for p in self.module.parameters())])
 
     def _param_bytes(self) -> int:
         """Weight storage held now (called right after the step, when ZeRO-3 has released its gathers)."""
@@ -299,6 +311,7 @@ def _numel(p: torch.Tensor) -> int:
 
 
 def _loss_scaler_state(scaler) -> dict[str, float]:
+    """The scaler's state; none for BF16_Optimizer, which keeps no loss scale."""
     return {k: float(getattr(scaler, k)) for k in LOSS_SCALER_STATE if hasattr(scaler, k)}
 
 

@@ -1,4 +1,9 @@
-"""DeepSpeed's checkpoint state on a real 2-rank gloo dp group (ZeRO-1 and ZeRO-3): a save gathers one parameter at
+"""The DeepSpeed engine on a real 2-rank gloo dp group.
+
+Gradients accumulate over micro-steps in fp32, whatever the precision, as the torch-native layouts accumulate them
+(DeepSpeed's default is the model's dtype: bf16 sums lose the small ones).
+
+Checkpoint state (ZeRO-1 and ZeRO-3): a save gathers one parameter at
 a time and each is kept, in host memory, by one rank only; a resume reads the state back in parts of bounded size
 and gives back exactly what was saved. (Before, every rank gathered the whole fp32 model and Adam state onto its
 device at once: 12 bytes per parameter, 96 GB for 8B.) Whether a resumed run goes on exactly is test_resume's and
@@ -35,22 +40,58 @@ def whole(share: dict) -> dict:
     return {kind: {name: value for each in shares for name, value in each[kind].items()} for kind in share}
 
 
-def worker(rank: int, stage: int, out: str) -> None:
+def init(rank: int, out: str) -> None:
     # torchrun's worker env, which DeepSpeed reads
     os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(out, "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+
+
+def spec_of(stage: int, precision: str = "fp32", accumulation: int = 1):
+    from paratrain.api.load import parse_job
+
+    doc = copy.deepcopy(TINY_JOB)
+    doc["spec"]["nodes"] = 2
+    doc["spec"]["parallelism"] = {"data": 2, "zeroStage": stage}
+    doc["spec"]["precision"] = precision
+    doc["spec"]["training"]["gradientAccumulation"] = accumulation
+    return parse_job(doc).spec
+
+
+def accumulating(rank: int, stage: int, precision: str, out: str) -> None:
+    init(rank, out)
     try:
-        from paratrain.api.load import parse_job
+        from paratrain.train.dims import ParallelDims
+        from paratrain.train.parallelize import build_engine
+
+        spec = spec_of(stage, precision, accumulation=2)
+        engine = build_engine(spec, ParallelDims.from_spec(spec, 2, "cpu"), torch.device("cpu"), spec.model.vocab_size)
+        tokens = torch.randint(spec.model.vocab_size, (4, 17), generator=torch.Generator().manual_seed(rank))
+        engine.forward_backward([(tokens[:2, :-1], tokens[:2, 1:]), (tokens[2:, :-1], tokens[2:, 1:])])
+        dtypes = sorted({str(t.dtype) for t in engine.grad_accumulators()})
+        applied = engine.optimizer_step(lr=1e-2).applied
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"dtypes": dtypes, "applied": applied}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (3, "bf16")])
+def test_gradients_accumulate_in_fp32(stage, precision, tmp_path):
+    mp.spawn(accumulating, args=(stage, precision, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"dtypes": ["torch.float32"],
+                                                                          "applied": True}
+
+
+def worker(rank: int, stage: int, out: str) -> None:
+    init(rank, out)
+    try:
         from paratrain.train import deepspeed_engine
         from paratrain.train.dims import ParallelDims
         from paratrain.train.parallelize import build_engine
 
-        doc = copy.deepcopy(TINY_JOB)
-        doc["spec"]["nodes"] = 2
-        doc["spec"]["parallelism"] = {"data": 2, "zeroStage": stage}
-        spec = parse_job(doc).spec
+        spec = spec_of(stage)
         dims = ParallelDims.from_spec(spec, 2, "cpu")
         vocab = spec.model.vocab_size
 
