@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,50 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                    help="override a field, value read as a YAML scalar (e.g. spec.parallelism.data=2); repeatable")
 
 
+def _memory(job, args: argparse.Namespace) -> int:
+    """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory."""
+    from .api.load import Problem
+    from .api.memory import human, memory_problem, parse_bytes, predict
+    from .launch import data_vocab
+
+    try:
+        given = args.gpu_memory or job.spec.resources.gpu_memory
+        limit = parse_bytes(given) if given else None
+    except ValueError as exc:
+        raise SpecError([Problem("--gpu-memory", str(exc))]) from None
+    vocab = args.vocab_size or data_vocab(job)
+    if vocab is None and not args.memory:  # only spec.resources.gpuMemory asked for the check: the ranks make it
+        print("note: spec.resources.gpuMemory: not checked here, the data (and its vocabulary) is not on this machine "
+              "(--memory --vocab-size N checks it); every rank checks it once it has read the data", file=sys.stderr)
+        return 0
+    if vocab is None:
+        raise SpecError([Problem("--memory", f"the vocabulary comes from the data ({job.spec.data.path}), which is "
+                                 "not on this machine: give it with --vocab-size N (128256 for Llama 3's tokenizer)")])
+    ranks = predict(job.spec, vocab)
+    problem = memory_problem(job.spec, vocab, limit)
+    if args.json:
+        print(json.dumps({"limit_bytes": limit, "fits": problem is None, "ranks": [
+            {"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
+             "terms": {k: v for k, v in r.terms.items() if not k.startswith("_")}} for r in ranks]}, indent=1))
+    elif args.memory:
+        shown: set[int] = set()
+        for r in ranks:  # ranks of one pipeline stage hold the same: one line each
+            if r.stage in shown:
+                continue
+            shown.add(r.stage)
+            same = [x.rank for x in ranks if x.stage == r.stage]
+            who = f"rank {same[0]}" if len(same) == 1 else f"ranks {same[0]}-{same[-1]}"
+            terms = ", ".join(f"{k} {human(v)}" for k, v in r.terms.items() if not k.startswith("_") and v)
+            print(f"{who} (stage {r.stage}): peak {human(r.peak_bytes)}: {terms}")
+    if problem:
+        print(f"paratrain: {'--gpu-memory' if args.gpu_memory else 'spec.resources.gpuMemory'}: {problem}",
+              file=sys.stderr)
+        return 1
+    if limit is not None and args.memory and not args.json:
+        print(f"fits in {human(limit)} per device")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,11 +94,21 @@ def _parser() -> argparse.ArgumentParser:
                      "FLOPs and MFU as JSON")
     run.add_argument("--peak-flops", type=float, metavar="FLOPS",
                      help="one device's peak FLOP/s, for the metrics' mfu (GPUs in paratrain's table need none)")
+    run.add_argument("--measure-memory", action="store_true",
+                     help="on CPU, also measure each rank's peak bytes of live tensors (the metrics' "
+                     "peak_tensor_bytes, counted by a dispatch mode that slows training several times); GPUs always do")
     run.add_argument("--workdir", help="where logs and relative checkpoint paths go (default: ./runs/<name>)")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live progress bar")
 
     validate = sub.add_parser("validate", help="check a job and print every problem")
     _add_job_args(validate)
+    validate.add_argument("--memory", action="store_true",
+                          help="also print each rank's predicted peak memory, split into terms (docs/trainer.md)")
+    validate.add_argument("--gpu-memory", metavar="BYTES",
+                          help="with --memory: a device's memory (e.g. 80GiB); exit 1 if a rank's peak exceeds it")
+    validate.add_argument("--json", action="store_true", help="with --memory: the prediction as JSON on stdout")
+    validate.add_argument("--vocab-size", type=int, metavar="N",
+                          help="with --memory: the data's vocabulary, where the data is not on this machine")
 
     render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for a job")
     _add_job_args(render)
@@ -128,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
                 raise SpecError(broken)
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
-                  f"{describe_model(job.spec)})")
+                  f"{describe_model(job.spec)})", file=sys.stderr if args.json else sys.stdout)
             for missing in filter(None, (missing_data(job), init_problem(job))):
                 # A cluster job's pods may mount it: a note, not an error.
                 print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
-            return 0
+            return _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
@@ -145,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import run_local
 
         return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress,
-                         peak_flops=args.peak_flops)
+                         peak_flops=args.peak_flops, measure_memory=args.measure_memory)
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC

@@ -23,6 +23,7 @@ ENV_PROGRESS_PORT = "PARATRAIN_PROGRESS_PORT"  # rank 0 serves GET /progress her
 ENV_PROGRESS_HOST = "POD_IP"  # where the progress server binds (the downward API's status.podIP in pods)
 ENV_EVENTS_FILE = "PARATRAIN_EVENTS_FILE"  # rank 0 appends one JSON line per event (local launcher reads it)
 ENV_METRICS_OUT = "PARATRAIN_METRICS_OUT"  # rank 0 writes the run's metrics JSON here at the end
+ENV_MEASURE_MEMORY = "PARATRAIN_MEASURE_MEMORY"  # "1": measure live tensor bytes on CPU too (MemTracker, slow)
 ENV_PEAK_FLOPS = "PARATRAIN_PEAK_FLOPS"  # one device's peak FLOP/s, for MFU where the trainer cannot look it up
 ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is present or gpusPerNode > 0
 # Rank 0 writes its final progress JSON here: the pod's termination message, which the operator reads after

@@ -40,7 +40,7 @@ def _threads_per_rank(world: int) -> str:
 
 
 def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, port: int,
-               peak_flops: float | None = None) -> list[subprocess.Popen]:
+               peak_flops: float | None = None, measure_memory: bool = False) -> list[subprocess.Popen]:
     """Every rank as a process, meeting at the rendezvous store on `port`."""
     spec = job.spec
     spec_file = workdir / contract.SPEC_FILE_NAME
@@ -56,6 +56,8 @@ def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, po
         env[contract.ENV_JOB_NAME] = job.metadata.name
         if peak_flops is not None:
             env[contract.ENV_PEAK_FLOPS] = repr(peak_flops)
+        if measure_memory:
+            env[contract.ENV_MEASURE_MEMORY] = "1"
         if rank == 0:
             env[contract.ENV_EVENTS_FILE] = str(events)
             if metrics_out:
@@ -162,6 +164,18 @@ def missing_data(job: ParallelTrainJob) -> Problem | None:
                                      "relative to the current directory)")
 
 
+def data_vocab(job: ParallelTrainJob) -> int | None:
+    """The vocabulary the job's model gets: the synthetic source's `spec.model.vocabSize`, a token directory's
+    manifest, a text file's characters (read here, as a rank would); None where the data is not on this machine."""
+    from .train.data import load_corpus
+
+    d, m = job.spec.data, job.spec.model
+    if missing_data(job):
+        return None
+    return load_corpus(d.source, d.path, d.val_fraction, m.vocab_size, job.spec.training.seed,
+                       m.block_size).vocab_size
+
+
 def broken_data(job: ParallelTrainJob) -> list[Problem]:
     """What is wrong with a token directory on this machine: an unfinished prepare, or shards missing, of the wrong
     size or changed. Hashes every shard (a few seconds per GB), which ranks do not: they check sizes only."""
@@ -221,7 +235,7 @@ def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
 
 
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
-              progress: bool = True, peak_flops: float | None = None) -> int:
+              progress: bool = True, peak_flops: float | None = None, measure_memory: bool = False) -> int:
     preflight(job)
     spec = job.spec
     work = Path(workdir or Path("runs") / job.metadata.name).resolve()
@@ -230,7 +244,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
           f"{spec.training.steps} steps; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
     store = rendezvous_store()
-    procs = start_gang(job, work, metrics_out, store.port, peak_flops)
+    procs = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory)
     view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
     failed: tuple[int, int] | None = None
     try:

@@ -43,6 +43,7 @@ RESERVED_VOLUME_PREFIX = "paratrain-"
 RESERVED_KEY_PREFIX = f"{API_GROUP}/"
 # The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
 MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
+BYTES = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"  # a quantity of bytes paratrain.api.memory parses
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$"
 ABS_PATH = r"^/[^\x00\n\r]*$"
@@ -191,6 +192,11 @@ class ResourcesSpec(_Model):
     memory: str = Field("2Gi", pattern=QUANTITY, max_length=32, description=(
         "Memory per pod (requests = limits), /dev/shm included."))
     shm_size: str = Field("1Gi", pattern=QUANTITY, max_length=32, description="Size of the /dev/shm emptyDir.")
+    gpu_memory: str | None = Field(None, pattern=BYTES, max_length=32, description=(
+        "Memory of one device (e.g. 80Gi). The job is refused when paratrain's memory model predicts a rank needs "
+        "more (`paratrain validate --memory` shows the terms): by the operator before any pod exists where the "
+        "vocabulary is known from the spec (synthetic data), else by every rank once it has read the data, before "
+        "the model is built. Unset: not checked."))
 
 
 class RunPolicy(_Model):
@@ -332,7 +338,8 @@ class Spec(_Model):
 
 
 def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
-    """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`."""
+    """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`. The
+    memory check is here too: a laptop's CPU run is not held to the GPU memory the job states."""
     out: list[tuple[str, str]] = []
     for field, path, what in (("spec.checkpoint.path", spec.checkpoint.path, "checkpoints"),
                               ("spec.logging.tensorboard", spec.logging.tensorboard, "event files")):
@@ -340,6 +347,11 @@ def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append((field, f"{path!r} is relative: in a cluster it must be an absolute path on a volume every pod "
                         f"mounts (spec.pod.volumes), or the {what} are lost with the pod; relative paths are for "
                         "local runs"))
+    if spec.resources.gpu_memory and spec.data.source == "synthetic":  # else the vocabulary is in the data
+        from .memory import memory_problem
+
+        if problem := memory_problem(spec, spec.model.vocab_size):
+            out.append(("spec.resources.gpuMemory", problem))
     return out
 
 

@@ -15,6 +15,7 @@ import sys
 
 from .. import contract
 from ..api import ParallelTrainJob, SpecError, layout_label, load_job
+from ..api.memory import memory_problem
 
 log = logging.getLogger("paratrain.train")
 
@@ -126,7 +127,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .hf_config import init_problem
     from .models import model_config
     from .parallelize import build_engine
-    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
+    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
     from .precision import check_device_supports
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
@@ -141,8 +142,9 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                              spec.training.seed, spec.model.block_size)
         if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
             raise ValueError(f"spec.model.init: {problem}")
+        if problem := memory_problem(spec, corpus.vocab_size):  # the operator cannot know a data's vocabulary
+            raise ValueError(f"spec.resources.gpuMemory: {problem}")
         torch.manual_seed(dims.dropout_seed(spec.training.seed))
-        engine = build_engine(spec, dims, device, corpus.vocab_size)
         reporter = None
         if rank == 0:
             port = os.environ.get(contract.ENV_PROGRESS_PORT)
@@ -157,7 +159,11 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         if spec.checkpoint.path:
             checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
                                         spec.checkpoint.keep, spec.checkpoint.async_save)
-        result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
+        with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
+            engine = build_engine(spec, dims, device, corpus.vocab_size)
+            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
+        tensor_peaks: list = [None] * world
+        dist.all_gather_object(tensor_peaks, peak_tensor_bytes())
         state_bytes: list = [None] * world
         dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
         peak_memory, peak_memory_kind = peak_memory_bytes(device)
@@ -181,6 +187,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                     "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,
                     "peak_flops_per_device": peak_flops, "mfu": utilisation,
                     "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
+                    "peak_tensor_bytes": tensor_peaks,
                     "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
                                           "optimizer": result.optimizer_seconds},
                 })

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import resource
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from torch._guards import active_fake_mode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .models import ModelConfig, build_model
 
@@ -40,6 +47,79 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max_rss"
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages on one device that ops create inside the mode, and their peak.
+
+    torch's own MemTracker does this too but keeps per-module statistics that refuse a module run twice in one
+    step (gradient accumulation, pipeline microbatches). A storage is counted once, however many views share it,
+    until it is freed; FSDP2's `UntypedStorage.resize_` (it frees and refills unsharded parameters so) is followed.
+    Storages made before the mode (the corpus) are not counted. DTensor ops are counted as their local ops, and the
+    fake tensors its sharding propagation makes not at all."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}  # storage (its C++ address) → bytes counted
+        self._resize = torch.UntypedStorage.resize_
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage._cdata, storage.nbytes()
+        if key not in self._sizes:
+            self._sizes[key] = 0
+            weakref.finalize(storage, self._forget, key)
+        self.live += size - self._sizes[key]
+        self._sizes[key] = size
+        self.peak = max(self.peak, self.live)
+
+    def _forget(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __enter__(self):
+        resize, track, device = self._resize, self._track, self.device
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            out = resize(storage, size)
+            if storage.device == device:
+                track(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not None:  # DTensor's sharding propagation runs ops on fake tensors: no memory
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device == self.device and not t.is_meta:
+                self._track(t.untyped_storage())
+        return out
+
+
+@contextmanager
+def tensor_peak(device: torch.device, measure: bool) -> Iterator[Callable[[], int | None]]:
+    """The peak bytes of live tensors on `device` within the block, read by the function it yields: on CUDA the
+    allocator's (max_memory_allocated); on CPU, where no allocator keeps count, LiveTensorBytes (a dispatch mode:
+    slow, so only when `measure`; else None)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield lambda: torch.cuda.max_memory_allocated(device)
+        return
+    if not measure:
+        yield lambda: None
+        return
+    counter = LiveTensorBytes(device)
+    with counter:
+        yield lambda: counter.peak
 
 
 def device_peak_flops(device: torch.device, given: float | None) -> float | None:

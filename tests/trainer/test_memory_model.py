@@ -1,0 +1,125 @@
+"""The per-rank memory model (paratrain.api.memory) against measurement: every layout below runs 3 steps with
+`--measure-memory` (each rank's peak bytes of live tensors, perf.LiveTensorBytes), and every rank's predicted peak
+must lie within ±15% of its measured one. The model is a 4-layer GPT (and Llama) of 64 wide, 64 tokens of context,
+a 256-token vocabulary and 16 sequences a step, in which activations, the loss's buffers and the model state all
+weigh: no term can be wrong by much without some layout failing. Then `paratrain validate --memory`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paratrain.api.load import parse_job
+from paratrain.api.memory import parse_bytes, predict
+
+from .harness import run_job
+
+TOLERANCE = 0.15
+JOB = {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "memory"},
+       "spec": {"model": {"layers": 4, "heads": 4, "embedDim": 64, "blockSize": 64, "vocabSize": 256},
+                "training": {"steps": 3, "batchSize": 16, "evalInterval": 3, "evalSteps": 1, "warmupSteps": 1,
+                             "learningRate": 1e-3}}}
+# name: (parallelism, training, other spec fields)
+LAYOUTS = {
+    "dp1": ({}, {}, {}),
+    "dp2-ddp": ({"data": 2}, {}, {}),
+    "tp2": ({"tensor": 2}, {}, {}),
+    "pp2-gpipe": ({"pipeline": 2, "microbatches": 4, "pipelineSchedule": "GPipe"}, {}, {}),
+    "pp2-1f1b": ({"pipeline": 2, "microbatches": 4, "pipelineSchedule": "1F1B"}, {}, {}),
+    "dp2-zero1-deepspeed": ({"data": 2, "zeroStage": 1}, {}, {}),
+    "dp2-zero2-deepspeed": ({"data": 2, "zeroStage": 2}, {}, {}),
+    "dp2-zero3-deepspeed": ({"data": 2, "zeroStage": 3}, {}, {}),
+    "dp2xtp2-zero1": ({"data": 2, "tensor": 2, "zeroStage": 1}, {}, {}),
+    "dp2xtp2-zero2-fsdp": ({"data": 2, "tensor": 2, "zeroStage": 2}, {}, {}),
+    "dp2xtp2-zero3-fsdp": ({"data": 2, "tensor": 2, "zeroStage": 3}, {}, {}),
+    "ac-full": ({}, {"activationCheckpointing": "full"}, {}),
+    "ac-selective": ({}, {"activationCheckpointing": "selective"}, {}),
+    "accumulation2": ({}, {"gradientAccumulation": 2}, {}),
+    "bf16": ({}, {}, {"precision": "bf16"}),
+    "llama": ({}, {}, {"model": {"family": "llama", "kvHeads": 2}}),
+    "llama-bf16-tp2": ({"tensor": 2}, {}, {"precision": "bf16", "model": {"family": "llama", "kvHeads": 2}}),
+}
+
+
+def job_of(name: str) -> dict:
+    parallelism, training, other = LAYOUTS[name]
+    job = copy.deepcopy(JOB)
+    spec = job["spec"]
+    spec["nodes"] = parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
+    spec["parallelism"] = parallelism
+    spec["training"].update(training)
+    spec["model"].update(other.get("model", {}))
+    spec.update({k: v for k, v in other.items() if k != "model"})
+    return job
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_predicted_peak_is_within_15_percent_of_the_measured_one(name, tmp_path):
+    job = job_of(name)
+    _, metrics = run_job(tmp_path, job=job, args=["--measure-memory"])
+    measured = metrics["peak_tensor_bytes"]
+    predicted = [rank.peak_bytes for rank in predict(parse_job(job).spec, JOB["spec"]["model"]["vocabSize"])]
+    errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    assert all(abs(e) <= TOLERANCE for e in errors), (
+        f"{name}: predicted {predicted}, measured {measured}, errors {[f'{e:+.1%}' for e in errors]}")
+
+
+def validate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_of("pp2-1f1b")))
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", str(path), "--memory", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_validate_prints_each_stage_and_refuses_more_than_the_gpu_holds(tmp_path):
+    fits = validate(tmp_path, "--gpu-memory", "1GiB")
+    assert fits.returncode == 0, fits.stderr
+    assert "rank 0 (stage 0): peak" in fits.stdout and "rank 1 (stage 1): peak" in fits.stdout
+    assert "activations" in fits.stdout and "fits in 1.00 GiB" in fits.stdout
+    over = validate(tmp_path, "--gpu-memory", "2MiB")
+    assert over.returncode == 1
+    assert "more than the 2.00 MiB given; its biggest term is" in over.stderr
+    as_json = json.loads(validate(tmp_path, "--json").stdout)
+    assert [r["rank"] for r in as_json["ranks"]] == [0, 1]
+    assert all(r["peak_bytes"] >= sum(r["terms"].values()) - r["terms"]["grads"] for r in as_json["ranks"])
+    bad = validate(tmp_path, "--gpu-memory", "80XB")
+    assert bad.returncode != 0 and "not a quantity of bytes" in bad.stderr
+
+
+def test_byte_quantities():
+    assert parse_bytes("80Gi") == parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40G") == 40 * 10**9 and parse_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_a_job_over_its_gpu_memory_is_refused_before_any_pod_exists():
+    """Synthetic data: the vocabulary is in the spec, so the operator (require_cluster_ready, as `render`) refuses."""
+    from paratrain.api import SpecError, require_cluster_ready
+
+    job = job_of("dp1")
+    job["spec"]["resources"] = {"gpuMemory": "2Mi"}
+    with pytest.raises(SpecError) as refused:
+        require_cluster_ready(parse_job(job))
+    assert "spec.resources.gpuMemory: rank 0 is predicted to need" in str(refused.value)
+    assert "its biggest term is activations" in str(refused.value)
+    job["spec"]["resources"] = {"gpuMemory": "1Gi"}
+    require_cluster_ready(parse_job(job))
+
+
+def test_a_job_whose_vocabulary_is_in_the_data_is_refused_by_its_ranks(tmp_path):
+    """Text data: only a rank that has read it knows the vocabulary; it refuses before building the model."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    job = job_of("dp1")
+    job["spec"]["data"] = {"source": "text", "path": str(text)}
+    job["spec"]["resources"] = {"gpuMemory": "1Mi"}
+    proc, _ = run_job(tmp_path / "run", job=job, expect_ok=False)
+    assert proc.returncode != 0
+    assert "spec.resources.gpuMemory: rank 0 is predicted to need" in proc.stderr + proc.stdout

@@ -1,0 +1,241 @@
+"""A per-rank memory model: the peak bytes of live tensors each rank of a job holds, split into terms, from the spec
+alone (no torch). `paratrain validate --memory` prints it; the operator and `validate` refuse a job whose peak
+exceeds `spec.resources.gpuMemory`. docs/trainer.md gives the formulas; tests/trainer/test_memory_model.py holds
+them to measurement (`paratrain run --measure-memory`) within ±15% on CPU.
+
+Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parallel shard) over dp ranks:
+- params: fp32 weights, 4Ψ (the optimizer steps them; autocast computes in 16 bits from a cached copy); FSDP2 ZeRO-3
+  4Ψ/dp; DeepSpeed keeps its weights in the training dtype (2Ψ in bf16/fp16), ZeRO-3 2-4Ψ/dp.
+- grads: 4Ψ, ZeRO-2/3 4Ψ/dp (DeepSpeed accumulates in fp32; its ZeRO-1 in bf16 keeps whole fp32 gradients).
+- optimizer: AdamW's two fp32 moments, 8Ψ (ZeRO: 8Ψ/dp), and DeepSpeed's fp32 master copy 4Ψ/dp.
+- activations: what a block saves for backward per token (`block_bytes`), times the tokens of the microbatches in
+  flight (all of a step's for GPipe, p - stage for 1F1B), for the rank's layers; activation checkpointing keeps
+  only each block's input (full) or its matmul and attention outputs (selective), plus one block rebuilt in backward.
+- loss: the last stage's log-softmax output, its gradient and the logits' gradient, fp32 over the vocabulary, for
+  4,096 tokens at a time (engine.cross_entropy), plus the logits themselves.
+- buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket, pipeline receive buffers (one per microbatch),
+  bf16 autocast's weight copies (2Ψ of matmul weights).
+The peak is taken at the start of backward (states + activations + loss + buffers, gradients already there under
+accumulation or a pipeline), or at the optimizer step (states + gradients + AdamW's temporaries), whichever is
+larger. A checkpoint save adds at most one gathered tensor (DeepSpeed) or bucket (composed ZeRO-1): `checkpoint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FP32 = 4
+CE_CHUNK_TOKENS = 4096  # engine.CE_CHUNK_TOKENS: the loss's fp32 pieces
+DDP_BUCKET_BYTES = 25 * 2**20  # torch's default bucket_cap_mb; the buckets together hold every gradient once
+UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_bytes(quantity: str) -> int:
+    """A quantity of bytes ("80Gi", "80GiB", "80G", "85899345920") as an int; ValueError if it is not one."""
+    text = str(quantity).strip().removesuffix("B")
+    number = text.rstrip("KMGTi")
+    unit = text[len(number):]
+    try:
+        return int(float(number) * UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"{quantity!r} is not a quantity of bytes (e.g. 80Gi, 40G)") from None
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass(frozen=True)
+class Shape:
+    family: str
+    layers: int
+    embed_dim: int
+    heads: int
+    kv_heads: int
+    ffn_dim: int
+    vocab: int
+    block_size: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.embed_dim // self.heads)
+
+    def block_params(self) -> tuple[int, int]:
+        """(split by tensor parallel, replicated) parameters of one block."""
+        c, f, kv = self.embed_dim, self.ffn_dim, self.kv_dim
+        if self.family == "gpt":  # q/k/v/o, fc (+bias), proj; ln1, ln2 (+biases), proj's bias
+            return 4 * c * c + 2 * c * f + f, 5 * c
+        return 2 * c * c + 2 * c * kv + 3 * c * f, 2 * c  # q/o, k/v, gate/up/down; two RMSNorms
+
+    def matmul_params(self, tp: int) -> int:
+        split, _ = self.block_params()
+        return split // tp  # biases are few
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.embed_dim + (self.block_size * self.embed_dim if self.family == "gpt" else 0)
+
+    def final_params(self) -> int:
+        """The final norm and the head."""
+        return (2 if self.family == "gpt" else 1) * self.embed_dim + self.embed_dim * self.vocab
+
+
+def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
+    """Bytes one block saves for backward per token (tensor-parallel shard `tp`), counted from the model's ops:
+    the residual stream and the norms' statistics in fp32, the rest in the compute dtype (2 bytes under bf16/fp16
+    autocast, which also saves the 16-bit copy of each norm output the matmuls read, in place of the fp32 one).
+
+    GPT: block input and mid-block residual (2C), two norm outputs (2C), q/k/v (3C/tp), attention output (C/tp) and
+    its log-sum-exp (heads/tp, fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU):
+    q/k/v before and after RoPE, gate and up outputs, SiLU and product (4F/tp)."""
+    c, f, h, kv = shape.embed_dim, shape.ffn_dim, shape.heads, shape.kv_dim
+    act = 2 if half else FP32
+    stats = 4 * FP32 if shape.family == "gpt" else 2 * FP32
+    residual = 2 * c * FP32
+    norms = 2 * c * act
+    if shape.family == "gpt":
+        split = (3 * c + c + 2 * f) * act + h * FP32
+    else:
+        split = (2 * (c + 2 * kv) + c + 4 * f) * act + h * FP32
+    if mode == "full":
+        return c * FP32  # the block's input
+    if mode == "selective":  # matmul and attention outputs (o and the MLP's output projection too) and the input
+        matmuls = (c + 2 * kv + c + c + (2 * f if shape.family == "llama" else f) + c) * act
+        return c * FP32 + matmuls / tp + h * FP32 / tp
+    return residual + norms + stats + split / tp
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    stage: int
+    terms: dict[str, int] = field(default_factory=dict)
+    peak_bytes: int = 0
+
+    def biggest(self) -> tuple[str, int]:
+        return max(((k, v) for k, v in self.terms.items() if not k.startswith("_")), key=lambda kv: kv[1])
+
+
+def predict(spec, vocab_size: int) -> list[RankMemory]:
+    """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out)."""
+    p, m = spec.parallelism, spec.model
+    shape = Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size)
+    stages = [_stage(spec, shape, s) for s in range(p.pipeline)]
+    per_stage = p.data * p.tensor
+    return [RankMemory(rank, rank // per_stage, dict(stages[rank // per_stage]),
+                       _peak(stages[rank // per_stage], p.pipeline > 1)) for rank in range(spec.world_size)]
+
+
+def _stage_layers(layers: int, stages: int, stage: int) -> int:
+    base, extra = divmod(layers, stages)
+    return base + (1 if stage < extra else 0)
+
+
+def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
+    p, t = spec.parallelism, spec.training
+    dp, tp, pp, zero = p.data, p.tensor, p.pipeline, p.zero_stage
+    first, last = stage == 0, stage == pp - 1
+    half = spec.precision in ("bf16", "fp16")
+    deepspeed = zero > 0 and tp == 1 and pp == 1
+    fsdp = zero >= 2 and not deepspeed
+    layers = _stage_layers(shape.layers, pp, stage)
+    split, replicated = shape.block_params()
+    psi = layers * (split // tp + replicated) + (shape.embedding_params() if first else 0) + \
+        (shape.final_params() if last else 0)
+
+    # Tokens of one microbatch on this rank, and how many microbatches' activations are alive at once.
+    micro_tokens = t.batch_size // dp // t.gradient_accumulation // p.microbatches * shape.block_size
+    if pp == 1:
+        in_flight = 1
+    elif p.pipeline_schedule == "GPipe":
+        in_flight = p.microbatches
+    else:
+        in_flight = min(p.microbatches, pp - stage)
+    tokens = micro_tokens * in_flight
+
+    terms: dict[str, int] = {}
+    weight_bytes = 2 if deepspeed and half else FP32
+    if deepspeed:
+        terms["params"] = psi * weight_bytes // (dp if zero == 3 else 1)
+        whole_fp32_grads = zero == 1 and spec.precision == "bf16"  # BF16_Optimizer
+        terms["grads"] = psi * FP32 // (1 if whole_fp32_grads else dp)
+        terms["optimizer"] = 12 * psi // dp
+    else:
+        terms["params"] = psi * FP32 // (dp if fsdp and zero == 3 else 1)
+        terms["grads"] = psi * FP32 // (dp if fsdp else 1)
+        terms["optimizer"] = 8 * psi // (dp if zero >= 1 else 1)
+
+    mode = t.activation_checkpointing
+    terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode))
+    if pp > 1 and not last:  # the stage's output, kept for its backward
+        terms["activations"] += tokens * shape.embed_dim * FP32
+    # Backward of one block: the gradients of its MLP's hidden activations, and under checkpointing what it
+    # rebuilds of the block beyond what it saved.
+    rebuilt = block_bytes(shape, tp, half, "none") - block_bytes(shape, tp, half, mode)
+    terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
+
+    if last:
+        piece = min(micro_tokens, CE_CHUNK_TOKENS) * shape.vocab * FP32
+        logits = micro_tokens * shape.vocab * (2 if half else FP32)
+        loss = 3 * piece + (piece if half else 0)  # log-softmax out, its grad, the logits' grad (+ fp32 copy)
+        # ... and the final norm's input, output (its 16-bit copy under autocast) and statistics, which are freed
+        # with them, before the first block's backward
+        loss += micro_tokens * in_flight * (shape.embed_dim * (FP32 + (2 if half else FP32)) + 2 * FP32)
+        if micro_tokens > CE_CHUNK_TOKENS:  # pieces recomputed in backward; the logits and their grad stay whole
+            loss += 2 * logits
+        if pp > 1:  # the schedule keeps each in-flight microbatch's logits for its loss
+            loss += in_flight * logits
+        terms["loss"] = int(loss)
+
+    buffers = 0
+    if dp > 1 and zero == 0 and tp == 1 and pp == 1:
+        buffers += psi * FP32  # DDP's buckets
+    if deepspeed:
+        bucket = max(2**20, shape.embed_dim ** 2)
+        buffers += bucket * FP32 + (0 if zero < 3 else psi * weight_bytes)  # reduce bucket; ZeRO-3's gathers
+    if pp > 1:  # receive buffers for every microbatch: activations (not stage 0), gradients (not the last)
+        buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
+            FP32
+    if half and not deepspeed:
+        buffers += layers * shape.matmul_params(tp) * 2 + (shape.embed_dim * shape.vocab * 2 if last else 0)
+    if fsdp:  # whole 16/32-bit parameters gathered for compute: all of them at ZeRO-2, about two blocks at ZeRO-3
+        gathered = psi if zero == 2 else 2 * (split // tp + replicated)
+        buffers += gathered * (2 if half else FP32)
+    terms["buffers"] = int(buffers)
+    # Under accumulation or a pipeline, backward starts with the gradients of earlier micro-steps there.
+    terms["_grads_in_backward"] = terms["grads"] if (t.gradient_accumulation > 1 or pp > 1) else 0
+    terms["_step_temporaries"] = (psi // (dp if zero >= 1 else 1)) * FP32
+    return terms
+
+
+def _peak(terms: dict[str, int], pipelined: bool) -> int:
+    """Backward starts with the loss's buffers alive and then rebuilds and differentiates one block at a time:
+    whichever is larger sets its peak, both at once in a pipeline, where one microbatch's backward overlaps the
+    next one's loss."""
+    states = terms["params"] + terms["optimizer"]
+    loss, block = terms.get("loss", 0), terms["_block_backward"]
+    working = loss + block if pipelined else max(loss, block)
+    backward = states + terms["activations"] + working + terms["buffers"] + terms["_grads_in_backward"]
+    step = states + terms["grads"] + terms["buffers"] + terms["_step_temporaries"]
+    return max(backward, step)
+
+
+def memory_problem(spec, vocab_size: int, limit: int | None = None) -> str | None:
+    """Why the job does not fit `limit` bytes per device (default: spec.resources.gpuMemory), naming the rank and its
+    biggest term; None if it fits or no limit is set."""
+    limit = limit if limit is not None else (parse_bytes(spec.resources.gpu_memory) if spec.resources.gpu_memory
+                                             else None)
+    if limit is None:
+        return None
+    over = [r for r in predict(spec, vocab_size) if r.peak_bytes > limit]
+    if not over:
+        return None
+    worst = max(over, key=lambda r: r.peak_bytes)
+    term, size = worst.biggest()
+    return (f"rank {worst.rank} is predicted to need {human(worst.peak_bytes)} of device memory, more than the "
+            f"{human(limit)} given; its biggest term is {term} ({human(size)}). `paratrain validate --memory` shows "
+            "every term; more tensor or pipeline parallelism, ZeRO, activation checkpointing or smaller micro-steps "
+            "(gradientAccumulation) shrink them")
