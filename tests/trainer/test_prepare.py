@@ -158,3 +158,39 @@ def copy_dir(src: Path, dst: Path) -> Path:
     for p in src.iterdir():
         (dst / p.name).write_bytes(p.read_bytes())
     return dst
+
+
+def test_the_stream_is_the_tokenizers_encoding_of_each_whole_document(tmp_path):
+    """Pieces are cut only between pre-tokens, never where the cut changes the encoding: paragraphs split by blank
+    lines (GPT-2's pre-tokenizer groups "\\n\\n" differently at the end of a text than before a word), runs of
+    spaces, and one line far longer than a piece. The shards hold exactly encode(document) + end-of-text."""
+    from paratrain import prepare as prep
+
+    paragraph = "The king said.\n\nAnd   the queen,  answered:\n\n\n  Nay!  \n"
+    text = tmp_path / "doc.txt"
+    text.write_text(paragraph * 1200 + "x" * (3 * prep.PIECE_CHARS) + " end.\n\n" + paragraph * 300)
+    out = tmp_path / "tokens"
+    prep.prepare(out, [text], bpe_vocab=400)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    whole = tokenizer.encode(text.read_text(), add_special_tokens=False).ids
+    eos = tokenizer.token_to_id(prep.TRAINED_EOS)
+    assert np.concatenate([stream(out, "train"), stream(out, "val")]).tolist() == whole + [eos]
+    assert "ĊĊ" in tokenizer.get_vocab()  # the merge a cut after "\n\n" would change is there to be made
+
+
+def test_a_long_line_streams_in_pieces_and_characters_split_between_blocks_are_joined(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    from paratrain import prepare as prep
+
+    line = "héllo wörld, ünïcode " * 60_000  # 1.3 MB, one line: read whole before, it is now read in blocks
+    path = tmp_path / "line.txt"
+    path.write_text(line)
+    pieces = list(prep.read_pieces(path, pre_tokenizers.ByteLevel(add_prefix_space=False)))
+    assert "".join(text for text, _, _ in pieces) == line
+    assert sum(consumed for _, _, consumed in pieces) == path.stat().st_size
+    assert [ends for _, ends, _ in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert max(len(text) for text, _, _ in pieces) < 2 * prep.PIECE_CHARS + prep.BLOCK_BYTES
+    (tmp_path / "bad.txt").write_bytes(b"ok\n" * 30_000 + b"\xff")
+    with pytest.raises(prep.PrepareError, match=r"bad.txt: not UTF-8 \(invalid start byte at byte 90000\)"):
+        list(prep.read_pieces(tmp_path / "bad.txt"))

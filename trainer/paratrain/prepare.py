@@ -4,9 +4,10 @@
     paratrain prepare --tokenizer tokenizer.json --out data/tokens corpus/*.jsonl --val heldout.jsonl
 
 A `.jsonl` input holds one document per line, in its "text" field; any other input is UTF-8 text and one
-document. Every document is followed by the end-of-text token. Text is encoded in pieces of whole lines
-(`encode_batch_fast` over about a megabyte at a time, on every core), so memory stays flat whatever the input size;
-the tokenizer's own special tokens (a BOS) are not added. With a byte-level BPE, decoding a text file's tokens
+document. Every document is followed by the end-of-text token. Text is encoded in pieces cut only where the
+tokenizer's pre-tokenizer splits (`cut_canonically`: the token stream is the one encoding each whole document would
+give), `encode_batch_fast` over about a megabyte at a time, on every core, so memory stays flat whatever the input
+size: text files are read in blocks, long lines included. The tokenizer's own special tokens (a BOS) are not added. With a byte-level BPE, decoding a text file's tokens
 gives the file back exactly.
 
 The validation split is the last `--val-fraction` of the token stream (as `source: text` holds out the end of its
@@ -15,11 +16,12 @@ file), or the files given with `--val`. Imports no torch.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,9 @@ from .token_shards import (DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, FORMAT, F
                            SHARD_FILE, TOKENIZER_FILE, InputFile, Manifest, Shard, Split, TokenizerInfo, dtype_for,
                            sha256_file, write_manifest)
 
-PIECE_CHARS = 16_384  # a text file is encoded in pieces of whole lines about this long
+PIECE_CHARS = 16_384  # a document is encoded in pieces of about this many characters (cut_canonically)
+CARRY_PRETOKENS = 2  # pre-tokens kept back at a cut: the split before the last one depends on what follows
+BLOCK_BYTES = 1 << 16  # a text file is read this much at a time
 BATCH_CHARS = 1 << 20  # text handed to one encode_batch_fast call
 TRAINED_EOS = "<|endoftext|>"
 EOS_CANDIDATES = (TRAINED_EOS, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / T5, Gemma
@@ -40,26 +44,70 @@ class PrepareError(ValueError):
     pass
 
 
-def read_pieces(path: Path) -> Iterator[tuple[str, bool, int]]:
-    """(text, whether a document ends with it, input bytes it consumed), in file order."""
-    return _jsonl_pieces(path) if path.suffix == ".jsonl" else _text_pieces(path)
+def read_pieces(path: Path, pre_tokenizer=None) -> Iterator[tuple[str, bool, int]]:
+    """(text, whether a document ends with it, input bytes it consumed), in file order: each document cut by
+    `cut_canonically` into pieces that encode as the whole document does. A text file is read in blocks, so a long
+    line is never held whole; a JSONL document is (it is one JSON value)."""
+    if path.suffix == ".jsonl":
+        for text, consumed in _jsonl_documents(path):
+            yield from cut_canonically([(text, consumed)], pre_tokenizer)
+    else:
+        yield from cut_canonically(_text_blocks(path), pre_tokenizer)
 
 
-def _text_pieces(path: Path) -> Iterator[tuple[str, bool, int]]:
-    lines: list[str] = []
-    chars = consumed = 0
-    with open(path, "rb") as f:  # binary lines keep \r\n as it is, and give byte counts and line numbers
-        for number, raw in enumerate(f, 1):
-            lines.append(_decode(raw, path, number))
-            chars += len(raw)
-            consumed += len(raw)
-            if chars >= PIECE_CHARS:
-                yield "".join(lines), False, consumed
-                lines, chars, consumed = [], 0, 0
-    yield "".join(lines), True, consumed
+def cut_canonically(blocks: Iterable[tuple[str, int]], pre_tokenizer) -> Iterator[tuple[str, bool, int]]:
+    r"""One document's text, given in blocks of (text, input bytes), as pieces of about PIECE_CHARS or more that the
+    tokenizer encodes exactly as it encodes the whole: BPE never merges across its pre-tokenizer's splits, so each
+    piece ends where a pre-token starts. The last CARRY_PRETOKENS pre-tokens of the text seen so far stay for the
+    next piece, because where a split falls depends on what follows (GPT-2's `\s+(?!\S)`: ".\n\n" then "The"
+    splits otherwise than ".\n\n" at the end of a piece); pre-token boundaries before them are final, and the
+    pre-tokenizer, matching from one of them, finds the same ones again. Without a pre-tokenizer (or in one
+    pre-token longer than a piece) the text is not cut until the document ends."""
+    buffer, consumed, look_at = "", 0, PIECE_CHARS
+    for text, size in blocks:
+        buffer += text
+        consumed += size
+        if len(buffer) < look_at or pre_tokenizer is None:
+            continue
+        starts = [start for _, (start, _) in pre_tokenizer.pre_tokenize_str(buffer)]
+        if len(starts) > CARRY_PRETOKENS and starts[-CARRY_PRETOKENS] > 0:
+            cut = starts[-CARRY_PRETOKENS]
+            yield buffer[:cut], False, consumed
+            buffer, consumed = buffer[cut:], 0
+            look_at = len(buffer) + PIECE_CHARS
+        else:  # a pre-token as long as the piece: look again once the text has doubled (linear, not quadratic)
+            look_at = 2 * len(buffer)
+    yield buffer, True, consumed
 
 
-def _jsonl_pieces(path: Path) -> Iterator[tuple[str, bool, int]]:
+def splitting_pre_tokenizer(tokenizer: Tokenizer):
+    """The tokenizer's pre-tokenizer if cutting text between its pre-tokens leaves the encoding unchanged, else None
+    (none at all, or one that marks where a text begins: a prefix space, SentencePiece's leading "▁")."""
+    if tokenizer.pre_tokenizer is None:
+        return None
+    ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in ("one two", "one", " two")]
+    return tokenizer.pre_tokenizer if ids[0] == ids[1] + ids[2] else None
+
+
+def _text_blocks(path: Path) -> Iterator[tuple[str, int]]:
+    """A UTF-8 file's text in blocks of at most BLOCK_BYTES, decoded incrementally (a character split between
+    blocks is joined), with the bytes each consumed."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:  # bytes: \r\n stays as it is, and offsets are exact
+        while raw := f.read(BLOCK_BYTES):
+            try:
+                yield decoder.decode(raw), len(raw)
+            except UnicodeDecodeError as exc:
+                raise PrepareError(f"{path}: not UTF-8 ({exc.reason} at byte {offset + exc.start})") from None
+            offset += len(raw)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        raise PrepareError(f"{path}: not UTF-8 ({exc.reason} at the end of the file)") from None
+
+
+def _jsonl_documents(path: Path) -> Iterator[tuple[str, int]]:
     skipped = 0  # bytes of blank lines, counted with the next document
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -75,7 +123,7 @@ def _jsonl_pieces(path: Path) -> Iterator[tuple[str, bool, int]]:
                 raise PrepareError(f'{path}:{number}: no "text" field (each JSONL line must be an object with one)')
             if not isinstance(record["text"], str):
                 raise PrepareError(f'{path}:{number}: "text" is a {type(record["text"]).__name__}, not a string')
-            yield record["text"], True, skipped + len(raw)
+            yield record["text"], skipped + len(raw)
             skipped = 0
 
 
@@ -94,7 +142,9 @@ def train_bpe(inputs: list[Path], vocab_size: int, progress: bool) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((text for path in inputs for text, _, _ in read_pieces(path)), trainer)
+    cutter = splitting_pre_tokenizer(tokenizer)
+    pieces = (text for path in inputs for text, _, _ in read_pieces(path, cutter))
+    tokenizer.train_from_iterator(pieces, trainer)
     return tokenizer
 
 
@@ -134,8 +184,9 @@ class ShardWriter:
 def encode_files(tokenizer: Tokenizer, inputs: list[Path], eos_id: int, out: ShardWriter, bar: tqdm) -> None:
     batch: list[tuple[str, bool]] = []
     chars = 0
+    cutter = splitting_pre_tokenizer(tokenizer)
     for path in inputs:
-        for text, ends_document, consumed in read_pieces(path):
+        for text, ends_document, consumed in read_pieces(path, cutter):
             batch.append((text, ends_document))
             chars += len(text)
             if chars >= BATCH_CHARS:
