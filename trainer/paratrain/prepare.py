@@ -7,8 +7,8 @@ A `.jsonl` input holds one document per line, in its "text" field; any other inp
 document. Every document is followed by the end-of-text token. Text is encoded in pieces cut only where the
 tokenizer's pre-tokenizer splits (`cut_canonically`: the token stream is the one encoding each whole document would
 give), `encode_batch_fast` over about a megabyte at a time, on every core, so memory stays flat whatever the input
-size: text files are read in blocks, long lines included. The tokenizer's own special tokens (a BOS) are not added. With a byte-level BPE, decoding a text file's tokens
-gives the file back exactly.
+size: text files are read in blocks, long lines included. The tokenizer's own special tokens (a BOS) are not
+added. With a byte-level BPE, decoding a text file's tokens gives the file back exactly.
 
 The validation split is the last `--val-fraction` of the token stream (as `source: text` holds out the end of its
 file), or the files given with `--val`. Imports no torch.
