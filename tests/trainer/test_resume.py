@@ -64,3 +64,15 @@ def test_a_pipeline_and_tensor_parallel_run_with_dropout_resumes_exactly(tmp_pat
     _, resumed = run_job(tmp_path / "resumed", overrides)
     assert resumed["resumed_from_step"] == 2
     assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
+
+
+def test_a_job_with_only_a_checkpoint_path_checkpoints_by_minutes_of_training(tmp_path):
+    """checkpoint.interval unset: rank 0's clock decides when intervalMinutes of training have passed, and every
+    rank saves at that step (the flag rides in the loss's all-reduce). 1e-6 minutes: after every step."""
+    ckpt = tmp_path / "ckpt"
+    overrides = layout(data=2) + [f"spec.checkpoint.path={ckpt}", "spec.checkpoint.intervalMinutes=0.000001",
+                                  "spec.checkpoint.keep=100"]
+    proc, _ = run_job(tmp_path, overrides)
+    steps = sorted(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*"))
+    assert len(steps) >= 5 and steps[-1] == 10, steps  # TINY_JOB: 10 steps
+    assert f"checkpoints in {ckpt} every 1e-06 minutes of training, keeping 100" in proc.stderr

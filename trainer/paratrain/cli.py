@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--measure-memory", action="store_true",
                      help="on CPU, also measure each rank's peak bytes of live tensors (the metrics' "
                      "peak_tensor_bytes, counted by a dispatch mode that slows training several times); GPUs always do")
-    run.add_argument("--workdir", help="where logs and relative checkpoint paths go (default: ./runs/<name>)")
+    run.add_argument("--workdir", help="where the ranks' logs, events and spec copy go (default: ./runs/<name>); "
+                     "relative paths in the job (data, checkpoints) stay relative to the current directory")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live progress bar")
 
     validate = sub.add_parser("validate", help="check a job and print every problem")

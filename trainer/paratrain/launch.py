@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from . import contract
-from .api import ParallelTrainJob, Problem, SpecError, layout_label
+from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label
 from .token_shards import TokenDirError, open_token_dir
 
 STOP_GRACE_SECONDS = 5.0
@@ -112,6 +112,8 @@ class ProgressView:
             self._print(f"step {ev['step']}: val loss {ev['valLoss']:.4f}")
         elif kind in ("resume", "checkpoint"):
             self._print(f"{kind} at step {ev['step']}")
+        elif kind == "note":
+            self._print(f"note: {ev['message']}")
 
     def _print(self, text: str) -> None:
         if self.live:
@@ -241,7 +243,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
     work = Path(workdir or Path("runs") / job.metadata.name).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
-          f"{spec.training.steps} steps; logs in {work / 'logs'}", file=sys.stderr)
+          f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
     store = rendezvous_store()
     procs = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory)

@@ -174,7 +174,12 @@ class CheckpointSpec(_Model):
     # Relative paths are relative to the working directory (local runs); pods want a shared volume's path.
     path: str | None = Field(None, max_length=4096, pattern=r"^[^\x00\n\r]+$",
                              description="Directory for checkpoints; resume picks the latest complete one.")
-    interval: int = Field(0, ge=0, le=100_000_000, description="Steps between checkpoints; 0: only at the end.")
+    interval: int | None = Field(None, ge=0, le=100_000_000, description=(
+        "Steps between checkpoints; 0: only at the end. Unset: every intervalMinutes of training."))
+    interval_minutes: float = Field(30.0, gt=0, le=10_080, description=(
+        "Minutes of training between checkpoints when interval is unset (the default): a step takes milliseconds "
+        "on a laptop and seconds for an 8B model, so a default in steps would either save constantly or lose "
+        "hours to a crash; minutes bound the work a crash loses for every job alike. Rank 0's clock decides."))
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
     async_save: bool = Field(False, description="Write checkpoints in the background while training goes on; a "
                                                 "checkpoint exists once written, by the next save or the end.")
@@ -476,3 +481,16 @@ def layout_label(spec: Spec) -> str:
 def is_reserved_env(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
 
+
+def describe_checkpoints(spec: Spec) -> str:
+    """Where and how often a job checkpoints, for its first line."""
+    c = spec.checkpoint
+    if not c.path:
+        return "no checkpoints (spec.checkpoint.path unset): a crash restarts from step 0"
+    if c.interval == 0:
+        every = "only at the end"
+    elif c.interval:
+        every = f"every {c.interval} steps"
+    else:
+        every = f"every {c.interval_minutes:g} minutes of training"
+    return f"checkpoints in {c.path} {every}, keeping {c.keep}"

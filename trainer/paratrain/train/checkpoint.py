@@ -325,7 +325,14 @@ class Checkpointer:
         try:
             reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
-        except (CheckpointException, pickle.UnpicklingError) as exc:  # not a peer's failure: that stays retryable
+        except CheckpointException as exc:  # not a peer's failure: that stays retryable
+            # DCP's plan failed: names or shapes differ. Earlier checkpoints of the same directory were written by
+            # the same model, so they would not fit either.
+            raise CheckpointError(
+                f"checkpoint {ckpt} does not fit this model ({_dcp_failure(exc)}): it was written by another model "
+                "(size, family or vocabulary). Resume it with the spec that wrote it, or give this job a new "
+                "spec.checkpoint.path to train from scratch; the checkpoints are left in place.") from None
+        except pickle.UnpicklingError as exc:
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
                                   "away to resume from an earlier checkpoint.") from None
 

@@ -14,7 +14,7 @@ import re
 import sys
 
 from .. import contract
-from ..api import ParallelTrainJob, SpecError, layout_label, load_job
+from ..api import ParallelTrainJob, SpecError, describe_checkpoints, layout_label, load_job
 from ..api.memory import memory_problem
 
 log = logging.getLogger("paratrain.train")
@@ -153,8 +153,8 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
             reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
                                         os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
                                         tensorboard)
-            log.info("job %s: %s on %d ranks, device %s, backend %s", job.metadata.name, layout_label(spec), world,
-                     device, backend)
+            log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, layout_label(spec),
+                     world, device, backend, describe_checkpoints(spec))
         checkpointer = None
         if spec.checkpoint.path:
             checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),

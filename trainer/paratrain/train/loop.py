@@ -27,11 +27,14 @@ def lr_at(step: int, t: TrainingSpec) -> float:
     return t.min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_learning_rate)
 
 
-def mean_over_reporters(value: float | None, device: torch.device) -> float:
-    """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value."""
-    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0], dtype=torch.float64, device=device)
+def mean_over_reporters(value: float | None, device: torch.device, flag: bool = False) -> tuple[float, bool]:
+    """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value;
+    and whether any rank raised `flag` (rank 0's "a timed checkpoint is due"), in the same all-reduce."""
+    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0, float(flag)], dtype=torch.float64,
+                     device=device)
     dist.all_reduce(t)
-    return (t[0] / t[1]).item()
+    mean, count, flags = t.tolist()
+    return mean / count, flags > 0
 
 
 @dataclass
@@ -115,7 +118,7 @@ class Trainer:
             parts = [self.engine.evaluate(xp, yp) for xp, yp in zip(x.chunk(t.gradient_accumulation),
                                                                    y.chunk(t.gradient_accumulation), strict=True)]
             computed = [loss for loss in parts if loss is not None]  # pipeline stages other than the last: none
-            total += mean_over_reporters(sum(computed) / len(computed) if computed else None, self.device)
+            total += mean_over_reporters(sum(computed) / len(computed) if computed else None, self.device)[0]
         return total / t.eval_steps
 
     def save(self, step: int) -> None:
@@ -130,9 +133,23 @@ class Trainer:
         if step is not None:
             self._emit("checkpoint", step=step)
 
+    def _timed_save_due(self, train_time: float) -> bool:
+        """Rank 0's view (the flag is all-reduced with the step's loss, so every rank saves at the same step): the
+        job saves by minutes (checkpoint.interval unset) and intervalMinutes of training have passed since the
+        start or the last save."""
+        c = self.spec.checkpoint
+        return bool(self.checkpointer and c.interval is None and dist.get_rank() == 0
+                    and train_time - self._saved_at >= 60 * c.interval_minutes)
+
     def run(self) -> RunResult:
         t, r = self.spec.training, self.result
+        self._saved_at = 0.0  # training seconds at the last save
         self.resume()
+        if self.checkpointer and r.start_step >= t.steps:
+            self._emit("note", message=(
+                f"already finished: {self.checkpointer.root} holds the step-{r.start_step} checkpoint of this job's "
+                f"{t.steps} steps, so nothing was trained. To train longer raise spec.training.steps; to start "
+                "afresh move that directory away or give spec.checkpoint.path another one"))
         tokens_per_step = t.batch_size * self.spec.model.block_size
         self._emit("start", step=r.start_step, totalSteps=t.steps)
         train_time, t_last = 0.0, time.perf_counter()
@@ -145,7 +162,7 @@ class Trainer:
             outcome = self.engine.optimizer_step(lr_at(step, t))
             r.forward_backward_seconds += t_optimizer - t_forward
             r.optimizer_seconds += time.perf_counter() - t_optimizer
-            loss = mean_over_reporters(local_loss, self.device)
+            loss, timed_save = mean_over_reporters(local_loss, self.device, flag=self._timed_save_due(train_time))
             dt = time.perf_counter() - t0
             train_time += dt
             r.losses.append(loss)
@@ -164,8 +181,10 @@ class Trainer:
                 r.val_losses.append((done, val))
                 self._emit("eval", step=done, valLoss=val)
             ckpt = self.spec.checkpoint
-            if self.checkpointer and ckpt.interval and done % ckpt.interval == 0 and done < t.steps:
+            due = timed_save if ckpt.interval is None else bool(ckpt.interval) and done % ckpt.interval == 0
+            if self.checkpointer and due and done < t.steps:
                 self.save(done)
+                self._saved_at = train_time
         r.tokens_per_second = tokens_per_step * (t.steps - r.start_step) / train_time if train_time else 0.0
         if r.start_step < t.steps or not r.val_losses or r.val_losses[-1][0] != t.steps:
             r.val_losses.append((t.steps, self.evaluate()))
