@@ -8,8 +8,8 @@ Sources: the CRD is `paratrain.api.crd.crd_manifest()` (the typed spec); the cha
 `paratrain_operator.rbac` (what the operator declares it needs); the install bundle is the chart
 rendered with its default values by Helm's own engine (PyPI helm-python-sdk), in a copy of the chart that
 already holds the freshly generated CRD and rules, so one run is always self-consistent; the cluster-ready
-example jobs (absolute data and checkpoint paths, i.e. volumes) are copied verbatim from examples/, which stays
-the single place to edit them.
+example jobs (those the operator accepts as they are) are copied verbatim from examples/, which stays the single
+place to edit them.
 """
 
 from __future__ import annotations
@@ -96,16 +96,17 @@ def install_bundle(chart_dir: Path) -> str:
 
 
 def cluster_ready(doc: Any) -> bool:
-    """A ParallelTrainJob whose data and checkpoint paths are absolute, i.e. meant for volumes in the pods.
-
-    The other examples are for `paratrain run`: their relative paths name places on the machine running it."""
-    from paratrain.api import parse_job
+    """A ParallelTrainJob the operator accepts as it is (paratrain.api.require_cluster_ready): every example now,
+    the CPU ones running the CPU trainer image, which holds examples/data where their relative data paths lead."""
+    from paratrain.api import SpecError, parse_job, require_cluster_ready
 
     if not (isinstance(doc, dict) and doc.get("kind") == "ParallelTrainJob"):
         return False
-    spec = parse_job(doc).spec
-    paths = [spec.checkpoint.path, spec.logging.tensorboard, spec.data.path if spec.data.source != "synthetic" else None]
-    return all(p is None or p.startswith("/") for p in paths)
+    try:
+        require_cluster_ready(parse_job(doc))
+    except SpecError:
+        return False
+    return True
 
 
 def example_jobs() -> dict[Path, str]:

@@ -1,5 +1,6 @@
 """The CLI as users run it: invalid jobs are refused before any process starts, with every bad field named."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,12 +85,29 @@ def test_set_values_are_yaml_scalars():
         apply_overrides({}, ["spec.nodes"])
 
 
-def test_validate_notes_a_corpus_missing_here_without_failing(tmp_path):
-    """A cluster job's corpus lives on a volume the pods mount, not on the machine that validates it."""
+def test_validate_gives_both_verdicts_and_fails_only_where_neither_runs(tmp_path):
+    """A cluster job's corpus lives on a volume the pods mount, not on the machine that validates it: refused here,
+    run there. A local job's relative checkpoint path: run here, refused there. Both refused: exit 1."""
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.data.source=text", "spec.data.path=/data/c.txt"])))
+    cluster = ["spec.data.source=text", "spec.data.path=/data/c.txt", "spec.checkpoint.path=/checkpoints/x",
+               "spec.pod.volumes=[{name: data, mountPath: /data, persistentVolumeClaim: corpus}, "
+               "{name: ckpt, mountPath: /checkpoints, persistentVolumeClaim: ckpt}]"]
+    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, cluster)))
     proc = paratrain("validate", str(job))
-    assert proc.returncode == 0 and "note: spec.data.path: /data/c.txt: no such file" in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "here (paratrain run): refused: spec.data.path: " in proc.stdout
+    assert "runs/parity/volumes/data/c.txt: no such file" in proc.stdout  # the data volume's local directory
+    assert "in a cluster (the operator): runs" in proc.stdout
+
+    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.checkpoint.path=ckpt"])))
+    proc = paratrain("validate", str(job))
+    assert proc.returncode == 0 and "here (paratrain run): runs" in proc.stdout
+    assert "in a cluster (the operator): refused: spec.checkpoint.path: 'ckpt' is relative" in proc.stdout
+
+    job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.checkpoint.path=ckpt", "spec.data.source=text",
+                                                             "spec.data.path=/nowhere.txt"])))
+    proc = paratrain("validate", str(job))
+    assert proc.returncode == 1 and "note, in a cluster" not in proc.stdout
 
 
 def test_examples_run_from_a_fresh_clone_without_shared_data(tmp_path):
@@ -102,7 +120,36 @@ def test_examples_run_from_a_fresh_clone_without_shared_data(tmp_path):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
-def test_examples_are_valid(example):
+def test_examples_run_in_both_places_or_name_their_twin(example):
+    """Every example is accepted by the operator as it is (and renders); it runs here too, unless its header says
+    why not: a GPU job names its CPU twin, the token example its `paratrain prepare` command."""
     job = load_job(example)
     assert job.metadata.name == example.stem or example.stem == "gpu-cluster"
-    assert paratrain("validate", str(example)).returncode == 0
+    proc = paratrain("validate", str(example))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "in a cluster (the operator): runs" in proc.stdout, proc.stdout
+    header = "".join(line for line in example.read_text().splitlines(keepends=True) if line.startswith("#"))
+    if "here (paratrain run): runs" not in proc.stdout:
+        twin = re.search(r"Its CPU twin.*?examples/([a-z0-9-]+\.yaml)", header, re.S)
+        prepare = "paratrain prepare" in header and "here (paratrain run): refused: spec.data.path:" in proc.stdout
+        assert prepare or (twin and (ROOT / "examples" / twin.group(1)).is_file()), proc.stdout
+    if job.spec.resources.gpus_per_node == 0:
+        assert "kubectl apply -f examples/cluster/checkpoints-pvc.yaml" in header
+    rendered = paratrain("render", str(example))
+    assert rendered.returncode == 0 and "kind: Pod" in rendered.stdout, rendered.stderr
+
+
+def test_a_cluster_job_runs_locally_with_its_volumes_mapped(tmp_path):
+    """tests/e2e/jobs/gloo-ddp.yaml (checkpoints on a PVC at /checkpoints/e2e-gloo-ddp), unchanged but for its
+    length: `--mount checkpoints=DIR` puts the checkpoints in DIR/e2e-gloo-ddp; without it, under the workdir."""
+    job = yaml.safe_load((ROOT / "tests/e2e/jobs/gloo-ddp.yaml").read_text())
+    short = ["spec.training.steps=4", "spec.training.warmupSteps=1", "spec.training.evalInterval=2",
+             "spec.checkpoint.interval=2"]
+    proc, _ = run_job(tmp_path / "a", short, job=job, args=["--mount", f"checkpoints={tmp_path / 'pvc'}"])
+    assert sorted(p.name for p in (tmp_path / "pvc" / "e2e-gloo-ddp").glob("step-*")) == [
+        "step-00000002", "step-00000004"]
+    assert f"volume checkpoints (/checkpoints in pods) is {tmp_path / 'pvc'}" in proc.stderr
+    run_job(tmp_path / "b", short, job=job)
+    assert list((tmp_path / "b" / "work" / "volumes" / "checkpoints" / "e2e-gloo-ddp").glob("step-*"))
+    proc, _ = run_job(tmp_path / "c", short, job=job, args=["--mount", "nope=/tmp"], expect_ok=False)
+    assert proc.returncode == 1 and "--mount: no volume 'nope' in spec.pod.volumes (it has: checkpoints)" in proc.stderr

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .api import Spec, SpecError, load_job, require_cluster_ready
+from .api import Problem, Spec, SpecError, load_job, require_cluster_ready
 from .api.shapes import parameter_count
 from .contract import EXIT_INVALID_SPEC
 from .token_shards import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
@@ -40,9 +40,33 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                    help="override a field, value read as a YAML scalar (e.g. spec.parallelism.data=2); repeatable")
 
 
+def _verdicts(job, out) -> bool:
+    """Print what `paratrain run` here and the operator in a cluster would each do with the job; whether either
+    would run it."""
+    from .launch import cluster_notes, map_volumes, preflight
+
+    here = []
+    try:
+        local, _ = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
+        preflight(local)
+    except SpecError as exc:
+        here = exc.problems
+    there = []
+    try:
+        require_cluster_ready(job)
+    except SpecError as exc:
+        there = exc.problems
+    for target, problems in (("here (paratrain run)", here), ("in a cluster (the operator)", there)):
+        verdict = "runs" if not problems else "refused: " + "; ".join(str(p) for p in problems)
+        print(f"  {target}: {verdict}", file=out)
+    if not there:
+        for note in cluster_notes(job):
+            print(f"  note, in a cluster: {note}", file=out)
+    return not here or not there
+
+
 def _memory(job, args: argparse.Namespace) -> int:
     """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory."""
-    from .api.load import Problem
     from .api.memory import human, memory_problem, parse_bytes, predict
     from .launch import data_vocab
 
@@ -100,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--workdir", help="where the ranks' logs, events and spec copy go (default: ./runs/<name>); "
                      "relative paths in the job (data, checkpoints) stay relative to the current directory")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live progress bar")
+    run.add_argument("--mount", action="append", default=[], metavar="NAME=DIR",
+                     help="the local directory of spec.pod.volumes entry NAME (default: WORKDIR/volumes/NAME); "
+                     "spec paths under its mountPath point there, so a cluster job runs here unchanged")
 
     validate = sub.add_parser("validate", help="check a job and print every problem")
     _add_job_args(validate)
@@ -142,8 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint of a job, from any layout, as a Hugging Face model "
                             "directory (LlamaForCausalLM or GPT2LMHeadModel)")
     _add_job_args(export)
-    export.add_argument("--checkpoint", required=True, type=Path, metavar="DIR",
-                        help="a step-* checkpoint, or the job's checkpoint.path (its newest complete checkpoint)")
+    export.add_argument("--checkpoint", type=Path, metavar="DIR",
+                        help="a step-* checkpoint, or a checkpoint directory (its newest complete checkpoint); default: "
+                        "the job's checkpoint.path as `paratrain run` writes it (volumes under runs/<name>/volumes)")
     export.add_argument("--out", required=True, type=Path, metavar="HF_DIR",
                         help="where config.json, model.safetensors and tokenizer.json (token data) go")
 
@@ -179,16 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             return node_main(args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
-            from .launch import broken_data, init_problem, missing_data
+            from .launch import broken_data
 
             if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
                 raise SpecError(broken)
+            out = sys.stderr if args.json else sys.stdout
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
-                  f"{describe_model(job.spec)})", file=sys.stderr if args.json else sys.stdout)
-            for missing in filter(None, (missing_data(job), init_problem(job))):
-                # A cluster job's pods may mount it: a note, not an error.
-                print(f"note: {missing}: `paratrain run` here would refuse it", file=sys.stderr)
-            return _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
+                  f"{describe_model(job.spec)})", file=out)
+            runs_somewhere = _verdicts(job, out)
+            code = _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
+            return code or (0 if runs_somewhere else 1)
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
@@ -201,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import run_local
 
         return run_local(job, metrics_out=args.metrics_out, workdir=args.workdir, progress=not args.no_progress,
-                         peak_flops=args.peak_flops, measure_memory=args.measure_memory)
+                         peak_flops=args.peak_flops, measure_memory=args.measure_memory, mounts=args.mount)
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
@@ -220,10 +248,17 @@ def _exit_now(code: int) -> None:
 
 
 def _export(job, args: argparse.Namespace) -> int:
+    from .launch import map_volumes
     from .train.hf import export_checkpoint
 
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        local, _ = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
+        if not local.spec.checkpoint.path:
+            raise SpecError([Problem("--checkpoint", "the job sets no spec.checkpoint.path: name the checkpoint")])
+        checkpoint = Path(local.spec.checkpoint.path)
     try:
-        out, ckpt, manifest = export_checkpoint(job, args.checkpoint, args.out)
+        out, ckpt, manifest = export_checkpoint(job, checkpoint, args.out)
     except ValueError as exc:  # CheckpointError, or a checkpoint of another model than the job's
         print(f"paratrain export: {exc}", file=sys.stderr)
         return 1

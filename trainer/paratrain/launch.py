@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from . import contract
-from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label
+from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label, parse_job
 from .token_shards import TokenDirError, open_token_dir
 
 STOP_GRACE_SECONDS = 5.0
@@ -202,6 +202,62 @@ def init_problem(job: ParallelTrainJob) -> Problem | None:
     return Problem("spec.model.init", problem) if problem else None
 
 
+# The spec's paths a pod reads or writes: under a volume's mountPath in a cluster.
+PATH_FIELDS = (("data", "path"), ("checkpoint", "path"), ("logging", "tensorboard"), ("model", "init"))
+
+
+def volume_of(path: str, job: ParallelTrainJob):
+    """The spec.pod.volumes entry whose mountPath holds the absolute `path` (the longest), or None."""
+    holders = [v for v in job.spec.pod.volumes
+               if path == v.mount_path or path.startswith(v.mount_path.rstrip("/") + "/")]
+    return max(holders, key=lambda v: len(v.mount_path), default=None)
+
+
+def map_volumes(job: ParallelTrainJob, workdir: Path, mounts: list[str],
+                create: bool = True) -> tuple[ParallelTrainJob, dict[str, Path]]:
+    """The job as a local run sees it: each spec.pod.volumes entry is a local directory (`--mount NAME=DIR`, else
+    WORKDIR/volumes/NAME, created), and every spec path under a volume's mountPath points into that directory, so a
+    cluster-shaped job (/data, /checkpoints) runs here unchanged. Returns the job and volume name → directory."""
+    names = [v.name for v in job.spec.pod.volumes]
+    chosen: dict[str, str] = {}
+    for mount in mounts:
+        name, sep, directory = mount.partition("=")
+        if not sep or not directory:
+            raise SpecError([Problem("--mount", f"{mount!r} is not NAME=DIR")])
+        if name not in names:
+            known = ", ".join(names) or "none"
+            raise SpecError([Problem("--mount", f"no volume {name!r} in spec.pod.volumes (it has: {known})")])
+        chosen[name] = directory
+    local = {v.name: Path(chosen.get(v.name) or workdir / "volumes" / v.name).resolve() for v in job.spec.pod.volumes}
+    if not local:
+        return job, local
+    doc = job.dump()
+    for section, field in PATH_FIELDS:
+        value = doc["spec"].get(section, {}).get(field)
+        volume = volume_of(value, job) if value and value.startswith("/") else None
+        if volume:
+            rest = value[len(volume.mount_path):].lstrip("/")
+            doc["spec"][section][field] = str(local[volume.name] / rest) if rest else str(local[volume.name])
+    for directory in local.values() if create else ():
+        directory.mkdir(parents=True, exist_ok=True)
+    return parse_job(doc), local
+
+
+def cluster_notes(job: ParallelTrainJob) -> list[str]:
+    """What a cluster accepts but may not find: the data's and the initial model's paths as a pod resolves them."""
+    notes = []
+    for field, path in (("spec.data.path", job.spec.data.path), ("spec.model.init", job.spec.model.init)):
+        if not path:
+            continue
+        if not path.startswith("/"):
+            notes.append(f"{field}: {path!r} is relative: a pod resolves it in the image's working directory, where "
+                         "the CPU trainer image holds examples/ (other data needs a volume)")
+        elif volume_of(path, job) is None:
+            notes.append(f"{field}: {path} is on no volume of spec.pod.volumes: a pod finds it only if the image "
+                         "holds it")
+    return notes
+
+
 def preflight(job: ParallelTrainJob) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
     import torch
@@ -237,10 +293,15 @@ def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
 
 
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
-              progress: bool = True, peak_flops: float | None = None, measure_memory: bool = False) -> int:
+              progress: bool = True, peak_flops: float | None = None, measure_memory: bool = False,
+              mounts: list[str] = ()) -> int:
+    work = Path(workdir or Path("runs") / job.metadata.name).resolve()
+    job, volumes = map_volumes(job, work, list(mounts))
+    for volume in job.spec.pod.volumes:
+        print(f"paratrain: volume {volume.name} ({volume.mount_path} in pods) is {volumes[volume.name]}",
+              file=sys.stderr)
     preflight(job)
     spec = job.spec
-    work = Path(workdir or Path("runs") / job.metadata.name).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
           f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
