@@ -3,22 +3,29 @@
 # etcd, kube-apiserver (secure port, x509 client certs, RBAC), kube-controller-manager (garbage collector,
 # namespace and service-account controllers) and kube-scheduler, built from pinned sources by scripts/testbin.sh.
 #
-#   scripts/test-cluster.sh up DIR     start it; writes DIR/kubeconfig (admin) and exits 0 once /readyz is ok
-#   scripts/test-cluster.sh down DIR   stop every process `up` started in DIR
-#   scripts/test-cluster.sh env DIR    print the shell variables of a running one (KUBECONFIG, PATH, ...)
+#   scripts/test-cluster.sh up DIR [--nodes N]   start it; writes DIR/kubeconfig (admin), exits 0 once /readyz is ok
+#   scripts/test-cluster.sh down DIR             stop every process `up` started in DIR
+#   scripts/test-cluster.sh env DIR              print the shell variables of a running one (KUBECONFIG, PATH, ...)
 #
-# No kubelet runs: nodes are registered by whoever runs pods (the tests' kubelet, tests/operator/support/).
+# Without --nodes no kubelet runs: nodes are registered by whoever runs pods (the tests' kubelet,
+# tests/operator/support/). With --nodes N, N try-out nodes are registered and served by that test kubelet
+# (tests/operator/support/nodes.py, in this checkout's .venv): pods run as local processes in the repository
+# (no images, no isolation), and each PersistentVolumeClaim is bound to a directory under DIR/nodes/pvc. A try-out
+# cluster, not a production one.
 # DIR also holds: pki/ (CA, serving and client certificates, the service-account signing key), one log per
 # component (DIR/logs/), pids, and ports. Gang scheduling is on: the GenericWorkload feature gate and the
 # scheduling.k8s.io/v1beta1 API (Workload, PodGroup).
 set -euo pipefail
 
-usage() { echo "usage: $0 up|down|env DIR" >&2; exit 2; }
-[[ $# -eq 2 ]] || usage
+usage() { echo "usage: $0 up DIR [--nodes N] | down DIR | env DIR" >&2; exit 2; }
+[[ $# -eq 2 || ( $# -eq 4 && "$1" == up && "$3" == --nodes ) ]] || usage
 cmd="$1"
+NODES="${4:-0}"
+[[ "$NODES" =~ ^[0-9]+$ ]] || usage
 mkdir -p "$2"
 DIR="$(cd "$2" && pwd)"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
 # Kubernetes' own gang scheduling (beta) and its topology constraint for a gang (alpha in 1.37).
 FEATURE_GATES="GenericWorkload=true,TopologyAwareWorkloadScheduling=true"
 READY_TIMEOUT="${PARATRAIN_TEST_CLUSTER_TIMEOUT:-120}"
@@ -103,6 +110,20 @@ start() {  # NAME ARGS...: a component in its own session, so it outlives this s
   echo $! >> "$DIR/pids"
 }
 
+await_component() {  # NAME PID TENTHS CHECK...: until CHECK succeeds, while NAME's process lives, TENTHS x 0.1 s at most
+  local name="$1" pid="$2" tenths="$3" waited=0
+  shift 3
+  until "$@" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null || (( waited >= tenths )); then
+      echo "test-cluster: $name did not come up; its log ($DIR/logs/$name.log) ends:" >&2
+      tail -20 "$DIR/logs/$name.log" >&2
+      return 1
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+}
+
 readyz() {
   curl -sf --max-time 2 --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
     "https://127.0.0.1:$API_PORT/readyz" > /dev/null 2>&1
@@ -122,16 +143,8 @@ start_store_and_apiserver() {
     --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
     --initial-cluster "test=http://127.0.0.1:$etcd_peer" --log-level warn
-  local tries=0
-  until curl -sf --max-time 1 "http://127.0.0.1:$etcd_port/health" > /dev/null 2>&1; do
-    if ! kill -0 "$(sed -n 1p "$DIR/pids")" 2>/dev/null || (( tries >= 100 )); then
-      echo "test-cluster: etcd did not start; its log ($DIR/logs/etcd.log) ends:" >&2
-      tail -5 "$DIR/logs/etcd.log" >&2
-      return 1
-    fi
-    sleep 0.1
-    tries=$((tries + 1))
-  done
+  await_component etcd "$(sed -n 1p "$DIR/pids")" 100 \
+    curl -sf --max-time 1 -o /dev/null "http://127.0.0.1:$etcd_port/health" || return 1
 
   # The endpoint reconciler refuses a loopback advertise address; nothing here routes to the `kubernetes` Service.
   # Kubelets (the tests' log servers) are reached at their InternalIP only: never a DNS lookup of a node name.
@@ -197,7 +210,21 @@ up() {
   start kube-scheduler "$BIN/kube-scheduler" \
     --kubeconfig "$DIR/scheduler.kubeconfig" --leader-elect=false \
     --bind-address 127.0.0.1 --secure-port "$(free_port)" --feature-gates "$FEATURE_GATES"
+  if (( NODES > 0 )); then
+    start_nodes
+  fi
   echo "test-cluster: up, kubeconfig $DIR/kubeconfig (apiserver https://127.0.0.1:$API_PORT)" >&2
+}
+
+start_nodes() {  # the try-out nodes: the test kubelet as a process, until `down`
+  local python="$ROOT/.venv/bin/python"
+  if [[ ! -x "$python" ]]; then
+    echo "test-cluster: --nodes needs $python: run 'bash scripts/setup.sh' first" >&2
+    return 1
+  fi
+  (cd "$ROOT" && start nodes "$python" -m tests.operator.support.nodes "$DIR" --nodes "$NODES" --cwd "$ROOT")
+  await_component nodes "$(tail -1 "$DIR/pids")" 300 grep -q "^nodes: " "$DIR/logs/nodes.log" || return 1
+  echo "test-cluster: $NODES try-out node(s): pods run as local processes in $ROOT" >&2
 }
 
 case "$cmd" in

@@ -170,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
                             "directory (LlamaForCausalLM or GPT2LMHeadModel)")
     _add_job_args(export)
     export.add_argument("--checkpoint", type=Path, metavar="DIR",
-                        help="a step-* checkpoint, or a checkpoint directory (its newest complete checkpoint); default: "
-                        "the job's checkpoint.path as `paratrain run` writes it (volumes under runs/<name>/volumes)")
+                        help="a step-* checkpoint, or a checkpoint directory (its newest complete checkpoint); "
+                        "default: the job's checkpoint.path as `paratrain run` writes it (runs/<name>/volumes)")
     export.add_argument("--out", required=True, type=Path, metavar="HF_DIR",
                         help="where config.json, model.safetensors and tokenizer.json (token data) go")
 

@@ -6,7 +6,8 @@ a temp dir, and starts `command + args` with the container's env (the downward A
 cluster provides by other means is emulated by rewriting the process's env, command and args:
 
 - DNS: `<hostname>.<subdomain>.<namespace>.svc[.cluster.local]` becomes that pod's IP;
-- mounts: a volume's mountPath (and the container's terminationMessagePath) becomes its temp dir or file;
+- mounts: a volume's mountPath (and the container's terminationMessagePath) becomes its temp dir or file, in the
+  env, the command and args, and the files of ConfigMap volumes (the job's spec names /checkpoints/...);
 - ports: torch's TCPStore binds MASTER_PORT on all interfaces, so two gangs on one machine would collide on
   the same port although their pod IPs differ; each (namespace, master address, port) gets a free host port.
 
@@ -63,6 +64,15 @@ _LOOPBACK = itertools.count((os.getpid() % 254 + 1) << 16 | 2)
 
 
 @dataclass
+class PodNetwork:
+    """Pod IPs (by DNS name) and master ports: one cluster's, shared by the kubelets of all its nodes, so a pod on
+    one node reaches its gang's master on another at the same address."""
+
+    ips: dict[tuple[str, ...], str] = field(default_factory=dict)
+    ports: dict[tuple[str, str, str], tuple[str, int]] = field(default_factory=dict)  # key → (port, users)
+
+
+@dataclass
 class _Container:
     namespace: str
     pod: str
@@ -80,13 +90,15 @@ class _Container:
 class Kubelet:
     def __init__(self, api: Any, workdir: Path, *, node_name: str = "test-node",
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None, max_grace: float = 5.0,
-                 extra_env: Mapping[str, str] | None = None):
+                 extra_env: Mapping[str, str] | None = None, default_cwd: Path | None = None,
+                 network: PodNetwork | None = None):
         self.api, self.workdir, self.node_name = api, workdir, node_name
+        self.default_cwd = default_cwd  # the image's working directory, for containers that name none
         self.command, self.max_grace = command, max_grace
         self.extra_env = {"OMP_NUM_THREADS": "1", "PARATRAIN_DEVICE": "cpu", **(extra_env or {})}
         self.containers: dict[tuple[str, str], _Container] = {}
-        self._ips: dict[tuple[str, ...], str] = {}
-        self._ports: dict[tuple[str, str, str], tuple[str, int]] = {}  # key → (port, users)
+        network = network or PodNetwork()
+        self._ips, self._ports = network.ips, network.ports
         self._seen: set[str] = set()  # pod uids already started (a pod never runs twice)
         self._terminating: set[str] = set()  # pod uids being stopped
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -358,6 +370,18 @@ class Kubelet:
         def localise(text: str) -> str:
             return mounts.sub(lambda m: rewrites[m[0]], _DNS.sub(self._resolve, text))
 
+        # A ConfigMap's files (the job's spec) name paths as the pod sees them, /checkpoints/...: what the user's
+        # volume would show there is in its local directory. (Not paratrain's own /tmp: tests name host paths there.)
+        users = {m["mountPath"]: rewrites[m["mountPath"]] for m in container.get("volumeMounts") or []
+                 if m["name"] in volumes and not m["name"].startswith("paratrain-")}
+        if users:
+            user_mounts = re.compile("|".join(re.escape(m) + r"(?=/|$|[^\w.-])" for m in sorted(users, key=len,
+                                                                                                reverse=True)))
+            for volume in (pod.get("spec") or {}).get("volumes") or []:
+                if volume.get("configMap"):
+                    for file in (f for f in volumes[volume["name"]].rglob("*") if f.is_file()):
+                        file.write_text(user_mounts.sub(lambda m: users[m[0]], file.read_text()))
+
         env: dict[str, str] = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # pods get no API access
         env["HOSTNAME"] = (pod.get("spec") or {}).get("hostname") or name
         for item in container.get("env") or []:
@@ -381,7 +405,7 @@ class Kubelet:
             raise ValueError("the container has no command (images' entrypoints are not emulated)")
         c.log.parent.mkdir(parents=True, exist_ok=True)
         self.api.pod_logs[(ns, name)] = c.log
-        cwd = localise(container["workingDir"]) if container.get("workingDir") else str(pod_dir)
+        cwd = localise(container["workingDir"]) if container.get("workingDir") else str(self.default_cwd or pod_dir)
         with open(c.log, "ab") as log:
             c.process = await asyncio.create_subprocess_exec(*argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
                                                              stdout=log, stderr=log, start_new_session=True)

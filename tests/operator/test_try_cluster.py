@@ -1,0 +1,77 @@
+"""The README's try-out cluster walkthrough, run as written: `test-cluster.sh up --nodes 2` (the test kubelet as a
+process), the CRD and the checkpoint claim, the operator as a local process, `examples/shakespeare.yaml` applied
+unchanged, a pod deleted after its first checkpoint, the gang restarting and resuming, the job succeeding.
+
+The block's lines run in one bash session, in this checkout, with /tmp/k8s replaced by a temporary directory. Only
+the interactive waits change: the `-w` watch becomes "wait until step 200", and each later look waits for what
+it shows (the restarted pod's log, the job's end)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ..support import control_plane
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+WAITS = r'''
+wait_until() {  # SECONDS COMMAND...: run COMMAND every second until it succeeds
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@" > /dev/null 2>&1; do
+    if (( SECONDS >= deadline )); then echo "timed out waiting for: $*" >&2; return 1; fi
+    sleep 1
+  done
+}
+step_at_least() { (( $(kubectl get ptj shakespeare -o jsonpath='{.status.progress.step}' || echo 0) >= $1 )); }
+logged_resume() { kubectl logs shakespeare-1-0 | grep -q resume; }
+succeeded() { [[ "$(kubectl get ptj shakespeare -o jsonpath='{.status.phase}')" == Succeeded ]]; }
+'''
+
+
+def walkthrough_block() -> str:
+    [block] = [b for b in re.findall(r"```bash\n(.*?)```", README, re.S) if "test-cluster.sh up /tmp/k8s --nodes" in b]
+    return block
+
+
+def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_cluster(tmp_path):
+    control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the README's second command)
+    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", WAITS]  # the operator, always
+    for line in walkthrough_block().splitlines():
+        command = line.split("  #")[0].rstrip().replace("/tmp/k8s", str(tmp_path / "k8s"))
+        if "kubectl get ptj shakespeare -w" in command:
+            script.append("wait_until 300 step_at_least 200")
+            continue
+        if command.startswith("kubectl logs shakespeare-1-0"):
+            script.append("wait_until 300 logged_resume")
+        if command == "kubectl get ptj shakespeare":
+            script.append("wait_until 300 succeeded")
+        script.append(command)
+    assert any("python -m paratrain_operator" in line for line in script)
+    try:
+        proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+    finally:  # whatever happened, nothing is left running
+        subprocess.run(["bash", str(ROOT / "scripts" / "test-cluster.sh"), "down", str(tmp_path / "k8s")],
+                       capture_output=True, timeout=120)
+        subprocess.run(["pkill", "-f", f"paratrain_operator.*{tmp_path}"], capture_output=True)
+    operator_log = tmp_path / "k8s" / "operator.log"
+    context = proc.stdout + proc.stderr + (operator_log.read_text(errors="replace")[-3000:]
+                                           if operator_log.exists() else "")
+    assert proc.returncode == 0, context
+    # The restarted rank 0's log: from the newest checkpoint when the pod died (every 200 steps).
+    assert re.search(r"resume step=[24]00\b", proc.stdout), context
+    final = proc.stdout.strip().splitlines()[-1]  # `kubectl get ptj shakespeare`: its printer columns
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b600/600\s+\S+\s+1\s", final), context  # Restarts 1
+    checkpoints = tmp_path / "k8s" / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "shakespeare"
+    assert (checkpoints / "step-00000600").is_dir() and (checkpoints / "step-00000400").is_dir(), context
+
+
+@pytest.mark.parametrize("command", ["test-cluster.sh up /tmp/k8s --nodes 2", "kubectl apply -f examples/shakespeare",
+                                     "kubectl delete pod shakespeare-0-1", "python -m paratrain_operator"])
+def test_the_walkthrough_block_holds_its_steps(command):
+    assert command in walkthrough_block()
