@@ -123,3 +123,23 @@ def test_a_job_whose_vocabulary_is_in_the_data_is_refused_by_its_ranks(tmp_path)
     proc, _ = run_job(tmp_path / "run", job=job, expect_ok=False)
     assert proc.returncode != 0
     assert "spec.resources.gpuMemory: rank 0 is predicted to need" in proc.stderr + proc.stdout
+
+
+def test_a_stated_data_vocabulary_lets_the_operator_check_and_must_match_the_data(tmp_path):
+    """spec.data.vocabSize: a token or text job whose vocabulary the spec states is checked before any pod exists;
+    a rank refuses data of another vocabulary (the check would have been made for the wrong one)."""
+    from paratrain.api import SpecError, require_cluster_ready
+
+    job = job_of("dp1")
+    job["spec"]["data"] = {"source": "tokens", "path": "/data/tokens", "vocabSize": 128256}
+    job["spec"]["resources"] = {"gpuMemory": "20Mi"}
+    with pytest.raises(SpecError, match="spec.resources.gpuMemory: rank 0 is predicted to need .* its biggest term "
+                                        "is loss"):
+        require_cluster_ready(parse_job(job))
+    text = tmp_path / "text.txt"
+    text.write_text("abc def\n" * 500)
+    job["spec"]["data"] = {"source": "text", "path": str(text), "vocabSize": 300}
+    job["spec"]["resources"] = {}
+    proc, _ = run_job(tmp_path / "run", job=job, expect_ok=False)
+    assert proc.returncode != 0
+    assert "spec.data.vocabSize: 300, but the data's vocabulary is" in proc.stderr + proc.stdout

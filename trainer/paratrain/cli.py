@@ -75,14 +75,16 @@ def _memory(job, args: argparse.Namespace) -> int:
         limit = parse_bytes(given) if given else None
     except ValueError as exc:
         raise SpecError([Problem("--gpu-memory", str(exc))]) from None
-    vocab = args.vocab_size or data_vocab(job)
+    vocab = args.vocab_size or data_vocab(job) or job.spec.data.vocab_size
     if vocab is None and not args.memory:  # only spec.resources.gpuMemory asked for the check: the ranks make it
         print("note: spec.resources.gpuMemory: not checked here, the data (and its vocabulary) is not on this machine "
-              "(--memory --vocab-size N checks it); every rank checks it once it has read the data", file=sys.stderr)
+              "(spec.data.vocabSize or --memory --vocab-size N give it); every rank checks it once it has read the "
+              "data", file=sys.stderr)
         return 0
     if vocab is None:
         raise SpecError([Problem("--memory", f"the vocabulary comes from the data ({job.spec.data.path}), which is "
-                                 "not on this machine: give it with --vocab-size N (128256 for Llama 3's tokenizer)")])
+                                 "not on this machine: give it with --vocab-size N or spec.data.vocabSize (128256 for "
+                                 "Llama 3's tokenizer)")])
     ranks = predict(job.spec, vocab)
     problem = memory_problem(job.spec, vocab, limit)
     if args.json:

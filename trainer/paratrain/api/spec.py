@@ -143,6 +143,10 @@ class DataSpec(_Model):
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description=(
         "source text and synthetic: the last fraction of the stream held out for validation (a token directory "
         "carries its own split)."))
+    vocab_size: int | None = Field(None, ge=2, le=1_000_000, description=(
+        "The data's vocabulary, where it is known before the data is read (e.g. 128256 for Llama 3's tokenizer): "
+        "the operator then checks resources.gpuMemory before any pod exists. Every rank refuses a job whose data "
+        "has another vocabulary. Unset: read from the data (synthetic: model.vocabSize)."))
 
 
 class TrainingSpec(_Model):
@@ -200,8 +204,8 @@ class ResourcesSpec(_Model):
     gpu_memory: str | None = Field(None, pattern=BYTES, max_length=32, description=(
         "Memory of one device (e.g. 80Gi). The job is refused when paratrain's memory model predicts a rank needs "
         "more (`paratrain validate --memory` shows the terms): by the operator before any pod exists where the "
-        "vocabulary is known from the spec (synthetic data), else by every rank once it has read the data, before "
-        "the model is built. Unset: not checked."))
+        "spec gives the vocabulary (data.vocabSize, or synthetic data), else by every rank once it has read the "
+        "data, before the model is built. Unset: not checked."))
 
 
 class RunPolicy(_Model):
@@ -352,10 +356,11 @@ def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append((field, f"{path!r} is relative: in a cluster it must be an absolute path on a volume every pod "
                         f"mounts (spec.pod.volumes), or the {what} are lost with the pod; relative paths are for "
                         "local runs"))
-    if spec.resources.gpu_memory and spec.data.source == "synthetic":  # else the vocabulary is in the data
+    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
+    if spec.resources.gpu_memory and vocab:  # else only the data knows its vocabulary: the ranks check
         from .memory import memory_problem
 
-        if problem := memory_problem(spec, spec.model.vocab_size):
+        if problem := memory_problem(spec, vocab):
             out.append(("spec.resources.gpuMemory", problem))
     return out
 

@@ -142,7 +142,10 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                              spec.training.seed, spec.model.block_size)
         if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
             raise ValueError(f"spec.model.init: {problem}")
-        if problem := memory_problem(spec, corpus.vocab_size):  # the operator cannot know a data's vocabulary
+        if spec.data.vocab_size and spec.data.vocab_size != corpus.vocab_size:
+            raise ValueError(f"spec.data.vocabSize: {spec.data.vocab_size}, but the data's vocabulary is "
+                             f"{corpus.vocab_size} ({spec.data.source} {spec.data.path or ''})".rstrip())
+        if problem := memory_problem(spec, corpus.vocab_size):  # the operator may not know the data's vocabulary
             raise ValueError(f"spec.resources.gpuMemory: {problem}")
         torch.manual_seed(dims.dropout_seed(spec.training.seed))
         reporter = None
