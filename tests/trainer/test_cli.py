@@ -120,23 +120,27 @@ def test_examples_run_from_a_fresh_clone_without_shared_data(tmp_path):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
-def test_examples_run_in_both_places_or_name_their_twin(example):
+def test_examples_run_in_both_places_or_name_their_twin(example, capsys, monkeypatch):
     """Every example is accepted by the operator as it is (and renders); it runs here too, unless its header says
-    why not: a GPU job names its CPU twin, the token example its `paratrain prepare` command."""
+    why not: a GPU job names its CPU twin, the token example its `paratrain prepare` command. (The CLI runs in this
+    process: a fresh interpreter per command would spend most of the test importing torch.)"""
+    from paratrain.cli import main
+
+    monkeypatch.chdir(ROOT)
     job = load_job(example)
     assert job.metadata.name == example.stem or example.stem == "gpu-cluster"
-    proc = paratrain("validate", str(example))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "in a cluster (the operator): runs" in proc.stdout, proc.stdout
+    code, out = main(["validate", str(example)]), capsys.readouterr()
+    assert code == 0, out.out + out.err
+    assert "in a cluster (the operator): runs" in out.out, out.out
     header = "".join(line for line in example.read_text().splitlines(keepends=True) if line.startswith("#"))
-    if "here (paratrain run): runs" not in proc.stdout:
+    if "here (paratrain run): runs" not in out.out:
         twin = re.search(r"Its CPU twin.*?examples/([a-z0-9-]+\.yaml)", header, re.S)
-        prepare = "paratrain prepare" in header and "here (paratrain run): refused: spec.data.path:" in proc.stdout
-        assert prepare or (twin and (ROOT / "examples" / twin.group(1)).is_file()), proc.stdout
+        prepare = "paratrain prepare" in header and "here (paratrain run): refused: spec.data.path:" in out.out
+        assert prepare or (twin and (ROOT / "examples" / twin.group(1)).is_file()), out.out
     if job.spec.resources.gpus_per_node == 0:
         assert "kubectl apply -f examples/cluster/checkpoints-pvc.yaml" in header
-    rendered = paratrain("render", str(example))
-    assert rendered.returncode == 0 and "kind: Pod" in rendered.stdout, rendered.stderr
+    code, out = main(["render", str(example)]), capsys.readouterr()
+    assert code == 0 and "kind: Pod" in out.out, out.err
 
 
 def test_a_cluster_job_runs_locally_with_its_volumes_mapped(tmp_path):
