@@ -48,7 +48,7 @@ def _verdicts(job, out) -> bool:
     here = []
     try:
         local, _ = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
-        preflight(local)
+        preflight(local, checksums=False)  # validate has hashed the shards already (broken_data)
     except SpecError as exc:
         here = exc.problems
     there = []
@@ -67,7 +67,7 @@ def _verdicts(job, out) -> bool:
 
 def _memory(job, args: argparse.Namespace) -> int:
     """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory."""
-    from .api.memory import human, memory_problem, parse_bytes, predict
+    from .api.memory import fit_problem, human, parse_bytes, predict
     from .launch import data_vocab
 
     try:
@@ -86,7 +86,7 @@ def _memory(job, args: argparse.Namespace) -> int:
                                  "not on this machine: give it with --vocab-size N or spec.data.vocabSize (128256 for "
                                  "Llama 3's tokenizer)")])
     ranks = predict(job.spec, vocab)
-    problem = memory_problem(job.spec, vocab, limit)
+    problem = fit_problem(ranks, limit) if limit is not None else None
     if args.json:
         print(json.dumps({"limit_bytes": limit, "fits": problem is None, "ranks": [
             {"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,

@@ -178,14 +178,15 @@ def data_vocab(job: ParallelTrainJob) -> int | None:
                        m.block_size).vocab_size
 
 
-def broken_data(job: ParallelTrainJob) -> list[Problem]:
+def broken_data(job: ParallelTrainJob, checksums: bool = True) -> list[Problem]:
     """What is wrong with a token directory on this machine: an unfinished prepare, or shards missing, of the wrong
-    size or changed. Hashes every shard (a few seconds per GB), which ranks do not: they check sizes only."""
+    size or (with `checksums`) changed. Hashes every shard (a few seconds per GB), which ranks do not: they check
+    sizes only."""
     data = job.spec.data
     if data.source != "tokens" or not data.path or not Path(data.path).is_dir():
         return []
     try:
-        open_token_dir(Path(data.path), checksums=True)
+        open_token_dir(Path(data.path), checksums=checksums)
     except TokenDirError as exc:
         return [Problem("spec.data.path", f"{data.path}: {problem}") for problem in exc.problems]
     return []
@@ -258,8 +259,9 @@ def cluster_notes(job: ParallelTrainJob) -> list[str]:
     return notes
 
 
-def preflight(job: ParallelTrainJob) -> None:
-    """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts."""
+def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
+    """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts
+    (`checksums`: hash a token directory's shards too, as broken_data does)."""
     import torch
 
     from .train.entrypoint import device_type
@@ -268,7 +270,7 @@ def preflight(job: ParallelTrainJob) -> None:
 
     spec = job.spec
     missing = missing_data(job)
-    problems = [missing] if missing else broken_data(job)
+    problems = [missing] if missing else broken_data(job, checksums)
     if problem := init_problem(job):
         problems.append(problem)
     if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:

@@ -228,9 +228,12 @@ def memory_problem(spec, vocab_size: int, limit: int | None = None) -> str | Non
     biggest term; None if it fits or no limit is set."""
     limit = limit if limit is not None else (parse_bytes(spec.resources.gpu_memory) if spec.resources.gpu_memory
                                              else None)
-    if limit is None:
-        return None
-    over = [r for r in predict(spec, vocab_size) if r.peak_bytes > limit]
+    return None if limit is None else fit_problem(predict(spec, vocab_size), limit)
+
+
+def fit_problem(ranks: list[RankMemory], limit: int) -> str | None:
+    """Why `ranks` (predict's) do not fit `limit` bytes per device, naming the worst rank and its biggest term."""
+    over = [r for r in ranks if r.peak_bytes > limit]
     if not over:
         return None
     worst = max(over, key=lambda r: r.peak_bytes)
