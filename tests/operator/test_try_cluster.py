@@ -72,6 +72,7 @@ def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_clust
 
 
 @pytest.mark.parametrize("command", ["test-cluster.sh up /tmp/k8s --nodes 2", "kubectl apply -f examples/shakespeare",
-                                     "kubectl delete pod shakespeare-0-1", "python -m paratrain_operator"])
+                                     "kubectl delete pod shakespeare-0-1", "python -m paratrain_operator",
+                                     "kubectl wait --for condition=established crd/paralleltrainjobs"])
 def test_the_walkthrough_block_holds_its_steps(command):
     assert command in walkthrough_block()
