@@ -4,16 +4,18 @@
 Label merge: the user's `spec.pod.labels` / `annotations` first, paratrain's own on top, so a user key can never
 replace one paratrain selects by (the spec also rejects user keys under `paratrain.dev/`). Env order: POD_IP /
 POD_NAME (downward API; first, so user values may use `$(POD_IP)`) → torchrun's PET_* → PARATRAIN_* → NCCL /
-torch watchdog defaults → overridable defaults (dropped when the user sets the same name) → the user's env.
+torch watchdog and other defaults (each dropped when the user sets the same name) → the user's env.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from paratrain import contract
 from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, layout_label
+from paratrain.api.spec import EnvVar
 
 ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
 ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
@@ -41,7 +43,7 @@ COMMS_ENV = {
     # NCCL's warnings and errors, without INFO's per-ring lines from every rank.
     "NCCL_DEBUG": "WARN",
 }
-# Defaults a user env var of the same name replaces.
+# Other defaults. A user env var of the same name replaces any default, fabric tuning included.
 OVERRIDABLE_ENV = {
     "PYTHONUNBUFFERED": "1",  # log lines reach `kubectl logs` as they happen
     "HOME": "/tmp",  # the root filesystem is read-only; caches (torch, triton, HF) go under $HOME
@@ -57,7 +59,7 @@ class NodePlan:
     hostname: str
     labels: dict[str, str]
     annotations: dict[str, str]
-    env: dict[str, str]  # plain values, in order; FIELD_ENV comes from the downward API
+    env: tuple[dict[str, Any], ...]  # the container's env, in order: Kubernetes EnvVars
 
 
 @dataclass(frozen=True)
@@ -89,16 +91,24 @@ def owner_reference(job: ParallelTrainJob) -> dict[str, Any] | None:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> dict[str, str]:
+def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> tuple[dict[str, Any], ...]:
     spec, name = job.spec, job.metadata.name
     env = contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=rank,
                             master_addr=contract.pod_dns_name(name, namespace, 0))
     env |= {contract.ENV_JOB_NAME: name, contract.ENV_RESTART_ATTEMPT: str(attempt),
             contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
             contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH}
-    user = {e.name: e.value for e in spec.pod.env}
-    env |= COMMS_ENV | {k: v for k, v in OVERRIDABLE_ENV.items() if k not in user}
-    return env | user
+    user = {e.name for e in spec.pod.env}
+    env |= {k: v for k, v in (COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
+    return (*({"name": k, "valueFrom": {"fieldRef": {"fieldPath": f}}} for k, f in FIELD_ENV.items()),
+            *({"name": k, "value": v} for k, v in env.items()), *container_env(spec.pod.env))
+
+
+def container_env(env: Sequence[EnvVar]) -> tuple[dict[str, Any], ...]:
+    """The user's env as Kubernetes EnvVars."""
+    return tuple({"name": e.name, "valueFrom": e.value_from.dump()} if e.value_from else {"name": e.name,
+                                                                                        "value": e.value}
+                 for e in env)
 
 
 def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int, rank: int,

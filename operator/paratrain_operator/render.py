@@ -19,13 +19,16 @@ import yaml
 
 from paratrain import contract
 from paratrain.api import ParallelTrainJob
-from paratrain.api.spec import ResourcesSpec, Spec, Volume
+from paratrain.api.spec import RESERVED_VOLUME_PREFIX, TRAINER_CONTAINER, ResourcesSpec, Spec, Volume
 
-from .plan import FIELD_ENV, WORKLOAD_TEMPLATE, GangPlan, NodePlan, plan_gang
+from .plan import WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env, plan_gang
 
 TRAINER_UID = 1000  # the trainer images run as this non-root user
 SHM_DIR = "/dev/shm"
 TMP_DIR = "/tmp"  # writable scratch under a read-only root filesystem
+# Every container's: the restricted Pod Security profile.
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
 PORTS = [{"name": "rendezvous", "port": contract.MASTER_PORT}, {"name": "progress", "port": contract.PROGRESS_PORT}]
 
 # Characters YAML reads as line breaks, or refuses raw (C1 controls, BOM): escaped as \uXXXX.
@@ -121,12 +124,28 @@ def workload(plan: GangPlan, spec: Spec) -> dict[str, Any]:
 
 def resources(r: ResourcesSpec) -> dict[str, Any]:
     """Requests = limits (Guaranteed QoS: a training pod is never the first one evicted or CPU-throttled for
-    others). The memory limit also covers /dev/shm, a memory-backed emptyDir."""
+    others). The memory limit also covers /dev/shm, a memory-backed emptyDir. Device-plugin resources cannot be
+    overcommitted: their requests default to the limits."""
     amounts = {"cpu": r.cpu, "memory": r.memory}
     limits = dict(amounts)
-    if r.gpus_per_node:
-        limits["nvidia.com/gpu"] = str(r.gpus_per_node)
-    return {"requests": amounts, "limits": limits}
+    if r.gpus_per_node and not any(c.provides_gpus for c in r.claims):
+        limits[r.gpu_resource] = str(r.gpus_per_node)
+    limits |= {name: str(count) for name, count in r.extra.items()}
+    out: dict[str, Any] = {"requests": amounts, "limits": limits}
+    if r.claims:
+        out["claims"] = [{"name": c.name} for c in r.claims]
+    return out
+
+
+def init_containers(spec: Spec, mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The user's init containers, each with the trainer's CPU and memory (so the pod stays Guaranteed; an init
+    container's request never adds to the pod's) and mounts."""
+    amounts = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    return [{"name": c.name, "image": c.image, **({"command": c.command} if c.command else {}),
+             **({"args": c.args} if c.args else {}), **({"env": list(container_env(c.env))} if c.env else {}),
+             "resources": {"requests": amounts, "limits": amounts}, "volumeMounts": mounts,
+             "securityContext": CONTAINER_SECURITY}
+            for c in spec.pod.init_containers]
 
 
 def volume_source(v: Volume) -> dict[str, Any]:
@@ -158,11 +177,18 @@ def volumes_and_mounts(spec: Spec, config_map_name: str) -> tuple[list[dict[str,
 
 def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
     volumes, mounts = volumes_and_mounts(spec, plan.config_map)
+    user_mounts = [m for m in mounts if not m["name"].startswith(RESERVED_VOLUME_PREFIX) or m["mountPath"] == TMP_DIR]
     return _render(
         "pod.yaml.j2", metadata=metadata(plan, node.pod_name, node.labels, node.annotations), plan=plan,
         node=node, scheduling=spec.scheduling, tolerations=[t.dump() for t in spec.scheduling.tolerations],
         image_pull_secrets=[{"name": s} for s in spec.pod.image_pull_secrets], uid=TRAINER_UID, image=spec.image,
-        command=contract.train_command(), field_env=FIELD_ENV, resources=resources(spec.resources),
+        command=contract.train_command(), resources=resources(spec.resources), pod_spec=spec.pod,
+        resource_claims=[{"name": c.name, "resourceClaimTemplateName": c.resource_claim_template_name}
+                         for c in spec.resources.claims],
+        init_containers=init_containers(spec, user_mounts), container=TRAINER_CONTAINER,
+        spread=[{**c.dump(), "labelSelector": {"matchLabels": {contract.LABEL_JOB: plan.job_name}}}
+                for c in spec.pod.topology_spread_constraints],
+        container_security=CONTAINER_SECURITY,
         ports=[{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in PORTS],
         volumes=volumes, mounts=mounts)
 

@@ -43,6 +43,17 @@ def vol(name: str, path: str, **source: Any) -> dict[str, Any]:
     return {"name": name, "mountPath": path, **(source or {"emptyDir": True})}
 
 
+def claim(name: str, gpus: bool = False) -> dict[str, Any]:
+    return {"name": name, "resourceClaimTemplateName": "gpus", "providesGpus": gpus}
+
+
+def init(name: str) -> dict[str, Any]:
+    return {"name": name, "image": "busybox:1.37"}
+
+
+SECRET_KEY = {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
+
+
 # One row per `out.append` in cross_field_problems, in order: (id, spec, the paths both must report).
 CROSS_FIELD_CASES = [
     ("world-size", {"nodes": 2}, {"spec.parallelism"}),
@@ -85,6 +96,21 @@ CROSS_FIELD_CASES = [
     ("reserved-env", {"pod": {"env": [{"name": "A"}, {"name": "MASTER_ADDR", "value": "evil"}]}},
      {"spec.pod.env[1].name"}),
     ("env-twice", {"pod": {"env": [{"name": "A"}, {"name": "A", "value": "2"}]}}, {"spec.pod.env"}),
+    ("gpu-resource-in-extra", {"resources": {"extra": {"nvidia.com/gpu": 2}}}, {"spec.resources.extra"}),
+    ("kubernetes-owned-gpu-resource", {"resources": {"gpuResource": "kubernetes.io/gpu"}},
+     {"spec.resources.gpuResource"}),
+    ("kubernetes-owned-extra", {"resources": {"extra": {"rdma/ib": 1, "node.kubernetes.io/x": 1}}},
+     {"spec.resources.extra"}),
+    ("two-claims-provide-gpus", {"procsPerNode": 2, "parallelism": {"data": 2}, "resources": {
+        "gpusPerNode": 2, "claims": [claim("a", True), claim("b", True)]}}, {"spec.resources.claims"}),
+    ("gpu-claim-without-gpus", {"resources": {"claims": [claim("a", True)]}}, {"spec.resources.gpusPerNode"}),
+    ("claim-twice", {"resources": {"claims": [claim("a"), claim("a")]}}, {"spec.resources.claims"}),
+    ("spread-min-domains-soft", {"pod": {"topologySpreadConstraints": [{
+        "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway", "minDomains": 2}]}},
+     {"spec.pod.topologySpreadConstraints[0].minDomains"}),
+    ("init-container-twice", {"pod": {"initContainers": [init("a"), init("a")]}}, {"spec.pod.initContainers"}),
+    ("init-container-named-trainer", {"pod": {"initContainers": [init("trainer")]}},
+     {"spec.pod.initContainers[0].name"}),
 ]
 # The model validators the CRD mirrors, and more shapes of the checks above.
 MORE_CASES = [
@@ -99,7 +125,17 @@ MORE_CASES = [
      {"spec.scheduling.tolerations[0]"}),
     ("text-explicit-null-path", {"data": {"source": "text", "path": None}}, {"spec.data.path"}),
     ("reserved-annotation", {"pod": {"annotations": {"paratrain.dev/attempt": "9"}}}, {"spec.pod.annotations"}),
-    ("reserved-env-prefix", {"pod": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}}, {"spec.pod.env[0].name"}),
+    ("reserved-env-prefix", {"pod": {"env": [{"name": "PET_NNODES", "value": "9"}]}}, {"spec.pod.env[0].name"}),
+    ("reserved-torchrun-name", {"pod": {"env": [{"name": "GROUP_WORLD_SIZE", "value": "9"}]}},
+     {"spec.pod.env[0].name"}),
+    ("env-value-and-value-from", {"pod": {"env": [{"name": "A", "value": "x", "valueFrom": SECRET_KEY}]}},
+     {"spec.pod.env[0]"}),
+    ("env-two-sources", {"pod": {"env": [{"name": "A", "valueFrom": {**SECRET_KEY, "fieldRef": {
+        "fieldPath": "spec.nodeName"}}}]}}, {"spec.pod.env[0].valueFrom"}),
+    ("env-no-source", {"pod": {"env": [{"name": "A", "valueFrom": {}}]}}, {"spec.pod.env[0].valueFrom"}),
+    ("init-env-two-sources", {"pod": {"initContainers": [{**init("a"), "env": [{"name": "A", "value": "x",
+                                                                                "valueFrom": SECRET_KEY}]}]}},
+     {"spec.pod.initContainers[0].env[0]"}),
     ("reserved-spec-mount", {"pod": {"volumes": [vol("a", "/etc/paratrain")]}}, {"spec.pod.volumes"}),
     ("several-at-once", {"nodes": 2, "parallelism": {"zeroStage": 1}, "training": {"steps": 5}},
      {"spec.parallelism", "spec.parallelism.zeroStage", "spec.training.warmupSteps"}),
@@ -121,6 +157,7 @@ KEY_CASES = [
     ("annotation-key", {"pod": {"annotations": {"x\nkind: Secret": "x"}}}, "spec.pod.annotations"),
     ("node-selector-key", {"scheduling": {"nodeSelector": {"-pool": "gpu"}}}, "spec.scheduling.nodeSelector"),
     ("long-key", {"pod": {"labels": {"a" * 64: "x"}}}, "spec.pod.labels"),
+    ("extended-resource", {"resources": {"extra": {"ib": 1}}}, "spec.resources.extra"),
 ]
 
 
@@ -179,6 +216,18 @@ VALID = [
                                      "tolerationSeconds": 60}]}},
     {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
              "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
+    # A GPU cluster's: fabric tuning, RDMA devices, a DRA claim for the GPUs, identity, secrets, an init container.
+    {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 4},
+     "resources": {"gpusPerNode": 2, "gpuResource": "amd.com/gpu", "extra": {"rdma/ib": 1},
+                   "claims": [claim("gpus", True), claim("nic")]},
+     "pod": {"env": [{"name": "NCCL_IB_HCA", "value": "mlx5"}, {"name": "TORCH_NCCL_BLOCKING_WAIT", "value": "1"},
+                     {"name": "KEY", "valueFrom": SECRET_KEY}, {"name": "NODE", "valueFrom": {"fieldRef": {
+                         "fieldPath": "metadata.labels['team']"}}}, {"name": "EMPTY", "value": "", "valueFrom": {
+                             "configMapKeyRef": {"name": "c", "key": "k", "optional": True}}}],
+             "serviceAccountName": "trainer", "runtimeClassName": "nvidia",
+             "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "minDomains": 2}],
+             "initContainers": [{**init("fetch"), "command": ["sh", "-c", "true"], "env": [{"name": "A",
+                                                                                           "value": "1"}]}]}},
 ]
 JOB_FILES = sorted(glob.glob(str(ROOT / "tests/operator/jobs/*.yaml")) + glob.glob(str(ROOT / "examples/*.yaml")))
 

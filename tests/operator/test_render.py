@@ -80,6 +80,54 @@ def test_user_env_comes_last_and_replaces_only_overridable_defaults() -> None:
     assert env(pods(render(doc))[0])["HOME"] == "/data/home"
 
 
+def test_fabric_tuning_replaces_paratrains_nccl_defaults() -> None:
+    doc = job_doc(pod={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NCCL_IB_HCA", "value": "mlx5_0"},
+                               {"name": "TORCH_NCCL_DUMP_ON_TIMEOUT", "valueFrom": {"configMapKeyRef": {
+                                   "name": "fabric", "key": "dump"}}}]})
+    names = [e["name"] for e in container(pods(render(doc))[0])["env"]]
+    assert len(names) == len(set(names)), "no env name twice: the user's replaces the default"
+    e = env(pods(render(doc))[0])
+    assert e["NCCL_DEBUG"] == "INFO" and e["NCCL_IB_HCA"] == "mlx5_0"
+    assert e["TORCH_NCCL_DUMP_ON_TIMEOUT"] == {"configMapKeyRef": {"name": "fabric", "key": "dump", "optional": False}}
+    assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1", "defaults the user left alone stay"
+
+
+def test_env_from_secrets_config_maps_and_pod_fields() -> None:
+    sources = [{"secretKeyRef": {"name": "wandb", "key": "api-key", "optional": False}},
+               {"configMapKeyRef": {"name": "settings", "key": "bucket", "optional": True}},
+               {"fieldRef": {"fieldPath": "spec.nodeName"}}]
+    doc = job_doc(pod={"env": [{"name": f"V{i}", "valueFrom": s} for i, s in enumerate(sources)]})
+    for pod in pods(render(doc)):
+        assert container(pod)["env"][-3:] == [{"name": f"V{i}", "valueFrom": s} for i, s in enumerate(sources)]
+
+
+def test_identity_runtime_class_and_spread() -> None:
+    spread = [{"topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]
+    plain = pods(render(job_doc()))[0]["spec"]
+    assert plain["automountServiceAccountToken"] is False and "serviceAccountName" not in plain
+    spec = pods(render(job_doc(pod={"serviceAccountName": "trainer", "runtimeClassName": "nvidia",
+                                    "topologySpreadConstraints": spread})))[0]["spec"]
+    assert spec["serviceAccountName"] == "trainer" and spec["automountServiceAccountToken"] is True
+    assert spec["runtimeClassName"] == "nvidia" and spec["topologySpreadConstraints"] == [{
+        "topologyKey": "topology.kubernetes.io/zone", "maxSkew": 1, "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"paratrain.dev/job-name": "j"}}}], "over the gang's own pods"
+
+
+def test_init_containers_run_restricted_with_the_jobs_volumes() -> None:
+    doc = job_doc(pod={"volumes": [{"name": "data", "mountPath": "/data", "persistentVolumeClaim": "corpus"}],
+                       "initContainers": [{"name": "fetch", "image": "amazon/aws-cli:2", "args": ["s3", "sync",
+                                                                                                 "s3://b", "/data"],
+                                           "env": [{"name": "AWS_REGION", "value": "eu-west-1"}]}]})
+    spec = pods(render(doc))[0]["spec"]
+    (fetch,) = spec["initContainers"]
+    trainer = spec["containers"][0]
+    assert fetch["image"] == "amazon/aws-cli:2" and "command" not in fetch and fetch["args"][0] == "s3"
+    assert fetch["securityContext"] == trainer["securityContext"]
+    assert fetch["resources"]["requests"] == fetch["resources"]["limits"] == trainer["resources"]["requests"]
+    assert {m["mountPath"] for m in fetch["volumeMounts"]} == {"/data", "/tmp"}
+    assert fetch["env"] == [{"name": "AWS_REGION", "value": "eu-west-1"}]
+
+
 def test_labels_and_annotations_merge_with_paratrains_on_top() -> None:
     doc = job_doc(scheduling={"gang": "coscheduling"},
                   pod={"labels": {"team": "a", "scheduling.x-k8s.io/pod-group": "someone-elses"},
@@ -103,6 +151,23 @@ def test_resources_gpus_and_shm() -> None:
     assert volumes["paratrain-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     cpu_pod = pods(render(job_doc()))[0]
     assert "nvidia.com/gpu" not in container(cpu_pod)["resources"]["limits"]
+
+
+def test_device_plugin_resources_and_dra_claims() -> None:
+    rdma = job_doc(nodes=2, procsPerNode=4, parallelism={"data": 8}, training={"batchSize": 8},
+                   resources={"gpusPerNode": 4, "gpuResource": "amd.com/gpu", "extra": {"rdma/ib": 1}})
+    limits = container(pods(render(rdma))[0])["resources"]["limits"]
+    assert limits["amd.com/gpu"] == "4" and limits["rdma/ib"] == "1" and "nvidia.com/gpu" not in limits
+    claims = [{"name": "gpus", "resourceClaimTemplateName": "four-h100", "providesGpus": True},
+              {"name": "nic", "resourceClaimTemplateName": "rdma-nic"}]
+    dra = job_doc(nodes=2, procsPerNode=4, parallelism={"data": 8}, training={"batchSize": 8},
+                  resources={"gpusPerNode": 4, "claims": claims})
+    pod = pods(render(dra))[0]
+    assert pod["spec"]["resourceClaims"] == [{"name": c["name"], "resourceClaimTemplateName":
+                                              c["resourceClaimTemplateName"]} for c in claims]
+    res = container(pod)["resources"]
+    assert res["claims"] == [{"name": "gpus"}, {"name": "nic"}]
+    assert "nvidia.com/gpu" not in res["limits"], "the claim holds the GPUs: no device-plugin request besides it"
 
 
 def test_user_volumes_mount_beside_paratrains() -> None:

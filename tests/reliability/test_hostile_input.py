@@ -34,7 +34,8 @@ BASE = {
                        "nodeSelector": {"pool": "gpu"}},
         "pod": {"env": [{"name": "USER_VALUE", "value": "plain"}],
                 "volumes": [{"name": "data", "mountPath": "/data", "persistentVolumeClaim": "datasets"}],
-                "imagePullSecrets": ["regcred"], "labels": {"team": "plain"}, "annotations": {"note": "plain"}},
+                "imagePullSecrets": ["regcred"], "labels": {"team": "plain"}, "annotations": {"note": "plain"},
+                "initContainers": [{"name": "fetch", "image": "busybox:1.37", "args": ["plain"]}]},
     },
 }
 PAYLOADS = [
@@ -141,9 +142,9 @@ def test_injection_payloads_are_refused_naming_the_field_or_arrive_intact(field,
         assert outcomes["refused"] >= sum("\n" in p for p in PAYLOADS), "a line break is never part of a name"
 
 
-ENV_RESERVED = ["MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "NCCL_DEBUG",
-                "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISTRIBUTED_DEBUG", "PET_NNODES",
-                "PET_MASTER_ADDR", "PARATRAIN_SPEC", "TORCHELASTIC_RESTART_COUNT", "POD_IP"]
+# The rendezvous contract. Fabric tuning (NCCL_*, TORCH_NCCL_*, GLOO_*, ...) is the user's to set.
+ENV_RESERVED = ["MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_NAME", "PET_NNODES", "PET_MASTER_ADDR", "PARATRAIN_SPEC", "TORCHELASTIC_RESTART_COUNT", "POD_IP"]
 
 
 @pytest.mark.parametrize("name", ENV_RESERVED)
@@ -153,15 +154,15 @@ def test_reserved_env_names_are_refused(name):
     with pytest.raises(SpecError) as err:
         parse_job(doc)
     assert [str(p) for p in err.value.problems] == [
-        f"spec.pod.env[1].name: {name} is reserved: paratrain and torchrun set it (set NCCL_/TORCH_ tuning through "
-        "the operator's defaults)"]
+        f"spec.pod.env[1].name: {name} is reserved: torchrun's rendezvous contract, which paratrain sets"]
 
 
 HOST_ACCESS = [
     (("spec", "pod", "hostPath"), "/"), (("spec", "pod", "securityContext"), {"privileged": True}),
     (("spec", "pod", "volumes", 0, "hostPath"), {"path": "/"}), (("spec", "pod", "privileged"), True),
     (("spec", "pod", "hostNetwork"), True), (("spec", "pod", "hostPID"), True),
-    (("spec", "pod", "serviceAccountName"), "admin"), (("spec", "pod", "command"), ["sh", "-c", "id"]),
+    (("spec", "pod", "automountServiceAccountToken"), True), (("spec", "pod", "command"), ["sh", "-c", "id"]),
+    (("spec", "pod", "initContainers", 0, "securityContext"), {"privileged": True}),
     (("spec", "image"), "x\nsecurityContext: {privileged: true}"),
 ]
 
@@ -181,8 +182,8 @@ def test_host_access_and_privilege_cannot_be_requested(path, value):
         assert pod["spec"]["automountServiceAccountToken"] is False
         assert {"hostNetwork", "hostPID", "hostIPC"}.isdisjoint(pod["spec"])
         assert all("hostPath" not in v for v in pod["spec"]["volumes"])
-        (container,) = pod["spec"]["containers"]
-        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 # (field path, value at the limit, value over it)

@@ -27,9 +27,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, JOB_NAME, KIND, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES,
+    API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, JOB_NAME, KIND, KUBERNETES_OWNED_MEANING,
+    KUBERNETES_OWNED_RESOURCE, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES,
     MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS,
-    RESERVED_VOLUME_PREFIX, SHORT_NAME, Spec,
+    RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, Spec,
 )
 from .shapes import BASE_DEFAULTS, DEFAULT_FAMILY, LLAMA_FFN_MULTIPLE, PRESETS
 from .status import JobStatus
@@ -129,11 +130,19 @@ def _given(expr: str, cel_type: str = "string") -> str:
     return f"(has({expr}) && type({expr}) == {cel_type})"
 
 
+def _present(expr: str) -> str:
+    """An optional (nullable) object field that is set."""
+    return f"(has({expr}) && type({expr}) != null_type)"
+
+
 def _cel_list(items: Any) -> str:
     return "[" + ", ".join(_literal(i) for i in items) + "]"
 
 
 P, M, T, R, S = "self.parallelism", "self.model", "self.training", "self.resources", "self.scheduling"
+_ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef")
+_ONE_ENV_SOURCE = [_rule(" + ".join(f"({_present(f'self.{k}')} ? 1 : 0)" for k in _ENV_SOURCES) + " == 1",
+                         "exactly one of secretKeyRef, configMapKeyRef, fieldRef must be set")]
 _RESERVED_MOUNTS = _cel_list(RESERVED_MOUNT_PATHS)
 _RESERVED_ENV = " || ".join(
     [f"self.name in {_cel_list(sorted(RESERVED_ENV_NAMES))}"] + [f"self.name.startsWith({_literal(p)})"
@@ -147,6 +156,7 @@ _GOOD_KEY = f"size(k) <= {LABEL_KEY_MAX_LENGTH} && k.matches({_literal(LABEL_KEY
 _LABEL_KEYS = [{"rule": f"self.all(k, {_GOOD_KEY})", "messageExpression": _literal(
     f"key '%s' is not a label key: {LABEL_KEY_MEANING}, at most {LABEL_KEY_MAX_LENGTH} characters")
     + f".format([self.filter(k, !({_GOOD_KEY}))[0]])"}]
+_GOOD_RESOURCE = f"size(k) <= 253 && k.matches({_literal(EXTENDED_RESOURCE)})"
 _ANNOTATION_BYTES = "self.map(k, size(bytes(k)) + size(bytes(self[k])))"
 _ANNOTATIONS_FIT_A_POD = [_rule(
     f"{_ANNOTATION_BYTES}.sum() <= {MAX_ANNOTATION_BYTES}",
@@ -267,8 +277,37 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     ],
     "pod.env[]": [
         _rule(f"!({_RESERVED_ENV})",
-              "{self.name} is reserved: paratrain and torchrun set it (set NCCL_/TORCH_ tuning through the "
-              "operator's defaults)", ".name"),
+              "{self.name} is reserved: torchrun's rendezvous contract, which paratrain sets", ".name"),
+        _rule(f"!({_present('self.valueFrom')} && has(self.value) && size(self.value) > 0)",
+              "value and valueFrom are exclusive"),
+    ],
+    "pod.env[].valueFrom": _ONE_ENV_SOURCE,
+    "pod.topologySpreadConstraints[]": [
+        _rule(f"!{_given('self.minDomains', 'int')} || self.whenUnsatisfiable == 'DoNotSchedule'",
+              "minDomains needs whenUnsatisfiable DoNotSchedule", ".minDomains"),
+    ],
+    "pod.initContainers[]": [
+        _rule(f"self.name != {_literal(TRAINER_CONTAINER)}", f"{TRAINER_CONTAINER} is the trainer container's name",
+              ".name"),
+    ],
+    "pod.initContainers[].env[].valueFrom": _ONE_ENV_SOURCE,
+    "pod.initContainers[].env[]": [
+        _rule(f"!({_present('self.valueFrom')} && has(self.value) && size(self.value) > 0)",
+              "value and valueFrom are exclusive"),
+    ],
+    "resources": [
+        # has(): the CRD's own default for resources ({}) is checked before nested defaults fill it in.
+        _rule("!has(self.extra) || !has(self.gpuResource) || !(self.gpuResource in self.extra)",
+              "{self.gpuResource} is resources.gpuResource: request it with gpusPerNode", ".extra"),
+        _rule("!has(self.claims) || self.claims.filter(c, c.providesGpus).size() <= 1",
+              "only one claim can provide the GPUs", ".claims"),
+        _rule("!has(self.claims) || !self.claims.exists(c, c.providesGpus) || self.gpusPerNode > 0",
+              "a claim provides GPUs: gpusPerNode says how many (one per process), not 0", ".gpusPerNode"),
+        _rule(f"!has(self.gpuResource) || !self.gpuResource.matches({_literal(KUBERNETES_OWNED_RESOURCE)})",
+              f"{{self.gpuResource}}: {KUBERNETES_OWNED_MEANING}", ".gpuResource"),
+        _rule(f"!has(self.extra) || !self.extra.exists(k, k.matches({_literal(KUBERNETES_OWNED_RESOURCE)}))",
+              f"{{self.extra.filter(k, k.matches({_literal(KUBERNETES_OWNED_RESOURCE)}))[0]}}: "
+              f"{KUBERNETES_OWNED_MEANING}", ".extra"),
     ],
     "pod.volumes[]": [
         _rule(" + ".join(f"({_given(f'self.{source}')} ? 1 : 0)"
@@ -280,6 +319,9 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     "pod.labels": _LABEL_KEYS + _RESERVED_KEYS,
     "pod.annotations": _LABEL_KEYS + _RESERVED_KEYS + _ANNOTATIONS_FIT_A_POD,
     "scheduling.nodeSelector": _LABEL_KEYS,
+    "resources.extra": [{"rule": f"self.all(k, {_GOOD_RESOURCE})", "messageExpression": _literal(
+        f"invalid key: must be an extended resource name ({EXTENDED_RESOURCE_MEANING}), got '%s'")
+        + f".format([self.filter(k, !({_GOOD_RESOURCE}))[0]])"}],
     # The API server's own toleration rules (Toleration's validator): a pod breaking one is refused.
     "scheduling.tolerations[]": [
         _rule(f"({_given('self.key')} && size(self.key) > 0) || ({_given('self.operator')} && "
@@ -292,7 +334,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     ],
 }
 IMMUTABLE = ("nodes", "procsPerNode", "parallelism", "model")
-LIST_MAP_KEYS = {"pod.env": "name", "pod.volumes": "name"}  # the API server rejects duplicate names
+# The API server rejects duplicate names in these.
+LIST_MAP_KEYS = {"pod.env": "name", "pod.volumes": "name", "pod.initContainers": "name", "resources.claims": "name"}
 
 
 def _at(schema: dict[str, Any], location: str) -> dict[str, Any]:

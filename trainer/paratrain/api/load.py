@@ -30,6 +30,11 @@ _PATTERN_MEANING = {
     _spec.ABS_PATH: "an absolute path (starting with '/', without newlines)",
     _spec.QUANTITY: "a Kubernetes quantity such as 500m, 4 or 16Gi",
     _spec.IMAGE: "a container image reference such as ghcr.io/org/trainer:1.0",
+    _spec.EXTENDED_RESOURCE: f"an extended resource name ({_spec.EXTENDED_RESOURCE_MEANING})",
+    _spec.CONFIG_KEY: "a Secret or ConfigMap key (letters, digits, '-', '_' and '.')",
+    _spec.ENV_FIELD_PATH: ("a pod field env can take: metadata.name, metadata.namespace, metadata.uid, "
+                           "metadata.labels['KEY'], metadata.annotations['KEY'], spec.nodeName, "
+                           "spec.serviceAccountName, status.hostIP(s) or status.podIP(s)"),
 }
 
 

@@ -7,6 +7,7 @@ Per-field bounds live on the fields (they become OpenAPI constraints in the CRD)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
@@ -29,18 +30,21 @@ JOB_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Names of PVCs, ConfigMaps, Secrets and PriorityClasses may contain dots (e.g. `example.com-tls`).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-# Env names the renderer and torchrun own; a user env var with one of these names would break rendezvous.
+# Env names of the rendezvous contract (torchrun's and paratrain's): a user env var with one of these names would
+# break rendezvous. Fabric tuning (NCCL_*, TORCH_NCCL_*, GLOO_*, UCX_*, FI_*) is the user's: it replaces
+# paratrain's defaults of the same name.
 RESERVED_ENV_NAMES = frozenset(
     {
         "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-        "ROLE_RANK", "NODE_RANK", "POD_IP", "POD_NAME",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "POD_IP", "POD_NAME",
     }
 )
-RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_", "NCCL_", "TORCH_")
+RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_")
 # Mount paths, volume names and label/annotation keys the renderer owns in every pod.
 RESERVED_MOUNT_PATHS = ("/dev/shm", "/etc/paratrain")
 RESERVED_VOLUME_PREFIX = "paratrain-"
 RESERVED_KEY_PREFIX = f"{API_GROUP}/"
+TRAINER_CONTAINER = "trainer"  # the container every pod runs the trainer in
 # The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
 MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
 BYTES = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"  # a quantity of bytes paratrain.api.memory parses
@@ -50,11 +54,21 @@ ABS_PATH = r"^/[^\x00\n\r]*$"
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"  # a key of a Secret or ConfigMap
+EXTENDED_RESOURCE_MEANING = "DOMAIN/NAME, e.g. nvidia.com/gpu or rdma/ib"
+KUBERNETES_OWNED_RESOURCE = r"^([-a-z0-9.]*\.)?kubernetes\.io/"
+KUBERNETES_OWNED_MEANING = "resources under kubernetes.io are Kubernetes' own, not a device plugin's"
+# An extended resource (a device plugin's): a domain-prefixed name such as rdma/ib or vpc.amazonaws.com/efa.
+EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+# The pod fields the downward API hands to env (Kubernetes' own list).
+ENV_FIELD_PATH = (r"^(metadata\.(name|namespace|uid)|metadata\.(labels|annotations)\['[^'\]]+'\]|"
+                  r"spec\.(nodeName|serviceAccountName)|status\.(hostIP|hostIPs|podIP|podIPs))$")
 LABEL_KEY_MAX_LENGTH = 316  # a 253-character DNS subdomain, '/', a 62-character name
 LABEL_KEY_MEANING = ("[DNS-subdomain/]name, the name up to 63 of A-Z a-z 0-9 - _ . and alphanumeric at both "
                      "ends")
 LabelKey = Annotated[str, Field(pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE, max_length=63)]
+ExtendedResource = Annotated[str, Field(pattern=EXTENDED_RESOURCE, max_length=253)]
 
 
 class _Model(BaseModel):
@@ -195,8 +209,29 @@ class LoggingSpec(_Model):
         "MFU and peak memory), written by rank 0; unset: none."))
 
 
+class ResourceClaim(_Model):
+    """A Dynamic Resource Allocation claim each pod makes from a ResourceClaimTemplate (resource.k8s.io/v1)."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="The claim's name in the pod.")
+    resource_claim_template_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "The ResourceClaimTemplate in the job's namespace: each pod gets its own claim made from it."))
+    provides_gpus: bool = Field(False, description=(
+        "The claim holds the pod's gpusPerNode GPUs: the pods then request no gpuResource (one claim at most)."))
+
+
 class ResourcesSpec(_Model):
-    gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 trains on CPU with gloo.")
+    gpus_per_node: int = Field(0, ge=0, le=64, description=(
+        "GPUs (gpuResource) per pod; 0 trains on CPU with gloo."))
+    gpu_resource: str = Field("nvidia.com/gpu", pattern=EXTENDED_RESOURCE, max_length=253, description=(
+        "The device plugin's resource gpusPerNode counts: nvidia.com/gpu, amd.com/gpu, or a MIG profile such "
+        "as nvidia.com/mig-3g.40gb."))
+    extra: dict[ExtendedResource, Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=dict, max_length=16, description=(
+            "Other device-plugin resources per pod, e.g. {rdma/ib: 1} or {vpc.amazonaws.com/efa: 4} for "
+            "GPUDirect RDMA (requests = limits)."))
+    claims: list[ResourceClaim] = Field(default_factory=list, max_length=16, description=(
+        "DRA claims every pod makes (pod resourceClaims, each given to the trainer container): devices a "
+        "DeviceClass describes, instead of or beside gpusPerNode."))
     cpu: str = Field("1", pattern=QUANTITY, max_length=32, description="CPU per pod (requests = limits).")
     memory: str = Field("2Gi", pattern=QUANTITY, max_length=32, description=(
         "Memory per pod (requests = limits), /dev/shm included."))
@@ -263,9 +298,41 @@ class SchedulingSpec(_Model):
         "A Kubernetes Affinity, passed to every pod as it is (checked by the API server)."))
 
 
+class KeyRef(_Model):
+    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="The Secret's or ConfigMap's name.")
+    key: str = Field(pattern=CONFIG_KEY, max_length=253, description="The key whose value the variable takes.")
+    optional: bool = Field(False, description="Leave the variable unset when the key is missing, instead of the "
+                                              "pod failing to start.")
+
+
+class FieldRef(_Model):
+    field_path: str = Field(pattern=ENV_FIELD_PATH, max_length=512, description=(
+        "A pod field the downward API gives env, e.g. spec.nodeName or metadata.labels['team']."))
+
+
+class EnvSource(_Model):
+    secret_key_ref: KeyRef | None = Field(None, description="A key of a Secret in the job's namespace.")
+    config_map_key_ref: KeyRef | None = Field(None, description="A key of a ConfigMap in the job's namespace.")
+    field_ref: FieldRef | None = Field(None, description="A field of the pod.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvSource:
+        if sum(s is not None for s in (self.secret_key_ref, self.config_map_key_ref, self.field_ref)) != 1:
+            raise ValueError("exactly one of secretKeyRef, configMapKeyRef, fieldRef must be set")
+        return self
+
+
 class EnvVar(_Model):
     name: str = Field(pattern=ENV_NAME, max_length=128, description="The variable's name.")
-    value: str = Field("", max_length=32768, description="Its value (plain text: use a Secret volume for secrets).")
+    value: str = Field("", max_length=32768, description="Its value, as plain text in the pod (secrets: valueFrom).")
+    value_from: EnvSource | None = Field(None, description=(
+        "Where the value comes from instead: a Secret's or ConfigMap's key, or a pod field."))
+
+    @model_validator(mode="after")
+    def _one_value(self) -> EnvVar:
+        if self.value and self.value_from is not None:
+            raise ValueError("value and valueFrom are exclusive")
+        return self
 
 
 class Volume(_Model):
@@ -289,6 +356,31 @@ class Volume(_Model):
         return self
 
 
+class TopologySpread(_Model):
+    """A TopologySpreadConstraint over the gang's own pods (the renderer selects them by the job's label)."""
+
+    topology_key: str = Field(pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
+        "The node label whose values are the domains, e.g. topology.kubernetes.io/zone."))
+    max_skew: int = Field(1, ge=1, le=4096, description="The most the gang's pod counts of two domains may differ.")
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field("DoNotSchedule", description=(
+        "DoNotSchedule: a hard rule; ScheduleAnyway: a preference."))
+    min_domains: int | None = Field(None, ge=1, le=4096, description=(
+        "DoNotSchedule only: fewer eligible domains than this count as skew."))
+
+
+class InitContainer(_Model):
+    """A container that runs to completion before the trainer starts (fetch data, warm a cache), under the trainer's
+    security context and CPU and memory, with the job's volumes mounted."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="The container's name (not 'trainer').")
+    image: str = Field(pattern=IMAGE, max_length=512, description="Its image.")
+    command: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=64, description=(
+        "Its entrypoint; unset: the image's."))
+    args: list[Annotated[str, Field(max_length=32768)]] = Field(default_factory=list, max_length=256, description=(
+        "Its arguments."))
+    env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Its environment variables.")
+
+
 class PodSpec(_Model):
     """What real clusters need from the user, merged into every pod as data."""
 
@@ -302,6 +394,15 @@ class PodSpec(_Model):
         "Extra labels on every pod (paratrain's own win)."))
     annotations: dict[LabelKey, Annotated[str, Field(max_length=65536)]] = Field(default_factory=dict, max_length=64,
                                                                                 description="Extra annotations on every pod.")
+    service_account_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "The pods' ServiceAccount, for workload identity (cloud storage, registries); its token is mounted only "
+        "when one is named. Unset: the namespace's default account, no token."))
+    runtime_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "The pods' RuntimeClass (e.g. nvidia, where the GPU runtime is not the node's default)."))
+    topology_spread_constraints: list[TopologySpread] = Field(default_factory=list, max_length=8, description=(
+        "Spread the gang's pods over the domains of node labels (zones, racks, hosts)."))
+    init_containers: list[InitContainer] = Field(default_factory=list, max_length=8, description=(
+        "Containers run in order before the trainer, in every pod."))
 
     @field_validator("annotations")
     @classmethod
@@ -445,10 +546,34 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append((f"spec.pod.{field}", f"key {key!r}: keys under {RESERVED_KEY_PREFIX} are reserved by paratrain"))
     for i, env in enumerate(spec.pod.env):
         if is_reserved_env(env.name):
-            out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: paratrain and torchrun set it "
-                        "(set NCCL_/TORCH_ tuning through the operator's defaults)"))
+            out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: torchrun's rendezvous contract, which "
+                        "paratrain sets"))
     for dup in _repeated(e.name for e in spec.pod.env):
         out.append(("spec.pod.env", f"env name {dup!r} is set more than once"))
+    r = spec.resources
+    if r.gpu_resource in r.extra:
+        out.append(("spec.resources.extra", f"{r.gpu_resource} is resources.gpuResource: request it with "
+                    "gpusPerNode"))
+    if re.match(KUBERNETES_OWNED_RESOURCE, r.gpu_resource):
+        out.append(("spec.resources.gpuResource", f"{r.gpu_resource}: {KUBERNETES_OWNED_MEANING}"))
+    if owned := [k for k in r.extra if re.match(KUBERNETES_OWNED_RESOURCE, k)]:
+        out.append(("spec.resources.extra", f"{owned[0]}: {KUBERNETES_OWNED_MEANING}"))
+    if sum(c.provides_gpus for c in r.claims) > 1:
+        out.append(("spec.resources.claims", "only one claim can provide the GPUs"))
+    for i, spread in enumerate(spec.pod.topology_spread_constraints):
+        if spread.min_domains is not None and spread.when_unsatisfiable != "DoNotSchedule":
+            out.append((f"spec.pod.topologySpreadConstraints[{i}].minDomains", "minDomains needs "
+                        "whenUnsatisfiable DoNotSchedule"))
+    if any(c.provides_gpus for c in r.claims) and not r.gpus_per_node:
+        out.append(("spec.resources.gpusPerNode", "a claim provides GPUs: gpusPerNode says how many (one per "
+                    "process), not 0"))
+    for dup in _repeated(c.name for c in r.claims):
+        out.append(("spec.resources.claims", f"claim name {dup!r} is used more than once"))
+    for dup in _repeated(c.name for c in spec.pod.init_containers):
+        out.append(("spec.pod.initContainers", f"container name {dup!r} is used more than once"))
+    for i, container in enumerate(spec.pod.init_containers):
+        if container.name == TRAINER_CONTAINER:
+            out.append((f"spec.pod.initContainers[{i}].name", f"{TRAINER_CONTAINER} is the trainer container's name"))
     return out
 
 
