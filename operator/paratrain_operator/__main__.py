@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-seconds", type=float, default=10.0,
                         help="how long a Lease not renewed stays held: a standby takes over about this long after "
                              "the leader stops renewing")
+    parser.add_argument("--platform", metavar="FILE", default=os.environ.get("PARATRAIN_PLATFORM", ""),
+                        help="the platform's choices for every job: host access jobs may ask for, the gangs' "
+                             "NetworkPolicy (paratrain.api.platform; the Helm chart writes it from its values)")
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PARATRAIN_QPS"], os.environ["PARATRAIN_BURST"] = str(args.qps), str(args.burst)
     os.environ["PARATRAIN_NAMESPACES"] = ",".join(args.namespace)
     os.environ["PARATRAIN_WRITE_CONCURRENCY"] = str(args.write_concurrency)
+    os.environ["PARATRAIN_PLATFORM"] = args.platform
 
     import kopf
 

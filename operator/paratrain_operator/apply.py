@@ -27,7 +27,7 @@ from .kube import ApiError, api_path, client
 log = logging.getLogger("paratrain.operator")
 # The kinds the renderer builds. A PodGroup's CRD (Volcano's or scheduler-plugins') may be missing (404).
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "PodGroup": "podgroups",
-           "Workload": "workloads"}
+           "Workload": "workloads", "NetworkPolicy": "networkpolicies"}
 MERGE_PATCH = "application/merge-patch+json"
 STRICT = {"fieldValidation": "Strict"}
 # The largest slow-start batch: pod creates or deletes in flight at once for one job (--write-concurrency).

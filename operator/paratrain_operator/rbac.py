@@ -13,6 +13,8 @@ Why each rule:
 - get on everything the operator creates: a create answered 409 (already exists) is checked, since the name
   may be held by a same-named job's object that is about to be deleted.
 - events: the operator's own Events on the job: created, and patched to count a repeat of the same Event.
+- networkpolicies: each gang's ingress policy (the platform's networkPolicy), created with the job's Service and
+  owned by the job like it.
 - workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
   `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works. A native
   PodGroup is one attempt's scheduling instance: the next attempt deletes it (`delete`), so restarts and resumes
@@ -37,6 +39,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "configmaps", ("get", "create", "patch")),
     ("", "services", ("get", "create")),
     ("", "events", ("create", "patch")),
+    ("networking.k8s.io", "networkpolicies", ("get", "create")),
     ("scheduling.k8s.io", "workloads", ("get", "create")),
     ("scheduling.k8s.io", "podgroups", ("get", "create", "delete")),
     ("scheduling.volcano.sh", "podgroups", ("get", "create")),

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, require_cluster_ready
+from paratrain.api.platform import Platform, load_platform
 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
@@ -35,6 +36,8 @@ from .render import native_pod_group, render_job, superseded
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
 CONFLICT_RETRIES = 3
+# The platform's choices for every job (--platform FILE, which the Helm chart writes); the defaults without one.
+PLATFORM = load_platform(os.environ["PARATRAIN_PLATFORM"]) if os.environ.get("PARATRAIN_PLATFORM") else Platform()
 
 pods = observe.PodCache()  # replaced at startup (handlers.configure) by one for the served namespaces
 jobs = observe.JobCache()
@@ -162,14 +165,14 @@ async def _pass(body: dict[str, Any]) -> str | None:
     replaced: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     try:
-        job = require_cluster_ready(parse_job(job_document(body)))
+        job = require_cluster_ready(parse_job(job_document(body)), PLATFORM)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
         decision = gang.decide(gang.Policy.from_job(job), state, views, now)
         if decision.create_ranks:
             try:
-                objects = render_job(job, namespace, decision.state.attempt)
+                objects = render_job(job, namespace, decision.state.attempt, PLATFORM)
                 replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)

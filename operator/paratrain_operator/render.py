@@ -19,6 +19,7 @@ import yaml
 
 from paratrain import contract
 from paratrain.api import ParallelTrainJob
+from paratrain.api.platform import GangNetworkPolicy, Platform
 from paratrain.api.spec import RESERVED_VOLUME_PREFIX, TRAINER_CONTAINER, ResourcesSpec, Spec, Volume
 
 from .plan import WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env, plan_gang
@@ -122,6 +123,13 @@ def workload(plan: GangPlan, spec: Spec) -> dict[str, Any]:
                    group_template=WORKLOAD_TEMPLATE, scheduling=spec.scheduling)
 
 
+def network_policy(plan: GangPlan, settings: GangNetworkPolicy) -> dict[str, Any]:
+    """The gang's ingress under a namespace that denies by default (see the template)."""
+    return _render("networkpolicy.yaml.j2", metadata=metadata(plan, plan.job_name, plan.labels),
+                   gang_selector={contract.LABEL_JOB: plan.job_name}, settings=settings,
+                   progress_port=contract.PROGRESS_PORT)
+
+
 def resources(r: ResourcesSpec) -> dict[str, Any]:
     """Requests = limits (Guaranteed QoS: a training pod is never the first one evicted or CPU-throttled for
     others). The memory limit also covers /dev/shm, a memory-backed emptyDir. Device-plugin resources cannot be
@@ -175,6 +183,12 @@ def volumes_and_mounts(spec: Spec, config_map_name: str) -> tuple[list[dict[str,
     return volumes, mounts
 
 
+def container_security(spec: Spec) -> dict[str, Any]:
+    if not spec.pod.ipc_lock:
+        return CONTAINER_SECURITY
+    return {**CONTAINER_SECURITY, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+
+
 def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
     volumes, mounts = volumes_and_mounts(spec, plan.config_map)
     user_mounts = [m for m in mounts if not m["name"].startswith(RESERVED_VOLUME_PREFIX) or m["mountPath"] == TMP_DIR]
@@ -188,16 +202,20 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
         init_containers=init_containers(spec, user_mounts), container=TRAINER_CONTAINER,
         spread=[{**c.dump(), "labelSelector": {"matchLabels": {contract.LABEL_JOB: plan.job_name}}}
                 for c in spec.pod.topology_spread_constraints],
-        container_security=CONTAINER_SECURITY,
+        container_security=container_security(spec),
         ports=[{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in PORTS],
         volumes=volumes, mounts=mounts)
 
 
-def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> list[dict[str, Any]]:
-    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, Workload and PodGroup (per
-    the gang scheduler), Pods."""
+def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,
+               platform: Platform | None = None) -> list[dict[str, Any]]:
+    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, NetworkPolicy (unless the
+    platform turns it off), Workload and PodGroup (per the gang scheduler), Pods."""
+    platform = platform or Platform()
     plan = plan_gang(job, namespace, attempt)
     objects = [config_map(plan, job), service(plan)]
+    if platform.network_policy.enabled:
+        objects.append(network_policy(plan, platform.network_policy))
     if plan.gang == "kubernetes":
         objects.append(workload(plan, job.spec))
     if plan.pod_group:

@@ -68,7 +68,7 @@ def test_default_render(rendered) -> None:
     objects = rendered["default"]
     assert sorted(o["kind"] for o in objects) == sorted(
         ["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-         "Role", "RoleBinding"])
+         "Role", "RoleBinding", "ConfigMap"])
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] in {"ServiceAccount", "Service",
                                                                                "Deployment"}} == {RELEASE_NS}
     deployment = only(objects, "Deployment")
@@ -102,7 +102,9 @@ def test_default_render(rendered) -> None:
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
-RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", "--qps", "100", "--burst", "200", "--write-concurrency", "64"]
+PLATFORM_ARGS = ["--platform", "/etc/paratrain-operator/platform.yaml"]
+RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps", "100", "--burst", "200",
+             "--write-concurrency", "64"]
 
 
 def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> None:
@@ -131,7 +133,7 @@ def test_customized_values_reach_the_objects(rendered) -> None:
     assert c["image"] == "registry.example.com/ml/paratrain-operator@sha256:" + "ab" * 32
     assert c["imagePullPolicy"] == "Always"
     assert c["resources"] == CUSTOMIZED["resources"]
-    assert c["args"] == ["--leader-elect", "--lease-seconds", "10", "--qps", "20", "--burst", "40",
+    assert c["args"] == ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps", "20", "--burst", "40",
                          "--write-concurrency", "8", "--verbose"]
     assert c["env"] == [{"name": "TZ", "value": "UTC"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]

@@ -40,7 +40,7 @@ def container(pod: dict[str, Any]) -> dict[str, Any]:
 
 def test_one_headless_service_and_one_pod_per_node() -> None:
     objects = render(job_doc())
-    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "Pod", "Pod", "Pod"]
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "NetworkPolicy", "Pod", "Pod", "Pod"]
     (svc,) = [o for o in objects if o["kind"] == "Service"]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rendezvous": contract.MASTER_PORT,

@@ -114,7 +114,7 @@ def test_installed_paratrain_command_renders(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "paratrain.cli", "render", str(path), "--namespace", "team-b"],
                          capture_output=True, text=True, check=True).stdout
     docs = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Pod", "Pod"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Pod", "Pod"]
     assert {d["metadata"]["namespace"] for d in docs} == {"team-b"}
 
 

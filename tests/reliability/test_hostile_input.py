@@ -17,7 +17,8 @@ import yaml
 from pydantic import BaseModel
 
 from paratrain import contract
-from paratrain.api import SpecError, load_job, parse_job
+from paratrain.api import SpecError, load_job, parse_job, require_cluster_ready
+from paratrain.api.platform import Platform
 from paratrain.api.spec import MAX_NAME_LENGTH, ParallelTrainJob
 from paratrain_operator.render import render_job
 
@@ -160,7 +161,7 @@ def test_reserved_env_names_are_refused(name):
 HOST_ACCESS = [
     (("spec", "pod", "hostPath"), "/"), (("spec", "pod", "securityContext"), {"privileged": True}),
     (("spec", "pod", "volumes", 0, "hostPath"), {"path": "/"}), (("spec", "pod", "privileged"), True),
-    (("spec", "pod", "hostNetwork"), True), (("spec", "pod", "hostPID"), True),
+    (("spec", "pod", "hostIPC"), True), (("spec", "pod", "hostPID"), True),
     (("spec", "pod", "automountServiceAccountToken"), True), (("spec", "pod", "command"), ["sh", "-c", "id"]),
     (("spec", "pod", "initContainers", 0, "securityContext"), {"privileged": True}),
     (("spec", "image"), "x\nsecurityContext: {privileged: true}"),
@@ -184,6 +185,29 @@ def test_host_access_and_privilege_cannot_be_requested(path, value):
         assert all("hostPath" not in v for v in pod["spec"]["volumes"])
         for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+@pytest.mark.parametrize("field,path", [("hostNetwork", "spec.pod.hostNetwork"), ("ipcLock", "spec.pod.ipcLock")])
+def test_host_access_needs_the_platforms_consent(field, path, tmp_path):
+    """spec.pod.hostNetwork and ipcLock parse, but the operator (and render) refuse them unless the platform file
+    allows them; allowed, the pod gets exactly that and nothing more."""
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["pod"][field] = True
+    job = parse_job(doc)
+    with pytest.raises(SpecError) as err:
+        require_cluster_ready(job)
+    assert [p.path for p in err.value.problems] == [path]
+    platform = Platform(allow_host_network=True, allow_ipc_lock=True)
+    require_cluster_ready(job, platform)
+    for pod in (o for o in render_job(job, "team", 0, platform) if o["kind"] == "Pod"):
+        trainer = pod["spec"]["containers"][0]
+        assert pod["spec"].get("hostNetwork", False) is (field == "hostNetwork")
+        assert trainer["securityContext"]["capabilities"] == (
+            {"drop": ["ALL"], "add": ["IPC_LOCK"]} if field == "ipcLock" else {"drop": ["ALL"]})
+        assert pod["spec"]["initContainers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert trainer["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert {"hostPID", "hostIPC"}.isdisjoint(pod["spec"])
 
 
 # (field path, value at the limit, value over it)

@@ -40,7 +40,18 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                    help="override a field, value read as a YAML scalar (e.g. spec.parallelism.data=2); repeatable")
 
 
-def _verdicts(job, out) -> bool:
+def _add_platform_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", metavar="FILE", help="judge the job as an operator started with --platform FILE "
+                   "would (host access allowed, NetworkPolicy); default: the restricted profile and a NetworkPolicy")
+
+
+def _platform(args: argparse.Namespace):
+    from .api.platform import Platform, load_platform
+
+    return load_platform(args.platform) if args.platform else Platform()
+
+
+def _verdicts(job, platform, out) -> bool:
     """Print what `paratrain run` here and the operator in a cluster would each do with the job; whether either
     would run it."""
     from .launch import cluster_notes, map_volumes, preflight
@@ -53,7 +64,7 @@ def _verdicts(job, out) -> bool:
         here = exc.problems
     there = []
     try:
-        require_cluster_ready(job)
+        require_cluster_ready(job, platform)
     except SpecError as exc:
         there = exc.problems
     for target, problems in (("here (paratrain run)", here), ("in a cluster (the operator)", there)):
@@ -132,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a job and print every problem")
     _add_job_args(validate)
+    _add_platform_arg(validate)
     validate.add_argument("--memory", action="store_true",
                           help="also print each rank's predicted peak memory, split into terms (docs/trainer.md)")
     validate.add_argument("--gpu-memory", metavar="BYTES",
@@ -144,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_job_args(render)
     render.add_argument("--namespace", help="default: the job's metadata.namespace, else `default`")
     render.add_argument("--attempt", type=int, default=0, help="gang restart attempt to render")
+    _add_platform_arg(render)
 
     prepare = sub.add_parser("prepare", help="tokenize text and JSONL files into a token directory "
                              "(spec.data.source: tokens)")
@@ -216,15 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             out = sys.stderr if args.json else sys.stdout
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
                   f"{describe_model(job.spec)})", file=out)
-            runs_somewhere = _verdicts(job, out)
+            runs_somewhere = _verdicts(job, _platform(args), out)
             code = _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
             return code or (0 if runs_somewhere else 1)
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
-            require_cluster_ready(job)  # what the operator would refuse, render refuses too
+            platform = _platform(args)
+            require_cluster_ready(job, platform)  # what the operator would refuse, render refuses too
             namespace = args.namespace or job.metadata.namespace or "default"
-            sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt)))
+            sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt,
+                                                       platform=platform)))
             return 0
         if args.command == "export":
             return _export(job, args)

@@ -403,6 +403,13 @@ class PodSpec(_Model):
         "Spread the gang's pods over the domains of node labels (zones, racks, hosts)."))
     init_containers: list[InitContainer] = Field(default_factory=list, max_length=8, description=(
         "Containers run in order before the trainer, in every pod."))
+    ipc_lock: bool = Field(False, description=(
+        "Add the IPC_LOCK capability to the trainer (GPUDirect RDMA pins memory). Outside the restricted Pod "
+        "Security profile: refused unless the platform allows it (Helm value platform.allowIpcLock)."))
+    host_network: bool = Field(False, description=(
+        "Run the pods in the node's network namespace (RDMA fabrics a CNI does not carry; one pod per node). "
+        "Outside the restricted Pod Security profile: refused unless the platform allows it (Helm value "
+        "platform.allowHostNetwork)."))
 
     @field_validator("annotations")
     @classmethod
