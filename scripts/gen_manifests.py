@@ -52,7 +52,8 @@ def rbac_text() -> str:
     from paratrain_operator import rbac
 
     doc = {"rules": rbac.policy_rules(rbac.RULES), "clusterRules": rbac.policy_rules(rbac.CLUSTER_RULES),
-           "leaseRules": rbac.policy_rules(rbac.LEASE_RULES)}
+           "leaseRules": rbac.policy_rules(rbac.LEASE_RULES), "editRules": rbac.policy_rules(rbac.USER_EDIT_RULES),
+           "viewRules": rbac.policy_rules(rbac.USER_VIEW_RULES)}
     return HEADER.format(source="paratrain_operator.rbac") + yaml.safe_dump(doc, sort_keys=False,
                                                                             default_flow_style=None, width=120)
 

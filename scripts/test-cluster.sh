@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback, for tests and for trying the operator without a cluster:
 # etcd, kube-apiserver (secure port, x509 client certs, RBAC), kube-controller-manager (garbage collector,
-# namespace and service-account controllers) and kube-scheduler, built from pinned sources by scripts/testbin.sh.
+# namespace, service-account and ClusterRole aggregation controllers) and kube-scheduler, built from pinned
+# sources by scripts/testbin.sh.
 #
 #   scripts/test-cluster.sh up DIR [--nodes N]   start it; writes DIR/kubeconfig (admin), exits 0 once /readyz is ok
 #   scripts/test-cluster.sh down DIR             stop every process `up` started in DIR
@@ -204,7 +205,7 @@ up() {
     --kubeconfig "$DIR/controller-manager.kubeconfig" --leader-elect=false \
     --use-service-account-credentials \
     --bind-address 127.0.0.1 --secure-port "$(free_port)" \
-    --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller \
+    --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller,clusterrole-aggregation-controller \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
     --feature-gates "$FEATURE_GATES" --concurrent-gc-syncs 5
   start kube-scheduler "$BIN/kube-scheduler" \

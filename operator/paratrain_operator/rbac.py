@@ -24,6 +24,11 @@ Why each rule:
 - leases (coordination.k8s.io), only in the operator's own namespace (a Role there): leader election among its
   replicas (`--leader-elect`): read, created once, renewed and taken over by update.
 Reads of rank 0's progress endpoint are plain HTTP to the pod IP, not API calls.
+
+The job API for people comes in two ClusterRoles the chart aggregates into Kubernetes' own: `<release>-edit`
+(into `edit` and `admin`) and `<release>-view` (into `view`), so whoever a namespace admin lets edit a namespace
+may run jobs there. Creating a job is creating pods (any image, the namespace's Secrets and ServiceAccounts;
+docs/operator.md, "Trust model"), which `edit` already allows; `view` only reads jobs.
 """
 
 from __future__ import annotations
@@ -54,6 +59,17 @@ CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # In the operator's own namespace only, for leader election.
 LEASE_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("coordination.k8s.io", "leases", ("get", "create", "update")),
+)
+
+
+# People's access to jobs. No one but the operator writes status.
+USER_EDIT_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (API_GROUP, PLURAL, ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")),
+    (API_GROUP, f"{PLURAL}/status", ("get",)),
+)
+USER_VIEW_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (API_GROUP, PLURAL, ("get", "list", "watch")),
+    (API_GROUP, f"{PLURAL}/status", ("get",)),
 )
 
 

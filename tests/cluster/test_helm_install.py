@@ -137,14 +137,14 @@ def gone(release: Release, api_version: str, plural: str, name: str, namespaced:
     return release.plane.api.get(path).status == 404
 
 
-def granted(release: Release, requests: list[Request]) -> list[Request]:
+def granted(release: Release, requests: list[Request], user: str | None = None) -> list[Request]:
     """The requests by the release's ServiceAccount that the API server's authorizer allows, asked by
     SelfSubjectAccessReviews created with `kubectl --as`: the server itself impersonates the account, with its
     groups. Not `kubectl auth can-i`: for an API this cluster does not serve (Volcano's and scheduler-plugins'
     podgroups) it asks about a core resource named "podgroups.scheduling.volcano.sh"."""
     reviews = [{"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                 "spec": {"resourceAttributes": resource_attributes(*request)}} for request in requests]
-    proc = release.plane.kubectl("create", f"--as={release.account}", "-o", 'jsonpath={.status.allowed}{"\\n"}',
+    proc = release.plane.kubectl("create", f"--as={user or release.account}", "-o", 'jsonpath={.status.allowed}{"\\n"}',
                                  "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": reviews}))
     assert proc.returncode == 0, proc.stderr
     answers = proc.stdout.split()
@@ -211,6 +211,31 @@ def test_the_authorizer_refuses_the_operator_anything_else(installed):
     requests = [(verb, resource, namespace) for verb, resource in FORBIDDEN
                 for namespace in (installed.namespace, "default", None)]
     assert granted(installed, [control, *requests]) == [control]
+
+
+def test_namespace_editors_may_run_jobs_and_viewers_only_read_them(installed):
+    """The chart's -edit and -view ClusterRoles, aggregated by the controller manager into Kubernetes' own edit and
+    view: a namespace admin grants the job API with the roles people already have."""
+    api, namespace = installed.plane.api, "helm-people"
+    if not api.get(f"/api/v1/namespaces/{namespace}").ok:
+        installed.plane.create_namespace(namespace)
+    for user, role in (("alice", "edit"), ("bob", "view")):
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": f"{user}-{role}", "namespace": namespace},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                   "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
+        response = api.create(collection_path("rbac.authorization.k8s.io/v1", "rolebindings", namespace), binding)
+        assert response.ok or response.status == 409, response.body
+    jobs = f"{API_GROUP}/{PLURAL}"
+    run = [(verb, jobs, namespace) for verb in ("create", "get", "list", "watch", "delete")]
+    write_status = [("patch", f"{jobs}/status", namespace), ("update", f"{jobs}/status", namespace)]
+    elsewhere = [("create", jobs, "default"), ("get", jobs, "default")]
+    wait_for(lambda: granted(installed, run, "alice") == run or None, 30, "edit to aggregate the job API")
+    assert granted(installed, write_status + elsewhere, "alice") == []
+    reads = [(verb, jobs, namespace) for verb in ("get", "list", "watch")]
+    wait_for(lambda: granted(installed, reads, "bob") == reads or None, 30, "view to aggregate the job API")
+    assert granted(installed, [("create", jobs, namespace), ("delete", jobs, namespace), *write_status],
+                   "bob") == []
 
 
 def test_a_namespaced_install_without_the_crd_acts_in_its_namespace_only(namespaced):

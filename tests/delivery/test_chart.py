@@ -25,8 +25,9 @@ APP_VERSION = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion
 
 
 def job_rbac(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The objects less the leader election's Role and RoleBinding (a Lease in the release namespace)."""
-    return [o for o in objects if not o["metadata"]["name"].endswith("-leader-election")]
+    """The objects less the leader election's Role and RoleBinding (a Lease in the release namespace) and the
+    ClusterRoles for people (-edit, -view)."""
+    return [o for o in objects if not o["metadata"]["name"].endswith(("-leader-election", "-edit", "-view"))]
 
 
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def test_default_render(rendered) -> None:
     objects = rendered["default"]
     assert sorted(o["kind"] for o in objects) == sorted(
         ["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-         "Role", "RoleBinding", "ConfigMap"])
+         "Role", "RoleBinding", "ConfigMap", "ClusterRole", "ClusterRole"])
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] in {"ServiceAccount", "Service",
                                                                                "Deployment"}} == {RELEASE_NS}
     deployment = only(objects, "Deployment")
@@ -96,7 +97,7 @@ def test_default_render(rendered) -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= \
         deployment["spec"]["template"]["metadata"]["labels"].items()
     binding = only(objects, "ClusterRoleBinding")
-    assert binding["roleRef"]["name"] == only(objects, "ClusterRole")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == only(job_rbac(objects), "ClusterRole")["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "paratrain", "namespace": RELEASE_NS}]
     crd = only(objects, "CustomResourceDefinition")
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"

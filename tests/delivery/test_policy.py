@@ -19,6 +19,18 @@ from .policy import granted, only, pod_specs, rbac_wildcards, restricted_violati
 JOB_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "tests" / "e2e" / "jobs").glob("gloo-*.yaml"))
 
 JOB = "paratrain.dev"
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def user_roles(objects: list[dict]) -> list[dict]:
+    """The ClusterRoles for people (aggregated into Kubernetes' own), not the operator's."""
+    return [o for o in objects if o["kind"] == "ClusterRole"
+            and any(k.startswith(AGGREGATE) for k in o["metadata"]["labels"])]
+
+
+def operator_objects(objects: list[dict]) -> list[dict]:
+    people = user_roles(objects)
+    return [o for o in objects if o not in people]
 
 
 @pytest.mark.parametrize("value_set", list(VALUE_SETS))
@@ -54,7 +66,7 @@ def test_the_checker_catches_each_violation(rendered, mutate, violation: str) ->
 
 @pytest.mark.parametrize("value_set", list(VALUE_SETS))
 def test_rbac_is_least_privilege(rendered, value_set: str) -> None:
-    roles = [o for o in rendered[value_set] if o["kind"] in {"ClusterRole", "Role"}]
+    roles = [o for o in operator_objects(rendered[value_set]) if o["kind"] in {"ClusterRole", "Role"}]
     lease = [r for r in roles if r["metadata"]["name"].endswith("-leader-election")]
     assert len(lease) == 1 and granted(lease[0]["rules"]) == granted(rbac.policy_rules(rbac.LEASE_RULES))
     assert lease[0]["kind"] == "Role"  # leases in the operator's own namespace only
@@ -76,12 +88,28 @@ def test_rbac_is_least_privilege(rendered, value_set: str) -> None:
 
 def test_rbac_is_what_the_operator_declares(rendered) -> None:
     declared = granted(rbac.policy_rules(rbac.RULES))
-    assert granted(only(rendered["default"], "ClusterRole")["rules"]) == \
+    assert granted(only(operator_objects(rendered["default"]), "ClusterRole")["rules"]) == \
         declared | granted(rbac.policy_rules(rbac.CLUSTER_RULES))
     job_roles = [o for o in rendered["namespaced"] if not o["metadata"]["name"].endswith("-leader-election")]
     assert granted(only(job_roles, "Role")["rules"]) == declared
     # A namespaced install creates nothing cluster-scoped but the CRD.
     assert not {o["kind"] for o in rendered["namespaced"]} & {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_people_get_the_job_api_through_the_default_roles(rendered) -> None:
+    """edit/admin may run and delete jobs, view may read them; no one but the operator writes status."""
+    roles = {r["metadata"]["name"]: r for r in user_roles(rendered["default"])}
+    assert set(roles) == {"paratrain-edit", "paratrain-view"}
+    edit, view = roles["paratrain-edit"], roles["paratrain-view"]
+    assert {k for k in edit["metadata"]["labels"] if k.startswith(AGGREGATE)} == {AGGREGATE + "edit",
+                                                                                   AGGREGATE + "admin"}
+    assert {k for k in view["metadata"]["labels"] if k.startswith(AGGREGATE)} == {AGGREGATE + "view"}
+    assert granted(edit["rules"]) == granted(rbac.policy_rules(rbac.USER_EDIT_RULES))
+    assert granted(view["rules"]) == granted(rbac.policy_rules(rbac.USER_VIEW_RULES))
+    assert (JOB, "paralleltrainjobs", "create") in granted(edit["rules"])
+    assert {v for _, _, v in granted(view["rules"])} == {"get", "list", "watch"}
+    assert not {(JOB, "paralleltrainjobs/status", v) for v in ("patch", "update")} & granted(edit["rules"])
+    assert user_roles(rendered["namespaced"]) == [], "cluster-scoped: a namespaced install leaves them out"
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name)
