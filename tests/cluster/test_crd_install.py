@@ -9,14 +9,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from paratrain.api import API_GROUP_VERSION, PLURAL
+from paratrain.api import API_GROUP_VERSION, PLURAL, load_job
 from paratrain.api.spec import Spec
+from paratrain_operator.apply import PLURALS
+from paratrain_operator.render import render_job
 
 from ..api.crdsim import server_defaults, without_empty
 from ..support.control_plane import collection_path, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST_EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
+CLUSTER_SUPPORT = sorted((REPO / "examples" / "cluster").glob("*.yaml"))  # PVCs, claim templates the jobs use
+# Kinds whose CRDs come with a gang scheduler (Volcano, scheduler-plugins) this cluster does not run.
+ELSEWHERE = ("scheduling.volcano.sh/", "scheduling.x-k8s.io/")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,44 @@ def test_every_cluster_example_passes_a_server_side_dry_run(crd_installed, examp
     proc = crd_installed.kubectl("apply", "--dry-run=server", "-n", "default", "-f", str(example))
     assert proc.returncode == 0, proc.stderr
     assert "(server dry run)" in proc.stdout
+
+
+@pytest.mark.parametrize("path", CLUSTER_SUPPORT, ids=[p.name for p in CLUSTER_SUPPORT])
+def test_the_examples_cluster_objects_pass_a_server_side_dry_run(crd_installed, path):
+    proc = crd_installed.kubectl("apply", "--dry-run=server", "-n", "default", "-f", str(path))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_cluster_examples_gang_passes_a_server_side_dry_run(crd_installed):
+    """What the operator would create for each example (paratrain render), sent to the real API server: resource
+    claims, extended resources, identities, env from Secrets and spread constraints included. The ServiceAccount,
+    PriorityClass and RuntimeClass the GPU examples name exist first, as admission requires."""
+    api, namespace = crd_installed.api, "example-gangs"
+    if not api.get(f"/api/v1/namespaces/{namespace}").ok:
+        crd_installed.create_namespace(namespace)
+    jobs = [load_job(str(path)) for path in MANIFEST_EXAMPLES]
+    for account in {j.spec.pod.service_account_name for j in jobs} - {None}:
+        api.create(collection_path("v1", "serviceaccounts", namespace),
+                   {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}})
+    for priority in {j.spec.scheduling.priority_class_name for j in jobs} - {None}:
+        api.create(collection_path("scheduling.k8s.io/v1", "priorityclasses"),
+                   {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": priority},
+                    "value": 1000})
+    for runtime in {j.spec.pod.runtime_class_name for j in jobs} - {None}:
+        api.create(collection_path("node.k8s.io/v1", "runtimeclasses"),
+                   {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": runtime},
+                    "handler": runtime})
+    sent = 0
+    for job in jobs:
+        for obj in render_job(job, namespace, attempt=1):
+            if obj["apiVersion"].startswith(ELSEWHERE):
+                continue
+            plural = PLURALS[obj["kind"]]
+            response = api.request("POST", collection_path(obj["apiVersion"], plural, namespace), obj,
+                                   {"dryRun": "All", "fieldValidation": "Strict"})
+            assert response.ok, (job.metadata.name, obj["kind"], obj["metadata"]["name"], response.body)
+            sent += 1
+    assert sent >= 3 * len(jobs)
 
 
 def test_kubectl_explain_describes_the_parallelism_fields(crd_installed):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from paratrain.api import parse_job
+from paratrain_operator.apply import PLURALS
 from paratrain_operator.render import render_job
 
 from ..support.control_plane import collection_path, register_node, wait_for
@@ -21,8 +22,6 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 # Three pods of 3 CPUs; each node has 4, so one pod fits a node, and the gang needs three nodes.
 GANG = {"nodes": 3, "parallelism": {"data": 3}, "training": {"batchSize": 9},
         "resources": {"cpu": "3", "memory": "1Gi"}}
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Pod": "pods", "Workload": "workloads",
-           "PodGroup": "podgroups"}
 
 
 @pytest.fixture

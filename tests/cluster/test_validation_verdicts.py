@@ -19,6 +19,7 @@ from hypothesis import given
 
 from paratrain.api import PLURAL, SpecError, parse_job, read_yaml
 
+from ..api import test_crd_cel as cel
 from ..reliability import test_hostile_input as hostile
 from ..reliability import test_spec_fuzz as fuzz
 from ..support.control_plane import ApiResponse
@@ -130,6 +131,16 @@ def test_examples_get_the_same_verdict(judge):
             continue  # the kind e2e's PersistentVolumeClaim
         assert paratrain_verdict(doc) is None, path
         judge.judge(str(Path(path).relative_to(REPO)), doc)
+    judge.report()
+
+
+def test_the_cel_tables_get_the_same_verdict(judge):
+    """Every bad spec of tests/api/test_crd_cel.py (each cross-field check, each mirrored validator) and every valid
+    one: the tables cel-python checks offline, judged by the real server's CEL."""
+    cases = [(name, spec) for name, spec, _ in cel.CROSS_FIELD_CASES + cel.MORE_CASES + cel.KEY_CASES]
+    cases += [(f"valid#{n}", spec) for n, spec in enumerate(cel.VALID)]
+    for name, spec in cases:
+        judge.judge(name, cel.job(spec))
     judge.report()
 
 
