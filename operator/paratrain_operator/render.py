@@ -196,7 +196,9 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
         "pod.yaml.j2", metadata=metadata(plan, node.pod_name, node.labels, node.annotations), plan=plan,
         node=node, scheduling=spec.scheduling, tolerations=[t.dump() for t in spec.scheduling.tolerations],
         image_pull_secrets=[{"name": s} for s in spec.pod.image_pull_secrets], uid=TRAINER_UID, image=spec.image,
-        command=contract.train_command(), resources=resources(spec.resources), pod_spec=spec.pod,
+        command=spec.entrypoint.command + spec.entrypoint.args if spec.entrypoint else contract.train_command(),
+        working_dir=spec.entrypoint.working_dir if spec.entrypoint else None,
+        resources=resources(spec.resources), pod_spec=spec.pod,
         resource_claims=[{"name": c.name, "resourceClaimTemplateName": c.resource_claim_template_name}
                          for c in spec.resources.claims],
         init_containers=init_containers(spec, user_mounts), container=TRAINER_CONTAINER,

@@ -52,6 +52,7 @@ def init(name: str) -> dict[str, Any]:
 
 
 SECRET_KEY = {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
+OWN = {"command": ["torchrun", "train.py"], "args": ["--steps", "100"], "workingDir": "/workspace"}
 
 
 # One row per `out.append` in cross_field_problems, in order: (id, spec, the paths both must report).
@@ -96,6 +97,10 @@ CROSS_FIELD_CASES = [
     ("reserved-env", {"pod": {"env": [{"name": "A"}, {"name": "MASTER_ADDR", "value": "evil"}]}},
      {"spec.pod.env[1].name"}),
     ("env-twice", {"pod": {"env": [{"name": "A"}, {"name": "A", "value": "2"}]}}, {"spec.pod.env"}),
+    ("entrypoint-with-training", {"entrypoint": OWN, "training": {"steps": 5, "warmupSteps": 0}},
+     {"spec.training"}),
+    ("entrypoint-with-gpu-memory", {"entrypoint": OWN, "resources": {"gpuMemory": "80Gi"}},
+     {"spec.resources.gpuMemory"}),
     ("gpu-resource-in-extra", {"resources": {"extra": {"nvidia.com/gpu": 2}}}, {"spec.resources.extra"}),
     ("kubernetes-owned-gpu-resource", {"resources": {"gpuResource": "kubernetes.io/gpu"}},
      {"spec.resources.gpuResource"}),
@@ -133,6 +138,12 @@ MORE_CASES = [
     ("env-two-sources", {"pod": {"env": [{"name": "A", "valueFrom": {**SECRET_KEY, "fieldRef": {
         "fieldPath": "spec.nodeName"}}}]}}, {"spec.pod.env[0].valueFrom"}),
     ("env-no-source", {"pod": {"env": [{"name": "A", "valueFrom": {}}]}}, {"spec.pod.env[0].valueFrom"}),
+    ("entrypoint-with-model", {"entrypoint": OWN, "model": {"layers": 2}}, {"spec.model"}),
+    ("entrypoint-with-model-dropout", {"entrypoint": OWN, "model": {"dropout": 0.1}}, {"spec.model"}),
+    ("entrypoint-with-data", {"entrypoint": OWN, "data": {"source": "text", "path": "/d.txt"}}, {"spec.data"}),
+    ("entrypoint-with-checkpoint", {"entrypoint": OWN, "checkpoint": {"path": "/ckpt"}}, {"spec.checkpoint"}),
+    ("entrypoint-with-async-save", {"entrypoint": OWN, "checkpoint": {"asyncSave": True}}, {"spec.checkpoint"}),
+    ("entrypoint-with-logging", {"entrypoint": OWN, "logging": {"tensorboard": "/tb"}}, {"spec.logging"}),
     ("init-env-two-sources", {"pod": {"initContainers": [{**init("a"), "env": [{"name": "A", "value": "x",
                                                                                 "valueFrom": SECRET_KEY}]}]}},
      {"spec.pod.initContainers[0].env[0]"}),
@@ -216,6 +227,11 @@ VALID = [
                                      "tolerationSeconds": 60}]}},
     {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
              "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
+    {"entrypoint": OWN, "nodes": 2, "parallelism": {"data": 2}, "precision": "bf16"},
+    # The built-in trainer's defaults (batchSize 8, heads 4, 1F1B) do not constrain a program's layout.
+    {"entrypoint": OWN, "nodes": 24, "parallelism": {"data": 3, "tensor": 4, "pipeline": 2}},
+    {"entrypoint": OWN, "model": {"dropout": 0}, "training": {"learningRate": 0.001, "seed": 1337},
+     "checkpoint": {"asyncSave": False}},  # the defaults, written out
     # A GPU cluster's: fabric tuning, RDMA devices, a DRA claim for the GPUs, identity, secrets, an init container.
     {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 4},
      "resources": {"gpusPerNode": 2, "gpuResource": "amd.com/gpu", "extra": {"rdma/ib": 1},

@@ -80,6 +80,31 @@ def test_user_env_comes_last_and_replaces_only_overridable_defaults() -> None:
     assert env(pods(render(doc))[0])["HOME"] == "/data/home"
 
 
+def test_every_pod_gets_the_layout_as_env() -> None:
+    doc = job_doc(nodes=4, parallelism={"data": 2, "pipeline": 2, "zeroStage": 1, "microbatches": 2},
+                  precision="bf16", training={"batchSize": 8})
+    for pod in pods(render(doc)):
+        e = env(pod)
+        assert {k: e[k] for k in ("PARATRAIN_DATA", "PARATRAIN_TENSOR", "PARATRAIN_PIPELINE", "PARATRAIN_ZERO_STAGE",
+                                  "PARATRAIN_PRECISION")} == {"PARATRAIN_DATA": "2", "PARATRAIN_TENSOR": "1",
+                                                              "PARATRAIN_PIPELINE": "2", "PARATRAIN_ZERO_STAGE": "1",
+                                                              "PARATRAIN_PRECISION": "bf16"}
+
+
+def test_an_entrypoint_replaces_the_trainers_command_and_nothing_else() -> None:
+    own = {"command": ["torchrun", "train.py"], "args": ["--steps", "10"], "workingDir": "/workspace/code"}
+    plain = job_doc(nodes=2, parallelism={"data": 2})
+    del plain["spec"]["training"]  # the built-in trainer's section: a program of its own leaves it out
+    builtin, custom = pods(render(plain)), pods(render({**plain, "spec": {**plain["spec"], "entrypoint": own}}))
+    for before, after in zip(builtin, custom):
+        assert container(after)["command"] == ["torchrun", "train.py", "--steps", "10"]
+        assert container(after)["workingDir"] == "/workspace/code" and "workingDir" not in container(before)
+        assert container(before)["command"] == contract.train_command()
+        assert env(after) == env(before), "the same env contract: PET_*, the layout, progress port"
+        for key in ("volumes", "securityContext", "restartPolicy", "hostname", "subdomain"):
+            assert after["spec"][key] == before["spec"][key]
+
+
 def test_fabric_tuning_replaces_paratrains_nccl_defaults() -> None:
     doc = job_doc(pod={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NCCL_IB_HCA", "value": "mlx5_0"},
                                {"name": "TORCH_NCCL_DUMP_ON_TIMEOUT", "valueFrom": {"configMapKeyRef": {

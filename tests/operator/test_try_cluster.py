@@ -27,9 +27,9 @@ wait_until() {  # SECONDS COMMAND...: run COMMAND every second until it succeeds
     sleep 1
   done
 }
-step_at_least() { (( $(kubectl get ptj shakespeare -o jsonpath='{.status.progress.step}' || echo 0) >= $1 )); }
-logged_resume() { kubectl logs shakespeare-1-0 | grep -q resume; }
-succeeded() { [[ "$(kubectl get ptj shakespeare -o jsonpath='{.status.phase}')" == Succeeded ]]; }
+step_at_least() { (( $(kubectl get ptj "$JOB" -o jsonpath='{.status.progress.step}' || echo 0) >= $1 )); }
+logged_resume() { kubectl logs "$JOB-1-0" | grep -q resume; }
+succeeded() { [[ "$(kubectl get ptj "$JOB" -o jsonpath='{.status.phase}')" == Succeeded ]]; }
 '''
 
 
@@ -40,7 +40,7 @@ def walkthrough_block() -> str:
 
 def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_cluster(tmp_path):
     control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the README's second command)
-    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", WAITS]  # the operator, always
+    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", "JOB=shakespeare", WAITS]
     for line in walkthrough_block().splitlines():
         command = line.split("  #")[0].rstrip().replace("/tmp/k8s", str(tmp_path / "k8s"))
         if "kubectl get ptj shakespeare -w" in command:
@@ -52,16 +52,7 @@ def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_clust
             script.append("wait_until 300 succeeded")
         script.append(command)
     assert any("python -m paratrain_operator" in line for line in script)
-    try:
-        proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, capture_output=True, text=True,
-                              timeout=900)
-    finally:  # whatever happened, nothing is left running
-        subprocess.run(["bash", str(ROOT / "scripts" / "test-cluster.sh"), "down", str(tmp_path / "k8s")],
-                       capture_output=True, timeout=120)
-        subprocess.run(["pkill", "-f", f"paratrain_operator.*{tmp_path}"], capture_output=True)
-    operator_log = tmp_path / "k8s" / "operator.log"
-    context = proc.stdout + proc.stderr + (operator_log.read_text(errors="replace")[-3000:]
-                                           if operator_log.exists() else "")
+    proc, context = run_on_a_try_out_cluster(script, tmp_path)
     assert proc.returncode == 0, context
     # The restarted rank 0's log: from the newest checkpoint when the pod died (every 200 steps).
     assert re.search(r"resume step=[24]00\b", proc.stdout), context
@@ -69,6 +60,46 @@ def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_clust
     assert re.search(r"\bSucceeded\b", final) and re.search(r"\b600/600\s+\S+\s+1\s", final), context  # Restarts 1
     checkpoints = tmp_path / "k8s" / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "shakespeare"
     assert (checkpoints / "step-00000600").is_dir() and (checkpoints / "step-00000400").is_dir(), context
+
+
+def run_on_a_try_out_cluster(script: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """The script's lines in one bash session, in this checkout; then the cluster and the operator stopped,
+    whatever happened. Returns the run and what to show when it failed (its output, the operator's log)."""
+    try:
+        proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+    finally:
+        subprocess.run(["bash", str(ROOT / "scripts" / "test-cluster.sh"), "down", str(tmp_path / "k8s")],
+                       capture_output=True, timeout=120)
+        subprocess.run(["pkill", "-f", f"paratrain_operator.*{tmp_path}"], capture_output=True)
+    operator_log = tmp_path / "k8s" / "operator.log"
+    return proc, proc.stdout + proc.stderr + (operator_log.read_text(errors="replace")[-3000:]
+                                              if operator_log.exists() else "")
+
+
+def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
+    """examples/own-script.yaml (spec.entrypoint: a plain DDP script) as it is, on the try-out cluster: Step and
+    Loss reported through paratrain.progress, a pod deleted after its first checkpoint restarts the whole gang,
+    and the script resumes from its own checkpoint on the claim's volume."""
+    control_plane.testbin()
+    k8s = tmp_path / "k8s"
+    walkthrough = [line.split("  #")[0].rstrip().replace("/tmp/k8s", str(k8s))
+                   for line in walkthrough_block().splitlines()]
+    setup = [line for line in walkthrough if line.startswith(("bash scripts/test-cluster.sh up", "eval ",
+                                                              "kubectl apply -f manifests", "kubectl wait",
+                                                              ".venv/bin/python -m paratrain_operator"))]
+    assert len(setup) == 5, setup
+    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", "JOB=own-script", WAITS,
+              *setup, "kubectl apply -f examples/own-script.yaml", "wait_until 300 step_at_least 100",
+              "kubectl delete pod own-script-0-1", "wait_until 300 logged_resume", "kubectl logs own-script-1-0",
+              "wait_until 300 succeeded", "kubectl get ptj own-script"]
+    proc, context = run_on_a_try_out_cluster(script, tmp_path)
+    assert proc.returncode == 0, context
+    assert re.search(r"resume step=[12]00 ", proc.stdout), context  # its checkpoints: every 100 steps
+    final = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b300/300\s+\S+\s+1\s", final), context
+    checkpoint = k8s / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "own-script" / "latest.pt"
+    assert checkpoint.is_file(), context
 
 
 @pytest.mark.parametrize("command", ["test-cluster.sh up /tmp/k8s --nodes 2", "kubectl apply -f examples/shakespeare",

@@ -195,8 +195,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="the trainer entrypoint every process runs (reads torchrun's env)")
     train.add_argument("--spec", required=True, help="ParallelTrainJob YAML")
 
-    node = sub.add_parser("node", help="what a pod runs: torchrun (flags from PET_* env) starting `train` per GPU")
-    node.add_argument("--spec", required=True, help="ParallelTrainJob YAML")
+    node = sub.add_parser("node", help="what a pod runs: torchrun (flags from PET_* env) starting `train`, or your "
+                          "own program, once per GPU, with the workers' exit code passed through")
+    node.add_argument("--spec", help="ParallelTrainJob YAML: run the built-in trainer")
+    node.add_argument("program", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARG ...]",
+                      help="run this instead (spec.entrypoint: [paratrain, node, --, python, train.py])")
     return parser
 
 
@@ -219,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "node":
             from .node import node_main
 
-            return node_main(args.spec)
+            program = args.program[1:] if args.program[:1] == ["--"] else args.program
+            if bool(args.spec) == bool(program):
+                raise SpecError([Problem("paratrain node", "give --spec JOB.yaml (the built-in trainer) or "
+                                         "-- PROGRAM [ARG ...] (your own), not both")])
+            return node_main(["paratrain", "train", "--spec", args.spec] if args.spec else program)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
             from .launch import broken_data
@@ -227,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
                 raise SpecError(broken)
             out = sys.stderr if args.json else sys.stdout
-            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, "
-                  f"{describe_model(job.spec)})", file=out)
+            own = job.spec.entrypoint
+            trains = f"its own program: {' '.join(own.command + own.args)}" if own else describe_model(job.spec)
+            print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, {trains})", file=out)
             runs_somewhere = _verdicts(job, _platform(args), out)
             code = _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
             return code or (0 if runs_somewhere else 1)
@@ -242,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                                                        platform=platform)))
             return 0
         if args.command == "export":
+            if job.spec.entrypoint:
+                raise SpecError([Problem("spec.entrypoint", "the job trains with its own program: export reads the "
+                                         "built-in trainer's checkpoints")])
             return _export(job, args)
         from .launch import run_local
 

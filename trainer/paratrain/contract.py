@@ -31,6 +31,13 @@ ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is pres
 ENV_TERMINATION_LOG = "PARATRAIN_TERMINATION_LOG"
 TERMINATION_LOG_PATH = "/dev/termination-log"
 
+# The job's layout, in every process's env: what a program of its own (spec.entrypoint) reads to build its mesh.
+ENV_LAYOUT_DATA = "PARATRAIN_DATA"
+ENV_LAYOUT_TENSOR = "PARATRAIN_TENSOR"
+ENV_LAYOUT_PIPELINE = "PARATRAIN_PIPELINE"
+ENV_LAYOUT_ZERO_STAGE = "PARATRAIN_ZERO_STAGE"
+ENV_LAYOUT_PRECISION = "PARATRAIN_PRECISION"
+
 # Labels on every object of a job's gang (the operator selects by them).
 LABEL_JOB = "paratrain.dev/job-name"
 LABEL_ATTEMPT = "paratrain.dev/attempt"
@@ -96,6 +103,11 @@ def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str,
         # torchrun's static rendezvous: its agent on node 0 hosts the TCPStore at MASTER_PORT, every rank is a client.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
+
+
+def layout_env(*, data: int, tensor: int, pipeline: int, zero_stage: int, precision: str) -> dict[str, str]:
+    return {ENV_LAYOUT_DATA: str(data), ENV_LAYOUT_TENSOR: str(tensor), ENV_LAYOUT_PIPELINE: str(pipeline),
+            ENV_LAYOUT_ZERO_STAGE: str(zero_stage), ENV_LAYOUT_PRECISION: precision}
 
 
 def train_command() -> list[str]:

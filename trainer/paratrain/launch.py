@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +67,45 @@ def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, po
         procs.append(subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--spec", str(spec_file)],
                                       env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
+
+
+def start_program(job: ParallelTrainJob, workdir: Path, port: int) -> list[subprocess.Popen]:
+    """A job with its own spec.entrypoint: its command once per node, with the env a pod gets (torchrun's PET_*
+    flags, so `torchrun train.py` needs none; the layout; the progress events file), in its workingDir or here."""
+    spec, entrypoint = job.spec, job.spec.entrypoint
+    assert entrypoint is not None
+    (workdir / "logs").mkdir(exist_ok=True)
+    events = workdir / "events.jsonl"
+    events.unlink(missing_ok=True)
+    # The program's own tools (torchrun, python) from the environment paratrain runs in, as the image's would be.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    procs = []
+    for node in range(spec.nodes):
+        p = spec.parallelism
+        env = {**os.environ, "PATH": path, "OMP_NUM_THREADS": _threads_per_rank(spec.world_size),
+               **contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=node,
+                                   master_addr="127.0.0.1", master_port=port),
+               **contract.layout_env(data=p.data, tensor=p.tensor, pipeline=p.pipeline, zero_stage=p.zero_stage,
+                                     precision=spec.precision),
+               contract.ENV_JOB_NAME: job.metadata.name, contract.ENV_RESTART_ATTEMPT: "0",
+               contract.ENV_EVENTS_FILE: str(events)}
+        out = open(workdir / "logs" / f"node-{node}.log", "w")
+        try:
+            procs.append(subprocess.Popen([*entrypoint.command, *entrypoint.args], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          cwd=entrypoint.working_dir))
+        except OSError as exc:
+            stop_gang(procs)
+            raise SpecError([Problem("spec.entrypoint.command", f"cannot start {entrypoint.command[0]!r}: "
+                                     f"{exc.strerror or exc}")]) from None
+    return procs
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for node 0's torchrun to host the rendezvous store on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def stop_gang(procs: list[subprocess.Popen]) -> None:
@@ -233,12 +273,22 @@ def map_volumes(job: ParallelTrainJob, workdir: Path, mounts: list[str],
     if not local:
         return job, local
     doc = job.dump()
+
+    def localise(value: str) -> str:
+        volume = volume_of(value, job) if value.startswith("/") else None
+        if not volume:
+            return value
+        rest = value[len(volume.mount_path):].lstrip("/")
+        return str(local[volume.name] / rest) if rest else str(local[volume.name])
+
     for section, field in PATH_FIELDS:
-        value = doc["spec"].get(section, {}).get(field)
-        volume = volume_of(value, job) if value and value.startswith("/") else None
-        if volume:
-            rest = value[len(volume.mount_path):].lstrip("/")
-            doc["spec"][section][field] = str(local[volume.name] / rest) if rest else str(local[volume.name])
+        if value := doc["spec"].get(section, {}).get(field):
+            doc["spec"][section][field] = localise(value)
+    if entrypoint := doc["spec"].get("entrypoint"):  # a program's paths under a mount, e.g. /checkpoints/run
+        for key in ("command", "args"):
+            entrypoint[key] = [localise(arg) for arg in entrypoint.get(key, [])]
+        if entrypoint.get("workingDir"):
+            entrypoint["workingDir"] = localise(entrypoint["workingDir"])
     for directory in local.values() if create else ():
         directory.mkdir(parents=True, exist_ok=True)
     return parse_job(doc), local
@@ -269,6 +319,8 @@ def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
     from .train.precision import check_device_supports
 
     spec = job.spec
+    if spec.entrypoint:  # a program of its own checks what it reads
+        return
     missing = missing_data(job)
     problems = [missing] if missing else broken_data(job, checksums)
     if problem := init_problem(job):
@@ -303,13 +355,20 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
         print(f"paratrain: volume {volume.name} ({volume.mount_path} in pods) is {volumes[volume.name]}",
               file=sys.stderr)
     preflight(job)
-    spec = job.spec
+    spec, own = job.spec, job.spec.entrypoint
     work.mkdir(parents=True, exist_ok=True)
-    print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
-          f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
+    if own:  # what it trains, its devices and its checkpoints are the program's business
+        print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {' '.join(own.command + own.args)} on "
+              f"{spec.nodes} local node(s) of {spec.procs_per_node}; logs in {work / 'logs'}", file=sys.stderr)
+    else:
+        print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
+              f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
-    store = rendezvous_store()
-    procs = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory)
+    if own:
+        procs, unit = start_program(job, work, free_port()), "node"
+    else:
+        store = rendezvous_store()  # held while the gang runs
+        procs, unit = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory), "rank"
     view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
     failed: tuple[int, int] | None = None
     try:
@@ -328,13 +387,14 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
     view.finish()
     if failed:
         rank, code = failed
-        who = "interrupted" if rank < 0 else f"rank {rank} exited with code {code}"
-        log_tail = "" if rank < 0 else _tail(work / "logs" / f"rank-{rank}.log")
-        print(f"paratrain: {job.metadata.name} failed: {who}; stopped the other ranks.\n{log_tail}", file=sys.stderr)
+        who = "interrupted" if rank < 0 else f"{unit} {rank} exited with code {code}"
+        log_tail = "" if rank < 0 else _tail(work / "logs" / f"{unit}-{rank}.log")
+        print(f"paratrain: {job.metadata.name} failed: {who}; stopped the other {unit}s.\n{log_tail}",
+              file=sys.stderr)
         return code if code > 0 else 1
     last = view.last
-    summary = [f"paratrain: {job.metadata.name} finished {spec.training.steps} steps in "
-               f"{_duration(time.monotonic() - started)}"]
+    steps = last.get("totalSteps", "its") if own else spec.training.steps
+    summary = [f"paratrain: {job.metadata.name} finished {steps} steps in {_duration(time.monotonic() - started)}"]
     if last:
         summary.append(f"final train loss {last['loss']:.4f}, {last['tokensPerSecond']:,.0f} tokens/s")
     if view.val_loss is not None or last:

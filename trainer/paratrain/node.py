@@ -1,8 +1,9 @@
-"""`paratrain node`: what a pod runs — torchrun (its flags from the PET_* env) starting `paratrain train` once per
-GPU, with the workers' exit code passed through.
+"""`paratrain node`: what a pod runs — torchrun (its flags from the PET_* env) starting `paratrain train`, or a
+program of its own (`paratrain node -- python train.py`, spec.entrypoint), once per GPU, with the workers' exit
+code passed through.
 
-Plain `torchrun` exits 1 whatever its workers exited with, which would hide the trainer's classification from the
-operator (75: a peer failed, restart the gang; 2: the spec can never run, fail the job).
+Plain `torchrun` exits 1 whatever its workers exited with, which would hide a worker's classification from the
+operator (75: a peer failed, restart the gang; 2: the job can never run, fail it).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ def node_exit_code(worker_codes: list[int]) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
-def node_main(spec_path: str) -> int:
+def node_main(program: list[str]) -> int:
+    """Run `program` (a command, not a script: `python train.py`) in every worker."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(["--no-python", "paratrain", "train", "--spec", spec_path])
+    args = get_args_parser().parse_args(["--no-python", *program])
     try:
         run(args)
     except ChildFailedError as exc:

@@ -30,7 +30,7 @@ from .spec import (
     API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, JOB_NAME, KIND, KUBERNETES_OWNED_MEANING,
     KUBERNETES_OWNED_RESOURCE, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES,
     MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS,
-    RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, Spec,
+    RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, TRAINER_SECTIONS, Spec,
 )
 from .shapes import BASE_DEFAULTS, DEFAULT_FAMILY, LLAMA_FFN_MULTIPLE, PRESETS
 from .status import JobStatus
@@ -200,6 +200,28 @@ def _default_without_preset(field: str) -> str:
     raise KeyError(field)
 
 
+def _at_defaults(section: str) -> str:
+    """CEL: every field of `spec.<section>` holds its default (as the API server fills them in) or is unset."""
+    terms = []
+    for field in Spec.model_fields[section].annotation.model_fields.values():
+        path = f"self.{section}.{field.alias}"
+        if field.default is None:
+            terms.append(f"(!has({path}) || type({path}) == null_type)")
+        elif isinstance(field.default, bool):
+            terms.append(path if field.default else f"!{path}")
+        elif isinstance(field.default, float):
+            terms.append(f"double({path}) == {field.default!r}")
+        else:
+            terms.append(f"{path} == {_cel_value(field.default)}")
+    return " && ".join(terms)
+
+
+_ENTRYPOINT = _present("self.entrypoint")
+
+
+def _for_the_builtin_trainer(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**rule, "rule": f"{_ENTRYPOINT} || ({rule['rule']})"} for rule in rules]
+
 FAMILY, LAYERS, HEADS, KV_HEADS, EMBED_DIM, FFN_DIM = (
     model_value(f) for f in ("family", "layers", "heads", "kvHeads", "embedDim", "ffnDim"))
 
@@ -210,54 +232,57 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               f"data({{{P}.data}}) x tensor({{{P}.tensor}}) x pipeline({{{P}.pipeline}}) = "
               f"{{{P}.data * {P}.tensor * {P}.pipeline}} must equal nodes({{self.nodes}}) x "
               "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode}", ".parallelism"),
-        _rule(f"{EMBED_DIM} % {HEADS} == 0",
-              f"embedDim({{{EMBED_DIM}}}) must be divisible by heads({{{HEADS}}})", ".model.embedDim"),
-        _rule(f"{HEADS} % {P}.tensor == 0",
-              f"heads({{{HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
-        _rule(f"{HEADS} % {KV_HEADS} == 0",
-              f"heads({{{HEADS}}}) must be divisible by kvHeads({{{KV_HEADS}}})", ".model.kvHeads"),
-        _rule(f"{KV_HEADS} == {HEADS} || {KV_HEADS} % {P}.tensor == 0",
-              f"kvHeads({{{KV_HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.kvHeads"),
-        _rule(f"{FFN_DIM} % {P}.tensor == 0",
-              f"ffnDim({{{FFN_DIM}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.ffnDim"),
-        _rule(f"{FAMILY} != 'llama' || {EMBED_DIM} % {HEADS} != 0 || {EMBED_DIM} / {HEADS} % 2 == 0",
-              f"RoPE rotates pairs: the head dimension embedDim/heads = {{{EMBED_DIM} / {HEADS}}} must be even",
-              ".model.embedDim"),
-        _rule(f"{FAMILY} != 'gpt' || {KV_HEADS} == {HEADS}",
-              f"family gpt has no grouped-query attention: kvHeads({{{KV_HEADS}}}) must equal heads({{{HEADS}}})",
-              ".model.kvHeads"),
-        _rule(f"{FAMILY} != 'gpt' || !{_given(f'{M}.ropeTheta', 'double')}",
-              "family gpt learns position embeddings: ropeTheta is for family llama", ".model.ropeTheta"),
-        _rule(f"{LAYERS} >= {P}.pipeline",
-              f"layers({{{LAYERS}}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
-              "least one layer", ".model.layers"),
-        _rule(f"{T}.batchSize % {P}.data == 0",
-              f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",
-              ".training.batchSize"),
-        # Each checked only when the division before it is exact (the rule before reports the other case).
-        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation == 0",
-              f"per-rank batch batchSize/data = {{{T}.batchSize / {P}.data}} must be divisible by "
-              f"gradientAccumulation({{{T}.gradientAccumulation}})", ".training.gradientAccumulation"),
-        _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation != 0 || "
-              f"{T}.batchSize / {P}.data / {T}.gradientAccumulation % {P}.microbatches == 0",
-              f"per-rank micro-step batch batchSize/data/gradientAccumulation = "
-              f"{{{T}.batchSize / {P}.data / {T}.gradientAccumulation}} must be divisible by "
-              f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
-        _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
-              "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),
-        _rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",
-              f"1F1B needs microbatches({{{P}.microbatches}}) >= pipeline({{{P}.pipeline}})",
-              ".parallelism.microbatches"),
         _rule(f"{P}.zeroStage == 0 || {P}.data >= 2",
               f"zeroStage {{{P}.zeroStage}} shards over data-parallel ranks and needs parallelism.data >= 2",
               ".parallelism.zeroStage"),
-        _rule(f"{T}.minLearningRate <= {T}.learningRate",
-              f"minLearningRate({{{T}.minLearningRate}}) must be <= learningRate({{{T}.learningRate}})",
-              ".training.minLearningRate"),
-        _rule(f"{T}.warmupSteps <= {T}.steps",
-              f"warmupSteps({{{T}.warmupSteps}}) must be <= steps({{{T}.steps}})", ".training.warmupSteps"),
-        _rule(f"self.data.source == 'synthetic' || {_given('self.data.path')}",
-              "data.source '{self.data.source}' needs data.path", ".data.path"),
+        # The built-in trainer's own constraints: not for a program of its own (see cross_field_problems).
+        *_for_the_builtin_trainer([
+            _rule(f"{EMBED_DIM} % {HEADS} == 0",
+                  f"embedDim({{{EMBED_DIM}}}) must be divisible by heads({{{HEADS}}})", ".model.embedDim"),
+            _rule(f"{HEADS} % {P}.tensor == 0",
+                  f"heads({{{HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
+            _rule(f"{HEADS} % {KV_HEADS} == 0",
+                  f"heads({{{HEADS}}}) must be divisible by kvHeads({{{KV_HEADS}}})", ".model.kvHeads"),
+            _rule(f"{KV_HEADS} == {HEADS} || {KV_HEADS} % {P}.tensor == 0",
+                  f"kvHeads({{{KV_HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.kvHeads"),
+            _rule(f"{FFN_DIM} % {P}.tensor == 0",
+                  f"ffnDim({{{FFN_DIM}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.ffnDim"),
+            _rule(f"{FAMILY} != 'llama' || {EMBED_DIM} % {HEADS} != 0 || {EMBED_DIM} / {HEADS} % 2 == 0",
+                  f"RoPE rotates pairs: the head dimension embedDim/heads = {{{EMBED_DIM} / {HEADS}}} must be even",
+                  ".model.embedDim"),
+            _rule(f"{FAMILY} != 'gpt' || {KV_HEADS} == {HEADS}",
+                  f"family gpt has no grouped-query attention: kvHeads({{{KV_HEADS}}}) must equal heads({{{HEADS}}})",
+                  ".model.kvHeads"),
+            _rule(f"{FAMILY} != 'gpt' || !{_given(f'{M}.ropeTheta', 'double')}",
+                  "family gpt learns position embeddings: ropeTheta is for family llama", ".model.ropeTheta"),
+            _rule(f"{LAYERS} >= {P}.pipeline",
+                  f"layers({{{LAYERS}}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
+                  "least one layer", ".model.layers"),
+            _rule(f"{T}.batchSize % {P}.data == 0",
+                  f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",
+                  ".training.batchSize"),
+            # Each checked only when the division before it is exact (the rule before reports the other case).
+            _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation == 0",
+                  f"per-rank batch batchSize/data = {{{T}.batchSize / {P}.data}} must be divisible by "
+                  f"gradientAccumulation({{{T}.gradientAccumulation}})", ".training.gradientAccumulation"),
+            _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation != 0 || "
+                  f"{T}.batchSize / {P}.data / {T}.gradientAccumulation % {P}.microbatches == 0",
+                  f"per-rank micro-step batch batchSize/data/gradientAccumulation = "
+                  f"{{{T}.batchSize / {P}.data / {T}.gradientAccumulation}} must be divisible by "
+                  f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
+            _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
+                  "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),
+            _rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",
+                  f"1F1B needs microbatches({{{P}.microbatches}}) >= pipeline({{{P}.pipeline}})",
+                  ".parallelism.microbatches"),
+            _rule(f"{T}.minLearningRate <= {T}.learningRate",
+                  f"minLearningRate({{{T}.minLearningRate}}) must be <= learningRate({{{T}.learningRate}})",
+                  ".training.minLearningRate"),
+            _rule(f"{T}.warmupSteps <= {T}.steps",
+                  f"warmupSteps({{{T}.warmupSteps}}) must be <= steps({{{T}.steps}})", ".training.warmupSteps"),
+            _rule(f"self.data.source == 'synthetic' || {_given('self.data.path')}",
+                  "data.source '{self.data.source}' needs data.path", ".data.path"),
+        ]),
         _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
               f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),
@@ -266,6 +291,12 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"!{_given(f'{S}.topologyKey')} || {S}.gang == 'kubernetes'",
               "topologyKey is a constraint of Kubernetes' own gang scheduling and needs scheduling.gang 'kubernetes'",
               ".scheduling.topologyKey"),
+        *(_rule(f"!{_ENTRYPOINT} || ({_at_defaults(section)})",
+                f"{section} is read only by the built-in trainer: with spec.entrypoint your program trains (it gets "
+                "the layout as PARATRAIN_* env); leave it out", f".{section}") for section in TRAINER_SECTIONS),
+        _rule(f"!{_ENTRYPOINT} || !{_given(f'{R}.gpuMemory')}",
+              "the memory model is the built-in trainer's: leave gpuMemory out with spec.entrypoint",
+              ".resources.gpuMemory"),
     ],
     "pod": [
         _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",

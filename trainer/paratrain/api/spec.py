@@ -45,6 +45,8 @@ RESERVED_MOUNT_PATHS = ("/dev/shm", "/etc/paratrain")
 RESERVED_VOLUME_PREFIX = "paratrain-"
 RESERVED_KEY_PREFIX = f"{API_GROUP}/"
 TRAINER_CONTAINER = "trainer"  # the container every pod runs the trainer in
+# The sections only the built-in trainer reads: a job with its own spec.entrypoint leaves them at their defaults.
+TRAINER_SECTIONS = ("model", "data", "training", "checkpoint", "logging")
 # The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
 MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
 BYTES = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"  # a quantity of bytes paratrain.api.memory parses
@@ -421,6 +423,19 @@ class PodSpec(_Model):
         return annotations
 
 
+class Entrypoint(_Model):
+    """Your own training program instead of the built-in trainer: the pods run it in spec.image under the same env
+    contract (torchrun's PET_* flags, so `torchrun train.py` needs no flags; the layout as PARATRAIN_DATA,
+    PARATRAIN_TENSOR, PARATRAIN_PIPELINE, PARATRAIN_ZERO_STAGE, PARATRAIN_PRECISION), gang, restarts and status."""
+
+    command: list[Annotated[str, Field(max_length=4096)]] = Field(min_length=1, max_length=64, description=(
+        "The program and its first arguments, e.g. [torchrun, train.py] (no shell: use [sh, -c, ...] for one)."))
+    args: list[Annotated[str, Field(max_length=32768)]] = Field(default_factory=list, max_length=256, description=(
+        "More arguments, after command."))
+    working_dir: str | None = Field(None, pattern=ABS_PATH, max_length=4096, description=(
+        "Where it runs in the pod; unset: the image's working directory (the current directory in a local run)."))
+
+
 class Spec(_Model):
     image: str = Field("ghcr.io/paratrain/trainer:0.1.0", pattern=IMAGE, max_length=512, description=(
         "The trainer image every pod runs (cluster only; a local run uses this checkout)."))
@@ -438,6 +453,9 @@ class Spec(_Model):
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
+    entrypoint: Entrypoint | None = Field(None, description=(
+        "Run your own training program instead of the built-in trainer (model, data, training, checkpoint and "
+        "logging are then the program's business: leave them out)."))
 
     @property
     def world_size(self) -> int:
@@ -481,53 +499,59 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     if product != spec.world_size:
         out.append(("spec.parallelism", f"data({p.data}) x tensor({p.tensor}) x pipeline({p.pipeline}) = {product} "
                     f"must equal nodes({spec.nodes}) x procsPerNode({spec.procs_per_node}) = {spec.world_size}"))
-    if m.embed_dim % m.heads:
-        out.append(("spec.model.embedDim", f"embedDim({m.embed_dim}) must be divisible by heads({m.heads})"))
-    if m.heads % p.tensor:
-        out.append(("spec.model.heads", f"heads({m.heads}) must be divisible by parallelism.tensor({p.tensor})"))
-    if m.heads % m.kv_heads:
-        out.append(("spec.model.kvHeads", f"heads({m.heads}) must be divisible by kvHeads({m.kv_heads})"))
-    if m.kv_heads != m.heads and m.kv_heads % p.tensor:
-        out.append(("spec.model.kvHeads", f"kvHeads({m.kv_heads}) must be divisible by "
-                    f"parallelism.tensor({p.tensor})"))
-    if m.ffn_dim % p.tensor:
-        out.append(("spec.model.ffnDim", f"ffnDim({m.ffn_dim}) must be divisible by parallelism.tensor({p.tensor})"))
-    if m.family == "llama" and m.embed_dim % m.heads == 0 and m.embed_dim // m.heads % 2:
-        out.append(("spec.model.embedDim", f"RoPE rotates pairs: the head dimension embedDim/heads = "
-                    f"{m.embed_dim // m.heads} must be even"))
-    if m.family == "gpt" and m.kv_heads != m.heads:
-        out.append(("spec.model.kvHeads", f"family gpt has no grouped-query attention: kvHeads({m.kv_heads}) must "
-                    f"equal heads({m.heads})"))
-    if m.family == "gpt" and m.rope_theta is not None:
-        out.append(("spec.model.ropeTheta", "family gpt learns position embeddings: ropeTheta is for family llama"))
-    if m.layers < p.pipeline:
-        out.append(("spec.model.layers", f"layers({m.layers}) must be >= parallelism.pipeline({p.pipeline}): "
-                    "every stage needs at least one layer"))
-    if t.batch_size % p.data:
-        out.append(("spec.training.batchSize", f"batchSize({t.batch_size}) must be divisible by "
-                    f"parallelism.data({p.data})"))
-    elif (t.batch_size // p.data) % t.gradient_accumulation:
-        out.append(("spec.training.gradientAccumulation", f"per-rank batch batchSize/data = "
-                    f"{t.batch_size // p.data} must be divisible by gradientAccumulation({t.gradient_accumulation})"))
-    elif (t.batch_size // p.data // t.gradient_accumulation) % p.microbatches:
-        out.append(("spec.parallelism.microbatches", f"per-rank micro-step batch batchSize/data/gradientAccumulation "
-                    f"= {t.batch_size // p.data // t.gradient_accumulation} must be divisible by "
-                    f"microbatches({p.microbatches})"))
-    if p.microbatches > 1 and p.pipeline == 1:
-        out.append(("spec.parallelism.microbatches", "microbatches > 1 needs parallelism.pipeline > 1"))
-    if p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":
-        out.append(("spec.parallelism.microbatches", f"1F1B needs microbatches({p.microbatches}) >= "
-                    f"pipeline({p.pipeline})"))
     if p.zero_stage > 0 and p.data == 1:
         out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} shards over data-parallel ranks and "
                     "needs parallelism.data >= 2"))
-    if t.min_learning_rate > t.learning_rate:
-        out.append(("spec.training.minLearningRate", f"minLearningRate({t.min_learning_rate}) must be <= "
-                    f"learningRate({t.learning_rate})"))
-    if t.warmup_steps > t.steps:
-        out.append(("spec.training.warmupSteps", f"warmupSteps({t.warmup_steps}) must be <= steps({t.steps})"))
-    if spec.data.source != "synthetic" and not spec.data.path:
-        out.append(("spec.data.path", f"data.source '{spec.data.source}' needs data.path"))
+    # The built-in trainer's own constraints (its model, batch, schedule, data): a program of its own
+    # (spec.entrypoint) leaves those sections at their defaults, which must not constrain its layout.
+    if spec.entrypoint is None:
+        if m.embed_dim % m.heads:
+            out.append(("spec.model.embedDim", f"embedDim({m.embed_dim}) must be divisible by heads({m.heads})"))
+        if m.heads % p.tensor:
+            out.append(("spec.model.heads", f"heads({m.heads}) must be divisible by parallelism.tensor({p.tensor})"))
+        if m.heads % m.kv_heads:
+            out.append(("spec.model.kvHeads", f"heads({m.heads}) must be divisible by kvHeads({m.kv_heads})"))
+        if m.kv_heads != m.heads and m.kv_heads % p.tensor:
+            out.append(("spec.model.kvHeads", f"kvHeads({m.kv_heads}) must be divisible by "
+                        f"parallelism.tensor({p.tensor})"))
+        if m.ffn_dim % p.tensor:
+            out.append(("spec.model.ffnDim", f"ffnDim({m.ffn_dim}) must be divisible by "
+                        f"parallelism.tensor({p.tensor})"))
+        if m.family == "llama" and m.embed_dim % m.heads == 0 and m.embed_dim // m.heads % 2:
+            out.append(("spec.model.embedDim", f"RoPE rotates pairs: the head dimension embedDim/heads = "
+                        f"{m.embed_dim // m.heads} must be even"))
+        if m.family == "gpt" and m.kv_heads != m.heads:
+            out.append(("spec.model.kvHeads", f"family gpt has no grouped-query attention: kvHeads({m.kv_heads}) must "
+                        f"equal heads({m.heads})"))
+        if m.family == "gpt" and m.rope_theta is not None:
+            out.append(("spec.model.ropeTheta", "family gpt learns position embeddings: ropeTheta is for family "
+                        "llama"))
+        if m.layers < p.pipeline:
+            out.append(("spec.model.layers", f"layers({m.layers}) must be >= parallelism.pipeline({p.pipeline}): "
+                        "every stage needs at least one layer"))
+        if t.batch_size % p.data:
+            out.append(("spec.training.batchSize", f"batchSize({t.batch_size}) must be divisible by "
+                        f"parallelism.data({p.data})"))
+        elif (t.batch_size // p.data) % t.gradient_accumulation:
+            out.append(("spec.training.gradientAccumulation", f"per-rank batch batchSize/data = "
+                        f"{t.batch_size // p.data} must be divisible by "
+                        f"gradientAccumulation({t.gradient_accumulation})"))
+        elif (t.batch_size // p.data // t.gradient_accumulation) % p.microbatches:
+            out.append(("spec.parallelism.microbatches", "per-rank micro-step batch "
+                        f"batchSize/data/gradientAccumulation = {t.batch_size // p.data // t.gradient_accumulation} "
+                        f"must be divisible by microbatches({p.microbatches})"))
+        if p.microbatches > 1 and p.pipeline == 1:
+            out.append(("spec.parallelism.microbatches", "microbatches > 1 needs parallelism.pipeline > 1"))
+        if p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":
+            out.append(("spec.parallelism.microbatches", f"1F1B needs microbatches({p.microbatches}) >= "
+                        f"pipeline({p.pipeline})"))
+        if t.min_learning_rate > t.learning_rate:
+            out.append(("spec.training.minLearningRate", f"minLearningRate({t.min_learning_rate}) must be <= "
+                        f"learningRate({t.learning_rate})"))
+        if t.warmup_steps > t.steps:
+            out.append(("spec.training.warmupSteps", f"warmupSteps({t.warmup_steps}) must be <= steps({t.steps})"))
+        if spec.data.source != "synthetic" and not spec.data.path:
+            out.append(("spec.data.path", f"data.source '{spec.data.source}' needs data.path"))
     if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
         out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
@@ -576,6 +600,14 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
                     "process), not 0"))
     for dup in _repeated(c.name for c in r.claims):
         out.append(("spec.resources.claims", f"claim name {dup!r} is used more than once"))
+    if spec.entrypoint:
+        for section in TRAINER_SECTIONS:
+            if getattr(spec, section) != Spec.model_fields[section].default_factory():
+                out.append((f"spec.{section}", f"{section} is read only by the built-in trainer: with spec.entrypoint "
+                            "your program trains (it gets the layout as PARATRAIN_* env); leave it out"))
+        if spec.resources.gpu_memory:
+            out.append(("spec.resources.gpuMemory", "the memory model is the built-in trainer's: leave gpuMemory out "
+                        "with spec.entrypoint"))
     for dup in _repeated(c.name for c in spec.pod.init_containers):
         out.append(("spec.pod.initContainers", f"container name {dup!r} is used more than once"))
     for i, container in enumerate(spec.pod.init_containers):
