@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paratrain.api.spec import Spec
-from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config
+from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config, skip_the_shm_op
 from paratrain.train.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
 from paratrain.train.model import GPT, GPTConfig
@@ -52,6 +52,7 @@ def deepspeed_engine(precision: str, stage: int) -> tuple[DeepSpeedEngine, Calla
     differently from LossScaler): at the second step."""
     import deepspeed
 
+    skip_the_shm_op(torch.device("cpu"))  # as the trainer does
     spec = Spec(nodes=2, precision=precision, parallelism={"data": 2, "zeroStage": stage})
     config = deepspeed_config(spec, 1, torch.device("cpu"), CFG.embed_dim)
     config["fp16"].update(initial_scale_power=10, loss_scale_window=1)

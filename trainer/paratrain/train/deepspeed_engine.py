@@ -332,11 +332,16 @@ def _step_then_update_loss_scale(ds, zero) -> None:
         zero._update_scale(overflow)
 
 
-def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: ModelConfig) -> DeepSpeedEngine:
+def skip_the_shm_op(device: torch.device) -> None:
+    """Before DeepSpeed sets up its comm backend: on CPU its TorchBackend JIT-compiles a shared-memory all-reduce op
+    (20 s to minutes, again in every new environment or pod, and a compiler in every image) that only its inference
+    all-reduce uses; training never calls it."""
     if device.type == "cpu":
-        # DeepSpeed's TorchBackend JIT-compiles a shared-memory all-reduce op on CPU (minutes on a small machine,
-        # a compiler in every image) that only its inference all-reduce uses; training never calls it.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg: ModelConfig) -> DeepSpeedEngine:
+    skip_the_shm_op(device)
     import deepspeed
 
     t = spec.training
