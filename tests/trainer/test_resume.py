@@ -15,8 +15,10 @@ def _checkpointed(tmp: Path, data: int, zero: int, accumulation: int = 1) -> lis
                                                  f"spec.training.gradientAccumulation={accumulation}"]
 
 
-@pytest.mark.parametrize("data,zero,accumulation", [(2, 0, 1), (2, 1, 1), (2, 1, 2)],
-                         ids=["dp2-ddp", "dp2-zero1-deepspeed", "dp2-zero1-deepspeed-accumulating"])
+# DeepSpeed once, with accumulation: its save and restore are the same without it, and the micro-step boundary is
+# what a resume can get wrong (a second DeepSpeed case cost 20 s of the suite and covered nothing more).
+@pytest.mark.parametrize("data,zero,accumulation", [(2, 0, 1), (2, 1, 2)],
+                         ids=["dp2-ddp", "dp2-zero1-deepspeed-accumulating"])
 def test_killed_run_resumes_exactly(data, zero, accumulation, tmp_path):
     _, straight = run_job(tmp_path / "straight", _checkpointed(tmp_path / "straight", data, zero, accumulation))
 
