@@ -17,6 +17,7 @@ import yaml
 
 from paratrain.api.crd import crd_manifest
 
+from ..trainer.harness import MUTANTS
 from .support.cluster import ClusterBase as Cluster
 from .support.real_cluster import RealCluster
 from .support.server import wait_for
@@ -99,3 +100,26 @@ def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_chec
     logs = cluster.kubectl("logs", "-n", ns, "resume-1-0")  # the new gang's rank 0
     resumed = re.search(r"resume step=(\d+)", logs.stdout)
     assert resumed and int(resumed[1]) >= 20, logs.stdout[-3000:]
+
+
+def test_a_rank_that_cannot_join_fails_the_preflight_fast_and_is_retried_as_infrastructure(control_plane,
+                                                                                         tmp_path: Path):
+    """Rank 1 never checks in (the trainer's `absent:1` mutant: its pod runs, its worker cannot reach rank 0):
+    rank 0's preflight gives up after the job's 5-second bound, names the rank, and exits 75, which the operator
+    counts as a retryable failure (a gang restart), never as a permanent one; with the budget spent the job fails
+    saying why."""
+    mutant = {"PARATRAIN_TEST_MUTANT": "absent:1", "PYTHONPATH": str(MUTANTS)}
+    cluster = RealCluster(control_plane, tmp_path, node="preflight-node", extra_env=mutant)
+    try:
+        ns = cluster.namespace("preflight")
+        job = tiny_job("preflight", ns, tmp_path / "ckpt", steps=4)["spec"]
+        job["runPolicy"] = {"backoffLimit": 1, "collectiveTimeoutSeconds": 5}
+        cluster.submit(ns, "preflight", job)
+        status = cluster.wait_phase(ns, "preflight", "Failed", 120)
+        assert (status["restarts"], status["failure"]["exitCode"]) == (1, 75), cluster.diagnostics(ns, "preflight")
+        assert status["failure"]["pod"] == "preflight-1-0", status  # rank 0 of the last attempt: its preflight
+        logs = cluster.kubectl("logs", "-n", ns, "preflight-1-0")
+        assert "preflight: rank 0 on " in logs.stdout and "rank(s) 1 of 2 did not reach the rendezvous" in \
+            logs.stdout, logs.stdout[-2000:]
+    finally:
+        cluster.close()

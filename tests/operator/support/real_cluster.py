@@ -213,7 +213,7 @@ class RealCluster(ClusterBase):
     def __init__(self, plane: ControlPlane, workdir: Path, *,
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
                  resync_seconds: float = 1.0, node: str = "test-node", faults: bool = False,
-                 operator_args: tuple[str, ...] = ()):
+                 operator_args: tuple[str, ...] = (), extra_env: Mapping[str, str] | None = None):
         super().__init__(workdir, resync_seconds, operator_args)
         self.plane, self.kubeconfig = plane, plane.kubeconfig
         install_crd(plane)
@@ -221,7 +221,7 @@ class RealCluster(ClusterBase):
         self.node_api = NodeApi(plane.api, node, self.api._loop)
         self.logs = LogServer(self.node_api.pod_logs, plane.workdir / "pki")
         register_node(plane.api, node, {"kubernetes.io/hostname": node}, NODE_CAPACITY, kubelet_port=self.logs.port)
-        self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command)
+        self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command, extra_env=extra_env)
         self._kubelet_run = self.api.start(self.kubelet.run)
         self.proxy = FaultProxy(plane.kubeconfig) if faults else None
         self.start_operator()

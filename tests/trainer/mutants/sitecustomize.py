@@ -52,6 +52,17 @@ if MUTANT:
         import torch
 
         torch.ops.mkldnn._is_mkldnn_fp16_supported = lambda: False
+    elif MUTANT.startswith("absent:"):
+        # absent:<rank> — that rank never checks in at the rendezvous: a pod that cannot reach rank 0's address.
+        import time
+
+        from paratrain.train import preflight
+
+        if os.environ.get("RANK") == MUTANT.split(":")[1]:  # a worker (not torchrun itself, which has no RANK)
+            preflight.join = lambda rank, world, timeout: time.sleep(3600)
+    elif MUTANT == "fabric_drops_the_all_reduce":
+        # An all-reduce that completes and sums nothing (each rank keeps its own value): the data are wrong.
+        dist.all_reduce = lambda tensor, *args, **kwargs: None
     elif MUTANT.startswith("crash:"):
         # crash:<rank>:<step> — SIGKILL that rank as it starts that (0-based) step: a node dying mid-training.
         import signal

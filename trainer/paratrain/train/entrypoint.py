@@ -69,11 +69,16 @@ def train_main(spec_path: str) -> int:
     except (SpecError, EnvError) as exc:
         log.error("%s", exc)
         return contract.EXIT_INVALID_SPEC
+    from .preflight import FabricError
+
     try:
         return _train(job, rank, world, local_rank)
     except ValueError as exc:  # a spec the device or data cannot honour (named in the message)
         log.error("%s", exc)
         return contract.EXIT_INVALID_SPEC
+    except FabricError as exc:
+        log.error("preflight: %s; the gang should restart", exc)
+        return contract.EXIT_RETRYABLE
     except Exception as exc:  # noqa: BLE001 (classify every failure for the operator)
         if is_peer_failure(exc):
             what = (f"a collective timed out (spec.runPolicy.collectiveTimeoutSeconds="
@@ -129,6 +134,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .parallelize import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
     from .precision import check_device_supports
+    from .preflight import PREFLIGHT_SECONDS, join, prove_fabric
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
     spec = job.spec
@@ -136,8 +142,12 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     dims = ParallelDims.from_spec(spec, world, device.type)
     check_device_supports(spec.precision, device, dims.uses_deepspeed)
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
-    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    preflight_seconds = min(PREFLIGHT_SECONDS, spec.run_policy.collective_timeout_seconds)
+    store, hosts = join(rank, world, preflight_seconds)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
     try:
+        prove_fabric(device, hosts, preflight_seconds)
         corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
                              spec.training.seed, spec.model.block_size)
         if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
