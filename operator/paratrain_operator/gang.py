@@ -39,6 +39,7 @@ class Failure(status_model.Failure):
     decisions alone need, never written to status."""
 
     retryable: bool = Field(True, exclude=True)
+    preempted: bool = Field(False, exclude=True)  # stopped on request with a checkpoint: not counted as a restart
     at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
 
     @model_validator(mode="before")
@@ -60,6 +61,8 @@ def describe_exit(code: int) -> str:
         return "a peer failed or a collective timed out"
     if code == contract.EXIT_INVALID_SPEC:
         return "the trainer rejected the spec"
+    if code == contract.EXIT_PREEMPTED:
+        return "stopped by SIGTERM after checkpointing its last step"
     if code in (126, 127):
         return "the image cannot run the command"
     if code > 128 and code - 128 in _SIGNALS:
@@ -83,6 +86,9 @@ def classify(pod: PodView) -> Failure | None:
             return Failure(reason=reason, message=f"pod {pod.name} failed: {reason}{detail}", pod=pod.name,
                            exit_code=pod.exit_code, at=pod.finished_at)
         code = pod.exit_code
+        if code == contract.EXIT_PREEMPTED:
+            return Failure(reason="Preempted", message=f"pod {pod.name} was stopped and checkpointed its last step "
+                           f"(exit {code})", pod=pod.name, exit_code=code, preempted=True, at=pod.finished_at)
         return Failure(reason=pod.reason or "Error",
                        message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
                        pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
@@ -91,10 +97,10 @@ def classify(pod: PodView) -> Failure | None:
 
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
-    """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75)
-    is a consequence, not the cause; then the earliest."""
-    return min(failures, key=lambda f: (f.retryable, f.exit_code == contract.EXIT_RETRYABLE, f.at or "~",
-                                        f.pod or ""))
+    """Permanent failures decide the job; among retryable ones, a pod that was preempted (exit 76, it saved its
+    step) or merely saw its peer die (exit 75) is a consequence, not the cause; then the earliest."""
+    return min(failures, key=lambda f: (f.retryable, f.preempted, f.exit_code == contract.EXIT_RETRYABLE,
+                                        f.at or "~", f.pod or ""))
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,12 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
     if not root.retryable:
         decision = fail(state, pods, root, now)
         return replace(decision, events=(*events, *decision.events))
+    if root.preempted:  # the gang was told to stop, and saved: not a failure of the job's
+        msg = f"{root.message}; restarting the whole gang from that checkpoint (not counted against backoffLimit)"
+        new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, gang_created=False, reason=root.reason,
+                      message=msg)
+        doomed = tuple(p.name for p in current if not p.terminating)
+        return Decision(new, delete_pods=doomed, events=(*events, Event("Normal", "Preempted", msg)))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)

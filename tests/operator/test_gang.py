@@ -93,6 +93,24 @@ def test_a_permanent_exit_code_fails_the_job_without_a_restart(code):
     assert set(decision.delete_pods) == {"job-0-0", "job-0-2"}  # a failed job holds no GPUs
 
 
+def test_a_preempted_gang_restarts_without_spending_its_backoff_limit():
+    """Exit 76: the ranks were stopped (SIGTERM) and saved the step in flight; even with the budget spent the
+    gang restarts, and the restart is not counted."""
+    spent = replace(RUNNING, restarts=2, attempt=2)
+    pods = gang_of("Failed", "Failed", "Running", attempt=2, exit_code=contract.EXIT_PREEMPTED)
+    decision = decide(pods, spent)
+    s = decision.state
+    assert (s.phase, s.attempt, s.restarts, s.reason) == ("Restarting", 3, 2, "Preempted")
+    assert "not counted against backoffLimit" in s.message
+    assert [e.reason for e in decision.events] == ["Preempted"]
+    assert set(decision.delete_pods) == {"job-2-0", "job-2-1", "job-2-2"}
+    # A real failure beside a preemption is the root cause, and it is counted.
+    mixed = [pod(0, "Failed", exit_code=contract.EXIT_PREEMPTED, finished_at="2026-11-29T11:59:00Z"),
+             pod(1, "Failed", exit_code=1, finished_at="2026-11-29T11:59:01Z"), pod(2)]
+    counted = decide(mixed, RUNNING).state
+    assert (counted.restarts, counted.failure.pod, counted.failure.exit_code) == (1, "job-0-1", 1)
+
+
 def test_the_backoff_limit_ends_the_restarts():
     state = replace(RUNNING, restarts=2, attempt=2)
     decision = decide(gang_of("Running", "Failed", "Running", attempt=2, exit_code=1), state)

@@ -17,7 +17,7 @@ import yaml
 
 from paratrain.api.crd import crd_manifest
 
-from ..trainer.harness import MUTANTS
+from ..trainer.harness import MUTANTS, run_job
 from .support.cluster import ClusterBase as Cluster
 from .support.real_cluster import RealCluster
 from .support.server import wait_for
@@ -123,3 +123,29 @@ def test_a_rank_that_cannot_join_fails_the_preflight_fast_and_is_retried_as_infr
             logs.stdout, logs.stdout[-2000:]
     finally:
         cluster.close()
+
+
+def test_a_stopped_pod_checkpoints_the_step_in_flight_and_the_gang_resumes_there_uncounted(cluster: Cluster, ns: str,
+                                                                                          tmp_path: Path):
+    """SIGTERM to one pod (what a drain or a Kueue preemption does) mid-training, with checkpoints only at the end:
+    its ranks and their peers finish the step, save it together and exit 76; the operator restarts the gang
+    without counting it, the new gang resumes at that step, and the whole loss curve is the uninterrupted run's."""
+    checkpoints = tmp_path / "ckpt"
+    spec = tiny_job("stopped", ns, checkpoints, steps=60)["spec"]
+    spec["checkpoint"]["interval"] = 0
+    cluster.submit(ns, "stopped", spec)
+    cluster.wait_phase(ns, "stopped", "Running", 90)
+    wait_for(lambda: (cluster.status(ns, "stopped").get("progress") or {}).get("step", 0) >= 10, 120, "step 10")
+    cluster.api.call(cluster.kubelet.kill, ns, "stopped-0-1", signal.SIGTERM)
+
+    status = cluster.wait_phase(ns, "stopped", "Succeeded", 180)
+    assert (status["restarts"], status["attempt"]) == (0, 1), cluster.diagnostics(ns, "stopped")
+    logs = cluster.kubectl("logs", "-n", ns, "stopped-1-0").stdout  # the new gang's rank 0
+    resumed = re.search(r"resume step=(\d+)", logs)
+    assert resumed and 10 <= int(resumed[1]) < 60, logs[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{int(resumed[1]):08d}", "step-00000060"]
+    final = json.loads((checkpoints / "step-00000060" / "manifest.json").read_text())
+    _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
+                                                       "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
+                                                       "spec": {**spec, "checkpoint": {}}})
+    assert final["losses"] == straight["losses"], "the curve goes on from the stopped step exactly"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from paratrain import contract
+
 from .harness import MUTANTS, assert_close_curves, layout, run_job
 
 
@@ -37,6 +39,23 @@ def test_killed_run_resumes_exactly(data, zero, accumulation, tmp_path):
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
     events = [json.loads(line) for line in (crashed_dir / "work" / "events.jsonl").read_text().splitlines()]
     assert {"event": "resume", "step": 4}.items() <= next(e for e in events if e["event"] == "resume").items()
+
+
+def test_a_stopped_run_checkpoints_the_step_in_flight_and_resumes_exactly(tmp_path):
+    """SIGTERM to rank 1 as it starts step 6 (0-based), with checkpoints only at the end: every rank finishes the
+    step, they all save step 7 together and exit 76; the rerun resumes at 7 and its curve is the straight run's."""
+    only_at_the_end = ["spec.checkpoint.interval=0"]
+    _, straight = run_job(tmp_path / "straight", _checkpointed(tmp_path / "straight", 2, 0) + only_at_the_end)
+    stopped_dir = tmp_path / "stopped"
+    overrides = _checkpointed(stopped_dir, 2, 0) + only_at_the_end
+    proc, _ = run_job(stopped_dir, overrides, expect_ok=False,
+                      env={"PARATRAIN_TEST_MUTANT": "sigterm:1:6", "PYTHONPATH": str(MUTANTS)})
+    assert proc.returncode == contract.EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert sorted(p.name for p in (stopped_dir / "ckpt").glob("step-*")) == ["step-00000007"]
+    _, resumed = run_job(stopped_dir, overrides)
+    assert resumed["resumed_from_step"] == 7
+    assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("zero,first,then", [(0, "fp32", "bf16"), (1, "fp16", "bf16")],

@@ -29,6 +29,8 @@ ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is pres
 # Rank 0 writes its final progress JSON here: the pod's termination message, which the operator reads after
 # the pod exits (the progress endpoint is gone by then). Kubernetes' default terminationMessagePath:
 ENV_TERMINATION_LOG = "PARATRAIN_TERMINATION_LOG"
+# Seconds `paratrain node` gives its workers to save and exit after a SIGTERM (the pod's grace period, less a margin).
+ENV_STOP_GRACE = "PARATRAIN_STOP_GRACE_SECONDS"
 TERMINATION_LOG_PATH = "/dev/termination-log"
 
 # The job's layout, in every process's env: what a program of its own (spec.entrypoint) reads to build its mesh.
@@ -47,6 +49,9 @@ LABEL_NODE_RANK = "paratrain.dev/node-rank"
 EXIT_OK = 0
 EXIT_INVALID_SPEC = 2  # permanent: the spec can never train
 EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a gang restart may succeed
+# Stopped on request (SIGTERM: a drain, a preemption, a suspend), a checkpoint of the last whole step written: the
+# operator restarts the gang without counting it against backoffLimit.
+EXIT_PREEMPTED = 76
 PERMANENT_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, 126, 127})  # 126/127: the image cannot run the command
 
 

@@ -23,7 +23,7 @@ from . import contract
 from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label, parse_job
 from .token_shards import TokenDirError, open_token_dir
 
-STOP_GRACE_SECONDS = 5.0
+STOP_GRACE_SECONDS = 30.0  # stopped ranks save the step in flight first (train.preemption)
 
 
 def rendezvous_store():

@@ -405,6 +405,9 @@ class PodSpec(_Model):
         "Spread the gang's pods over the domains of node labels (zones, racks, hosts)."))
     init_containers: list[InitContainer] = Field(default_factory=list, max_length=8, description=(
         "Containers run in order before the trainer, in every pod."))
+    termination_grace_period_seconds: int = Field(60, ge=10, le=86_400, description=(
+        "How long a stopped pod (a drain, a preemption, a suspend) has before it is killed: its ranks finish the step "
+        "in flight, write a checkpoint of it and exit, so the job resumes there. Allow for a checkpoint's write."))
     ipc_lock: bool = Field(False, description=(
         "Add the IPC_LOCK capability to the trainer (GPUDirect RDMA pins memory). Outside the restricted Pod "
         "Security profile: refused unless the platform allows it (Helm value platform.allowIpcLock)."))

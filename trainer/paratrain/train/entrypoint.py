@@ -134,10 +134,12 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .parallelize import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
     from .precision import check_device_supports
+    from .preemption import Preempted, StopRequest
     from .preflight import PREFLIGHT_SECONDS, join, prove_fabric
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
     spec = job.spec
+    stop = StopRequest()  # from here a SIGTERM stops at the next step boundary, with a checkpoint
     device, backend = pick_device(job, local_rank)
     dims = ParallelDims.from_spec(spec, world, device.type)
     check_device_supports(spec.precision, device, dims.uses_deepspeed)
@@ -174,7 +176,14 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                                         spec.checkpoint.keep, spec.checkpoint.async_save)
         with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
             engine = build_engine(spec, dims, device, corpus.vocab_size)
-            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer).run()
+            try:
+                result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop).run()
+            except Preempted as stopped:
+                if reporter:
+                    reporter.close()  # the last progress becomes the pod's termination message
+                where = "its checkpoint is written" if stopped.saved else "no checkpoint (spec.checkpoint.path unset)"
+                log.warning("preempted at step %d: %s; exiting %d", stopped.step, where, contract.EXIT_PREEMPTED)
+                return contract.EXIT_PREEMPTED
         tensor_peaks: list = [None] * world
         dist.all_gather_object(tensor_peaks, peak_tensor_bytes())
         state_bytes: list = [None] * world

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..api import Spec
 from ..api.spec import TrainingSpec
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
+from .preemption import Preempted, StopRequest
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .dims import ParallelDims
 from .progress import ProgressReporter
@@ -27,14 +28,16 @@ def lr_at(step: int, t: TrainingSpec) -> float:
     return t.min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_learning_rate)
 
 
-def mean_over_reporters(value: float | None, device: torch.device, flag: bool = False) -> tuple[float, bool]:
+def mean_over_reporters(value: float | None, device: torch.device,
+                        flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
     """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value;
-    and whether any rank raised `flag` (rank 0's "a timed checkpoint is due"), in the same all-reduce."""
-    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0, float(flag)], dtype=torch.float64,
+    and for each of `flags`, whether any rank raised it (rank 0's "a timed checkpoint is due", a rank's SIGTERM),
+    in the same all-reduce."""
+    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0, *map(float, flags)], dtype=torch.float64,
                      device=device)
     dist.all_reduce(t)
-    mean, count, flags = t.tolist()
-    return mean / count, flags > 0
+    mean, count, *raised = t.tolist()
+    return mean / count, tuple(r > 0 for r in raised)
 
 
 @dataclass
@@ -52,9 +55,10 @@ class RunResult:
 
 class Trainer:
     def __init__(self, spec: Spec, engine, dims: ParallelDims, corpus: Corpus, device: torch.device,
-                 reporter: ProgressReporter | None, checkpointer: Checkpointer | None):
+                 reporter: ProgressReporter | None, checkpointer: Checkpointer | None,
+                 stop: StopRequest | None = None):
         self.spec, self.engine, self.dims, self.corpus, self.device = spec, engine, dims, corpus, device
-        self.reporter, self.checkpointer = reporter, checkpointer
+        self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
         self.result = RunResult()
 
     def _batch(self, tokens, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +133,14 @@ class Trainer:
                 "skippedSteps": r.skipped_steps, "engine": self.engine.extra_state()}
         self._committed(self.checkpointer.save(step, state, meta))
 
+    def _stop(self, step: int) -> None:
+        """Save `step` (unless there is no checkpoint path) and leave the loop: the job was asked to stop."""
+        if self.checkpointer:
+            self.save(step)
+            self._committed(self.checkpointer.wait())
+        self._emit("preempted", step=step, saved=bool(self.checkpointer))
+        raise Preempted(step, saved=bool(self.checkpointer))
+
     def _committed(self, step: int | None) -> None:
         if step is not None:
             self._emit("checkpoint", step=step)
@@ -162,7 +174,9 @@ class Trainer:
             outcome = self.engine.optimizer_step(lr_at(step, t))
             r.forward_backward_seconds += t_optimizer - t_forward
             r.optimizer_seconds += time.perf_counter() - t_optimizer
-            loss, timed_save = mean_over_reporters(local_loss, self.device, flag=self._timed_save_due(train_time))
+            asked_to_stop = bool(self.stop and self.stop.requested)
+            loss, (timed_save, stop) = mean_over_reporters(
+                local_loss, self.device, flags=(self._timed_save_due(train_time), asked_to_stop))
             dt = time.perf_counter() - t0
             train_time += dt
             r.losses.append(loss)
@@ -176,6 +190,8 @@ class Trainer:
             self._emit("step", step=done, totalSteps=t.steps, loss=loss, lr=lr_at(step, t),
                        gradNorm=outcome.grad_norm, applied=outcome.applied, tokensPerSecond=tps, etaSeconds=eta,
                        log=log_now)
+            if stop and done < t.steps:  # every rank saw it in the same all-reduce: all stop at this step
+                self._stop(done)
             if done % t.eval_interval == 0 and done < t.steps:
                 val = self.evaluate()
                 r.val_losses.append((done, val))
