@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, require_cluster_ready
-from paratrain.api.platform import Platform, load_platform
+from paratrain.api.platform import Platform, load_platform, with_job_defaults
 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
@@ -164,8 +164,10 @@ async def _pass(body: dict[str, Any]) -> str | None:
     objects: list[dict[str, Any]] = []
     replaced: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
+    filled: list[str] = []  # what the platform's jobDefaults filled in
     try:
-        job = require_cluster_ready(parse_job(job_document(body)), PLATFORM)
+        job, filled = with_job_defaults(parse_job(job_document(body)), PLATFORM)
+        job = require_cluster_ready(job, PLATFORM)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
@@ -178,7 +180,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)
                 decision = gang.fail(state, views, failure, now)
 
-    written = await _persist(body, decision, job, views)
+    written = await _persist(body, decision, job, views, filled)
     if written is None:
         return None  # the job was deleted meanwhile
     try:
@@ -190,7 +192,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
         if rejected is None:
             raise  # transient, or maybe fixable (RBAC, quota): retried; the resync keeps trying
         decision = gang.fail(decision.state, views, rejected, now)
-        written = await _persist_rejection(written, decision, job, views)
+        written = await _persist_rejection(written, decision, job, views, filled)
         if written is not None:
             await _act(written, decision, [], views)
     metrics.record_phase(namespace, name, decision.state.phase or gang.PENDING)
@@ -219,7 +221,7 @@ def _acts(decision: Decision) -> bool:
 
 
 async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
-                   views: Sequence[PodView]) -> dict[str, Any] | None:
+                   views: Sequence[PodView], filled: Sequence[str] = ()) -> dict[str, Any] | None:
     """Write the decision's state (before any action: see gang's docstring), conditional on `body`'s
     resourceVersion, and post its Events; returns the job as now stored (`body` when nothing was written), or
     None when the job is gone. Raises apply.Conflict when the job changed since `body`."""
@@ -232,7 +234,7 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
-                       now=clock_now())
+                       platform_defaults=filled, now=clock_now())
     patch = status.patch(stored_status, new)
     stored = body
     if patch or _acts(decision):
@@ -264,12 +266,12 @@ async def _with_gang_check(prev: Mapping[str, Any], job: ParallelTrainJob, names
 
 
 async def _persist_rejection(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
-                             views: Sequence[PodView]) -> dict[str, Any] | None:
+                             views: Sequence[PodView], filled: Sequence[str]) -> dict[str, Any] | None:
     """`_persist` a gang the API server refused, re-reading the job on a conflict instead of redoing the pass
     (which would send the refused objects again)."""
     for _ in range(CONFLICT_RETRIES):
         try:
-            return await _persist(body, decision, job, views)
+            return await _persist(body, decision, job, views, filled)
         except apply.Conflict:
             fresh = await _read((body["metadata"]["namespace"], body["metadata"]["name"]))
             if fresh is None:

@@ -132,12 +132,13 @@ def stall(state: GangState, conditions: Sequence[Mapping[str, Any]], progress: M
 
 def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods: Sequence[PodView],
           progress: Mapping[str, Any] | None, stall_timeout: int, generation: int | None, layout: str | None,
-          now: datetime) -> dict[str, Any]:
+          now: datetime, platform_defaults: Sequence[str] = ()) -> dict[str, Any]:
     """The whole status this operator owns (other keys in `prev` are left to their writers)."""
     prev = prev or {}
     out: dict[str, Any] = {"phase": state.phase or gang.PENDING, "reason": state.reason, "message": state.message}
     if layout:
         out["layout"] = layout
+    out["platformDefaults"] = list(platform_defaults) or None  # None: a merge patch removes an earlier list
     if generation is not None:
         out["observedGeneration"] = generation
     out.update(attempt=state.attempt, restarts=state.restarts, gangCreated=state.gang_created)

@@ -84,9 +84,13 @@ def test_a_gangs_policy_admits_its_own_pods_and_the_operator_and_nothing_else(ge
 
 
 def test_platform_values_reach_the_operator_and_turn_the_policy_off(render) -> None:
-    chart = render({"platform": {"allowIpcLock": True, "allowHostNetwork": True, "networkPolicy": {"enabled": False}}})
+    defaults = {"image": "registry.example.com/ml/trainer:1.2", "nodeSelector": {"pool": "gpu"},
+                "scheduling": {"gang": "kubernetes", "priorityClassName": "research"}}
+    chart = render({"platform": {"allowIpcLock": True, "allowHostNetwork": True, "networkPolicy": {"enabled": False},
+                                 "jobDefaults": defaults}})
     platform = platform_of(chart)
     assert platform.allow_ipc_lock and platform.allow_host_network and not platform.network_policy.enabled
+    assert platform.job_defaults.dump() == {**defaults, "env": [], "tolerations": [], "resources": {"extra": {}}}
     assert "NetworkPolicy" not in [o["kind"] for o in render_job(parse_job(JOB), "team-a", 0, platform)]
     default = platform_of(render())
     assert not default.allow_ipc_lock and not default.allow_host_network

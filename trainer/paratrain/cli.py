@@ -62,14 +62,19 @@ def _verdicts(job, platform, out) -> bool:
         preflight(local, checksums=False)  # validate has hashed the shards already (broken_data)
     except SpecError as exc:
         here = exc.problems
-    there = []
+    from .api.platform import with_job_defaults
+
+    there, filled = [], []
     try:
-        require_cluster_ready(job, platform)
+        merged, filled = with_job_defaults(job, platform)
+        require_cluster_ready(merged, platform)
     except SpecError as exc:
         there = exc.problems
     for target, problems in (("here (paratrain run)", here), ("in a cluster (the operator)", there)):
         verdict = "runs" if not problems else "refused: " + "; ".join(str(p) for p in problems)
         print(f"  {target}: {verdict}", file=out)
+    if filled:
+        print(f"  note, in a cluster: the platform's jobDefaults fill {', '.join(filled)}", file=out)
     if not there:
         for note in cluster_notes(job):
             print(f"  note, in a cluster: {note}", file=out)
@@ -243,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
+            from .api.platform import with_job_defaults
+
             platform = _platform(args)
+            job, _ = with_job_defaults(job, platform)  # as the operator merges them
             require_cluster_ready(job, platform)  # what the operator would refuse, render refuses too
             namespace = args.namespace or job.metadata.namespace or "default"
             sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt,

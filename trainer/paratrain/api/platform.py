@@ -1,5 +1,5 @@
-"""What a platform team decides for every job the operator runs: which host access pods may ask for, and the
-NetworkPolicy each gang gets.
+"""What a platform team decides for every job the operator runs: which host access pods may ask for, the
+NetworkPolicy each gang gets, and defaults for the jobs' cluster fields (image, env, placement, resources).
 
 The operator reads it from `--platform FILE` (the Helm chart writes that file from its `platform` values);
 `paratrain validate` and `paratrain render` take the same `--platform FILE`. Without one: the defaults below,
@@ -9,11 +9,15 @@ the restricted Pod Security profile's answer (no host access) and a NetworkPolic
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
 
-from .spec import DNS_LABEL, LabelKey, LabelValue, Spec, _Model
+from .spec import (
+    DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
+    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model,
+)
 
 # The operator's pods as the Helm chart labels them (release `paratrain`, chart name `paratrain`).
 CHART_OPERATOR_LABELS = {"app.kubernetes.io/name": "paratrain", "app.kubernetes.io/instance": "paratrain",
@@ -31,12 +35,92 @@ class GangNetworkPolicy(_Model):
         description="Labels that select the operator's pods there.")
 
 
+class DefaultResources(_Model):
+    cpu: str | None = Field(None, pattern=QUANTITY, max_length=32)
+    memory: str | None = Field(None, pattern=QUANTITY, max_length=32)
+    shm_size: str | None = Field(None, pattern=QUANTITY, max_length=32)
+    gpu_resource: ExtendedResource | None = None
+    extra: dict[ExtendedResource, Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=dict, max_length=16)
+
+
+class DefaultScheduling(_Model):
+    gang: Literal["kubernetes", "volcano", "coscheduling"] | None = None
+    queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
+    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+
+
+class JobDefaults(_Model):
+    """What every job that leaves a field at its built-in default gets instead (a job's own value always wins):
+    a scalar at its built-in default takes the platform's; env, tolerations, nodeSelector and resources.extra
+    gain the platform's entries the job does not name."""
+
+    image: str | None = Field(None, pattern=IMAGE, max_length=512, description="The trainer image.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=256)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    resources: DefaultResources = Field(default_factory=DefaultResources)
+    scheduling: DefaultScheduling = Field(default_factory=DefaultScheduling)
+
+
 class Platform(_Model):
     allow_ipc_lock: bool = Field(False, description=(
         "Jobs may add the IPC_LOCK capability (spec.pod.ipcLock), which GPUDirect RDMA needs to pin memory."))
     allow_host_network: bool = Field(False, description=(
         "Jobs may use the node's network namespace (spec.pod.hostNetwork), for RDMA fabrics without a CNI."))
     network_policy: GangNetworkPolicy = Field(default_factory=GangNetworkPolicy)
+    job_defaults: JobDefaults = Field(default_factory=JobDefaults)
+
+
+def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
+    """The job with the platform's jobDefaults merged in (validated again, cross-field rules included), and the
+    fields they filled (e.g. `spec.image`). Raises SpecError where the merged job is invalid."""
+    from .load import Problem, SpecError, parse_job
+
+    spec, filled = _merged_spec(job.spec, platform.job_defaults)
+    if not filled:
+        return job, []
+    try:
+        return parse_job({**job.dump(), "metadata": job.metadata.model_dump(mode="json", exclude_none=True),
+                          "spec": spec}), filled
+    except SpecError as exc:
+        why = f" (after the platform's jobDefaults filled {', '.join(filled)})"
+        raise SpecError([Problem(p.path, p.message + why) for p in exc.problems]) from None
+
+
+def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], list[str]]:
+    doc, filled = spec.dump(), []
+
+    def take(path: str, section: dict[str, Any], key: str, builtin: Any, value: Any) -> None:
+        if value is not None and section.get(key, builtin) == builtin and value != builtin:
+            section[key] = value
+            filled.append(path)
+
+    take("spec.image", doc, "image", Spec.model_fields["image"].default, defaults.image)
+    res, sched, pod = doc["resources"], doc["scheduling"], doc["pod"]
+    for field in ("cpu", "memory", "shm_size", "gpu_resource"):
+        alias = ResourcesSpec.model_fields[field].alias
+        take(f"spec.resources.{alias}", res, alias, ResourcesSpec.model_fields[field].default,
+             getattr(defaults.resources, field))
+    take("spec.scheduling.gang", sched, "gang", SchedulingSpec.model_fields["gang"].default, defaults.scheduling.gang)
+    if sched.get("gang") == "volcano":  # a queue is Volcano's
+        take("spec.scheduling.queue", sched, "queue", None, defaults.scheduling.queue)
+    take("spec.scheduling.priorityClassName", sched, "priorityClassName", None,
+         defaults.scheduling.priority_class_name)
+    for path, mine, theirs in (("spec.resources.extra", res.setdefault("extra", {}), defaults.resources.extra),
+                               ("spec.scheduling.nodeSelector", sched.setdefault("nodeSelector", {}),
+                                defaults.node_selector)):
+        if added := {k: v for k, v in theirs.items() if k not in mine}:
+            mine.update(added)
+            filled.append(path)
+    names = {e["name"] for e in pod.get("env", [])}
+    if env := [e.dump() for e in defaults.env if e.name not in names]:
+        pod["env"] = env + pod.get("env", [])  # the job's own come last, as in the pod
+        filled.append("spec.pod.env")
+    tolerations = sched.setdefault("tolerations", [])
+    if added := [t.dump() for t in defaults.tolerations if t.dump() not in tolerations]:
+        tolerations.extend(added)
+        filled.append("spec.scheduling.tolerations")
+    return doc, filled
 
 
 def load_platform(path: str | Path) -> Platform:

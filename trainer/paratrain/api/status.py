@@ -10,7 +10,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -77,6 +77,8 @@ class JobStatus(_StatusModel):
     reason: str | None = Field(None, max_length=1024, description="CamelCase reason for the phase.")
     message: str | None = Field(None, max_length=32768, description="Why the job is in its phase, for people.")
     layout: str | None = Field(None, max_length=256, description="layout_label(spec), e.g. `dp2·tp2·pp2 z1 bf16`.")
+    platform_defaults: list[Annotated[str, Field(max_length=128)]] | None = Field(None, max_length=32, description=(
+        "The spec fields the platform's jobDefaults filled in (the operator's --platform file), e.g. spec.image."))
     progress_text: str | None = Field(None, max_length=64, description="`step/totalSteps`, e.g. `120/2000`.")
     conditions: list[Condition] | None = Field(None, max_length=32)
     observed_generation: int | None = Field(None, ge=0)

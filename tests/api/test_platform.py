@@ -1,0 +1,67 @@
+"""The platform file's jobDefaults: merged into a job where it leaves a field at its built-in default, never over
+a job's own value; lists and maps gain the entries the job does not name; the merged job is validated again."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.api import SpecError, parse_job
+from paratrain.api.platform import Platform, with_job_defaults
+
+DEFAULTS = {"image": "registry.example.com/ml/trainer:1.2",
+            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TEAM", "value": "platform"}],
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+            "nodeSelector": {"pool": "gpu", "zone": "a"},
+            "resources": {"cpu": "16", "memory": "64Gi", "gpuResource": "amd.com/gpu", "extra": {"rdma/ib": 1}},
+            "scheduling": {"gang": "volcano", "queue": "research", "priorityClassName": "batch"}}
+
+
+def job(**spec) -> dict:
+    return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "j"},
+            "spec": spec}
+
+
+def merged(**spec):
+    return with_job_defaults(parse_job(job(**spec)), Platform.model_validate({"jobDefaults": DEFAULTS}))
+
+
+def test_a_job_that_sets_nothing_gets_every_default():
+    merged_job, filled = merged()
+    s = merged_job.spec
+    assert s.image == DEFAULTS["image"] and (s.resources.cpu, s.resources.memory) == ("16", "64Gi")
+    assert s.resources.gpu_resource == "amd.com/gpu" and s.resources.extra == {"rdma/ib": 1}
+    assert (s.scheduling.gang, s.scheduling.queue, s.scheduling.priority_class_name) == ("volcano", "research",
+                                                                                          "batch")
+    assert s.scheduling.node_selector == DEFAULTS["nodeSelector"] and len(s.scheduling.tolerations) == 1
+    assert [e.name for e in s.pod.env] == ["HF_HUB_OFFLINE", "TEAM"]
+    assert set(filled) == {"spec.image", "spec.resources.cpu", "spec.resources.memory", "spec.resources.gpuResource",
+                           "spec.resources.extra", "spec.scheduling.gang", "spec.scheduling.queue",
+                           "spec.scheduling.priorityClassName", "spec.scheduling.nodeSelector", "spec.pod.env",
+                           "spec.scheduling.tolerations"}
+
+
+def test_the_jobs_own_values_win_and_lists_only_gain_what_it_does_not_name():
+    merged_job, filled = merged(image="mine:1", resources={"cpu": "2", "extra": {"rdma/ib": 4}},
+                                scheduling={"gang": "kubernetes", "nodeSelector": {"pool": "cpu"}},
+                                pod={"env": [{"name": "TEAM", "value": "mine"}]})
+    s = merged_job.spec
+    assert s.image == "mine:1" and s.resources.cpu == "2" and s.resources.extra == {"rdma/ib": 4}
+    assert s.scheduling.gang == "kubernetes" and s.scheduling.queue is None, "a queue is Volcano's only"
+    assert s.scheduling.node_selector == {"pool": "cpu", "zone": "a"}
+    assert [(e.name, e.value) for e in s.pod.env] == [("HF_HUB_OFFLINE", "1"), ("TEAM", "mine")]
+    assert "spec.image" not in filled and "spec.scheduling.queue" not in filled
+
+
+def test_no_defaults_leave_the_job_untouched():
+    original = parse_job(job(nodes=2, parallelism={"data": 2}))
+    assert with_job_defaults(original, Platform()) == (original, [])
+
+
+def test_a_merged_job_that_breaks_a_rule_is_refused_naming_the_field_and_the_defaults():
+    platform = Platform.model_validate({"jobDefaults": {"resources": {"gpuResource": "amd.com/gpu"}}})
+    bad = parse_job(job(resources={"extra": {"amd.com/gpu": 1}}))
+    with pytest.raises(SpecError) as err:
+        with_job_defaults(bad, platform)
+    [problem] = err.value.problems
+    assert problem.path == "spec.resources.extra"
+    assert "after the platform's jobDefaults filled spec.resources.gpuResource" in problem.message
