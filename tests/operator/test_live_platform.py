@@ -5,7 +5,6 @@ NetworkPolicy created beside its Service (so the operator's RBAC covers it)."""
 
 from __future__ import annotations
 
-
 import pytest
 import yaml
 
