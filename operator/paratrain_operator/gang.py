@@ -39,7 +39,9 @@ class Failure(status_model.Failure):
     decisions alone need, never written to status."""
 
     retryable: bool = Field(True, exclude=True)
-    preempted: bool = Field(False, exclude=True)  # stopped on request with a checkpoint: not counted as a restart
+    # Stopped from outside (deleted: a drain, a preemption, by hand; or exit 76, stopped with a checkpoint of the
+    # step in flight): not the job's failure, so its gang restart is not counted against backoffLimit.
+    preempted: bool = Field(False, exclude=True)
     at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
 
     @model_validator(mode="before")
@@ -78,7 +80,7 @@ def classify(pod: PodView) -> Failure | None:
         # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
         # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
         return Failure(reason="PodDeleted", message=f"pod {pod.name} was deleted before it finished", pod=pod.name,
-                       at=pod.finished_at)
+                       at=pod.finished_at, preempted=True)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
@@ -209,8 +211,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failures = [f for f in map(classify, current.values()) if f]
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failures += [Failure(reason="PodDeleted", message=f"pod {name} was deleted before it finished", pod=name)
-                     for name in vanished]
+        failures += [Failure(reason="PodDeleted", message=f"pod {name} was deleted before it finished", pod=name,
+                             preempted=True) for name in vanished]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 
@@ -264,10 +266,11 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
     if not root.retryable:
         decision = fail(state, pods, root, now)
         return replace(decision, events=(*events, *decision.events))
-    if root.preempted:  # the gang was told to stop, and saved: not a failure of the job's
-        msg = f"{root.message}; restarting the whole gang from that checkpoint (not counted against backoffLimit)"
-        new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, gang_created=False, reason=root.reason,
-                      message=msg)
+    if root.preempted:  # the gang was stopped from outside (its ranks save the step in flight when they can)
+        msg = (f"{root.message}; restarting the whole gang from its newest checkpoint (a stop, not counted against "
+               "backoffLimit)")
+        new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, gang_created=False, failure=root,
+                      reason=root.reason, message=msg)
         doomed = tuple(p.name for p in current if not p.terminating)
         return Decision(new, delete_pods=doomed, events=(*events, Event("Normal", "Preempted", msg)))
     if state.restarts >= policy.backoff_limit:

@@ -118,13 +118,13 @@ def test_the_backoff_limit_ends_the_restarts():
     assert decision.state.restarts == 2 and "backoffLimit (2" in decision.state.message
 
 
-@pytest.mark.parametrize("victim", [
-    dict(phase="Failed", reason="Evicted", message="The node was low on resource: memory."),
-    dict(phase="Running", terminating=True),  # deleted by hand
+@pytest.mark.parametrize("victim,counted", [
+    (dict(phase="Failed", reason="Evicted", message="The node was low on resource: memory."), 1),  # maybe its own
+    (dict(phase="Running", terminating=True), 0),  # deleted from outside: a stop
 ])
-def test_evicted_or_deleted_pods_are_retryable_failures(victim):
+def test_evicted_or_deleted_pods_are_retryable_failures(victim, counted):
     decision = decide([pod(0), pod(1, **victim), pod(2)], RUNNING)
-    assert decision.state.phase == "Restarting" and decision.state.restarts == 1
+    assert decision.state.phase == "Restarting" and decision.state.restarts == counted
     assert decision.state.failure.pod == "job-0-1"
 
 
@@ -134,8 +134,11 @@ def test_evicted_or_deleted_pods_are_retryable_failures(victim):
     dict(phase="Failed", terminating=True, exit_code=137, reason="Error"),  # ... or its SIGKILL
 ])
 def test_a_deleted_pod_is_reported_as_deleted_whichever_state_is_seen(seen):
-    failure = decide([pod(0), pod(1, **seen), pod(2)], RUNNING).state.failure
-    assert (failure.reason, failure.message) == ("PodDeleted", "pod job-0-1 was deleted before it finished")
+    """A pod deleted from outside (a drain, a preemption, by hand) is a stop, not the job's failure: the gang
+    restarts from its newest checkpoint without spending backoffLimit."""
+    state = decide([pod(0), pod(1, **seen), pod(2)], RUNNING).state
+    assert (state.failure.reason, state.failure.message) == ("PodDeleted", "pod job-0-1 was deleted before it finished")
+    assert (state.phase, state.attempt, state.restarts) == ("Restarting", 1, 0)
 
 
 def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure():
@@ -146,7 +149,7 @@ def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure
 def test_a_pod_that_vanished_from_a_complete_gang_counts_as_deleted():
     decision = decide([pod(0), pod(2)], RUNNING)
     assert decision.state.phase == "Restarting" and decision.state.failure.reason == "PodDeleted"
-    assert decision.state.failure.pod == "job-0-1"
+    assert decision.state.failure.pod == "job-0-1" and decision.state.restarts == 0
 
 
 def test_the_new_attempt_waits_for_every_old_pod_to_go():

@@ -54,10 +54,11 @@ def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_clust
     assert any("python -m paratrain_operator" in line for line in script)
     proc, context = run_on_a_try_out_cluster(script, tmp_path)
     assert proc.returncode == 0, context
-    # The restarted rank 0's log: from the newest checkpoint when the pod died (every 200 steps).
-    assert re.search(r"resume step=[24]00\b", proc.stdout), context
+    # The restarted rank 0's log: from the step the deleted pod's ranks were stopped at (after step 200), saved then.
+    resumed = re.search(r"resume step=(\d+)\b", proc.stdout)
+    assert resumed and 200 <= int(resumed[1]) < 600, context
     final = proc.stdout.strip().splitlines()[-1]  # `kubectl get ptj shakespeare`: its printer columns
-    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b600/600\s+\S+\s+1\s", final), context  # Restarts 1
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b600/600\s+\S+\s+0\s", final), context  # Restarts 0
     checkpoints = tmp_path / "k8s" / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "shakespeare"
     assert (checkpoints / "step-00000600").is_dir() and (checkpoints / "step-00000400").is_dir(), context
 
@@ -97,7 +98,9 @@ def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
     assert proc.returncode == 0, context
     assert re.search(r"resume step=[12]00 ", proc.stdout), context  # its checkpoints: every 100 steps
     final = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b300/300\s+\S+\s+1\s", final), context
+    # Restarts 0 or 1: the deleted pod is a stop, but this script does not save on SIGTERM, and its peer may fail
+    # first (a real failure, counted) when its collective breaks.
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b300/300\s+\S+\s+[01]\s", final), context
     checkpoint = k8s / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "own-script" / "latest.pt"
     assert checkpoint.is_file(), context
 
