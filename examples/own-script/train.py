@@ -6,6 +6,9 @@ It shows the contract a program meets to use paratrain's gang:
   PARATRAIN_PRECISION); this one is data parallel only and refuses anything else with exit code 2, which the
   operator treats as permanent (no restart);
 - a gang restart runs it again from the start: it resumes from its last checkpoint on the shared volume;
+- a stopped pod (a drain, a preemption, a suspend: SIGTERM) loses at most the step in flight: the ranks agree on
+  the stop in the all-reduce each step makes anyway, save that step, and exit 76, which the operator does not count
+  against backoffLimit;
 - progress through paratrain.progress (optional), so Step, Loss and the ETA show in `kubectl get ptj`.
 
     torchrun --nproc-per-node 2 examples/own-script/train.py --data examples/data/tinyshakespeare.txt   # alone
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -83,6 +87,16 @@ def main() -> int:
             print(f"resume step={start} from {checkpoint}", flush=True)
     ddp = DistributedDataParallel(model)
     per_rank = args.batch_size // world
+    stop = {"asked": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(asked=True))
+
+    def save(done: int) -> None:
+        if checkpoint and rank == 0:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            partial = checkpoint.with_suffix(".tmp")  # written whole, then renamed: a crash never leaves half
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, partial)
+            partial.replace(checkpoint)
+            print(f"checkpoint step={done}", flush=True)
 
     with Progress(args.steps, start_step=start) as progress:
         for step in range(start, args.steps):
@@ -94,18 +108,21 @@ def main() -> int:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            reduced = loss.detach().clone()
+            # The loss and "was this rank told to stop?" in one all-reduce: every rank stops at the same step.
+            reduced = torch.stack([loss.detach(), torch.tensor(float(stop["asked"]), device=device)])
             dist.all_reduce(reduced)
-            progress.step(step + 1, loss=reduced.item() / world, tokens=args.batch_size * args.block)
+            mean_loss, stopping = reduced[0].item() / world, reduced[1].item() > 0
+            progress.step(step + 1, loss=mean_loss, tokens=args.batch_size * args.block)
             done = step + 1
-            if checkpoint and rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
-                checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                partial = checkpoint.with_suffix(".tmp")  # written whole, then renamed: a crash never leaves half
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, partial)
-                partial.replace(checkpoint)
-                print(f"checkpoint step={done}", flush=True)
+            if stopping and done < args.steps:
+                save(done)
+                dist.barrier()
+                print(f"stopped at step {done}", flush=True)
+                return 76  # paratrain's "preempted": the gang restarts from here, uncounted
+            if done % args.checkpoint_every == 0 or done == args.steps:
+                save(done)
             if rank == 0 and done % 50 == 0:
-                print(f"step {done}/{args.steps} loss {reduced.item() / world:.4f}", flush=True)
+                print(f"step {done}/{args.steps} loss {mean_loss:.4f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

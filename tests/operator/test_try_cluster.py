@@ -80,8 +80,8 @@ def run_on_a_try_out_cluster(script: list[str], tmp_path: Path) -> tuple[subproc
 
 def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
     """examples/own-script.yaml (spec.entrypoint: a plain DDP script) as it is, on the try-out cluster: Step and
-    Loss reported through paratrain.progress, a pod deleted after its first checkpoint restarts the whole gang,
-    and the script resumes from its own checkpoint on the claim's volume."""
+    Loss reported through paratrain.progress; a pod deleted after step 100 stops the gang, whose ranks save the
+    step in flight (the script's SIGTERM handling); the gang restarts uncounted and the script resumes there."""
     control_plane.testbin()
     k8s = tmp_path / "k8s"
     walkthrough = [line.split("  #")[0].rstrip().replace("/tmp/k8s", str(k8s))
@@ -96,11 +96,11 @@ def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
               "wait_until 300 succeeded", "kubectl get ptj own-script"]
     proc, context = run_on_a_try_out_cluster(script, tmp_path)
     assert proc.returncode == 0, context
-    assert re.search(r"resume step=[12]00 ", proc.stdout), context  # its checkpoints: every 100 steps
+    resumed = re.search(r"resume step=(\d+) ", proc.stdout)  # the step the stopped ranks saved
+    assert resumed and 100 <= int(resumed[1]) < 300, context
     final = proc.stdout.strip().splitlines()[-1]
-    # Restarts 0 or 1: the deleted pod is a stop, but this script does not save on SIGTERM, and its peer may fail
-    # first (a real failure, counted) when its collective breaks.
-    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b300/300\s+\S+\s+[01]\s", final), context
+    # Restarts 0: the deleted pod is a stop, and the script saves the step in flight on SIGTERM.
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b300/300\s+\S+\s+0\s", final), context
     checkpoint = k8s / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "own-script" / "latest.pt"
     assert checkpoint.is_file(), context
 
