@@ -5,6 +5,8 @@
 #
 #   bash scripts/kind-e2e.sh                    # create, test, delete the cluster
 #   KEEP_CLUSTER=1 bash scripts/kind-e2e.sh     # leave the cluster up to poke at it afterwards
+#   bash scripts/kind-e2e.sh --doc              # run docs/kind.md's bash blocks, in order, as a reader would
+#   bash scripts/kind-e2e.sh --print-doc        # print that script (no tools needed)
 #
 # Env: KIND_CLUSTER_NAME (paratrain-e2e), KIND_NODE_IMAGE (kind-config.yaml's), JOB_TIMEOUT_S (900).
 # Namespaces enforce the restricted Pod Security Standard, so the API server itself checks that the operator
@@ -22,10 +24,23 @@ JOB_TIMEOUT_S="${JOB_TIMEOUT_S:-900}"
 log() { printf '\n==> %s\n' "$*"; }
 fail() { printf 'kind-e2e: FAILED: %s\n' "$*" >&2; exit 1; }
 
+# docs/kind.md's bash blocks, in order, as one script: the walkthrough cannot drift from what this runs.
+doc_script() {
+  awk '/^```bash$/ {on = 1; next} /^```$/ {on = 0} on' docs/kind.md
+}
+if [ "${1:-}" = "--print-doc" ]; then
+  doc_script
+  exit 0
+fi
+
 for tool in docker kind kubectl helm; do
   command -v "$tool" >/dev/null || { echo "kind-e2e: $tool not found on PATH" >&2; exit 2; }
 done
 docker info >/dev/null 2>&1 || { echo "kind-e2e: the docker daemon does not answer" >&2; exit 2; }
+
+if [ "${1:-}" = "--doc" ]; then  # with the reader's kubeconfig and the project's .venv (paratrain export)
+  PATH="$PWD/.venv/bin:$PATH" exec bash -euo pipefail -c "$(doc_script)"
+fi
 
 # A kubeconfig of our own: the user's kubeconfig and current context are never touched.
 KUBECONFIG="$(mktemp -t paratrain-kind-kubeconfig.XXXXXX)"

@@ -194,6 +194,29 @@ def test_kind_script_is_valid_bash_and_passes_shellcheck() -> None:
     assert result.returncode == 0, result.stdout
 
 
+def test_the_kind_walkthrough_is_what_the_script_runs_and_passes_shellcheck() -> None:
+    """docs/kind.md's bash blocks, extracted by `kind-e2e.sh --print-doc` (what `--doc` runs where Docker is): valid
+    bash that shellcheck passes, naming files that exist, the image tag the CPU examples use, and the walkthrough's
+    steps. Running it needs Docker and kind, which this machine lacks (tests/e2e/test_kind.py says so)."""
+    doc = (ROOT / "docs" / "kind.md").read_text()
+    script = subprocess.run(["bash", str(KIND_SCRIPT), "--print-doc"], capture_output=True, text=True,
+                            check=True).stdout
+    blocks = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    assert script == "".join(blocks) and len(blocks) >= 5
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    result = subprocess.run(["shellcheck", "-s", "bash", "--severity=style", "-"], input=script, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout
+    for path in re.findall(r"(?<![\w/.-])((?:examples|operator|trainer|charts)/[\w./-]+|kind-config\.yaml)", script):
+        assert (ROOT / path).exists(), path
+    images = {yaml.safe_load((ROOT / "examples" / "shakespeare.yaml").read_text())["spec"]["image"]}
+    assert images <= set(re.findall(r"-t (\S+) \.", script)), "the examples' CPU image is the one built"
+    for step in ("kind create cluster", "kind load docker-image", "helm install paratrain charts/paratrain",
+                 "apply -f examples/cluster/checkpoints-pvc.yaml", "apply -f examples/shakespeare.yaml",
+                 "delete pod shakespeare-0-1", "grep resume", "paratrain export", "kind delete cluster"):
+        assert step in script, step
+
+
 def test_kind_script_references_real_files_and_images() -> None:
     script = KIND_SCRIPT.read_text()
     referenced = set(re.findall(r"(?<![\w/.-])((?:tests|operator|trainer|charts)/[\w./-]+|kind-config\.yaml)", script))

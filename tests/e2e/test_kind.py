@@ -35,9 +35,11 @@ def missing_prerequisite() -> str | None:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_kind_end_to_end() -> None:
+@pytest.mark.parametrize("mode", [[], ["--doc"]], ids=["e2e", "docs-kind-walkthrough"])
+def test_kind_end_to_end(mode: list[str]) -> None:
+    """The e2e script's own checks, and docs/kind.md's blocks run as a reader runs them."""
     reason = missing_prerequisite()
     if reason:
         pytest.skip(f"kind e2e needs docker, kind, kubectl and helm with a running docker daemon: {reason}")
-    result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, timeout=3500)
+    result = subprocess.run(["bash", str(SCRIPT), *mode], cwd=ROOT, timeout=3500)
     assert result.returncode == 0, f"{SCRIPT.name} failed (exit {result.returncode}); see its captured output for the diagnostics"
