@@ -2,13 +2,19 @@
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import yaml
 
 import pytest
 
 from paratrain import contract
 
-from .harness import MUTANTS, assert_close_curves, layout, run_job
+from .harness import MUTANTS, TINY_JOB, assert_close_curves, job_env, layout, run_job
 
 
 def _checkpointed(tmp: Path, data: int, zero: int, accumulation: int = 1) -> list[str]:
@@ -97,3 +103,27 @@ def test_a_job_with_only_a_checkpoint_path_checkpoints_by_minutes_of_training(tm
     steps = sorted(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*"))
     assert len(steps) >= 5 and steps[-1] == 10, steps  # TINY_JOB: 10 steps
     assert f"checkpoints in {ckpt} every 1e-06 minutes of training, keeping 100" in proc.stderr
+
+
+def test_ctrl_c_of_paratrain_run_saves_the_step_in_flight(tmp_path):
+    """Ctrl-C (SIGINT to the launcher): the ranks get SIGTERM, save the step they are in together, and exit; the
+    run reports the interruption (130) and the checkpoint is there to resume from."""
+    tmp_path.mkdir(exist_ok=True)
+    job = {**TINY_JOB, "spec": {**TINY_JOB["spec"], "training": {**TINY_JOB["spec"]["training"], "steps": 100000}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cmd = [sys.executable, "-m", "paratrain.cli", "run", str(tmp_path / "job.yaml"), "--workdir",
+           str(tmp_path / "work"), "--no-progress", *(f"--set={s}" for s in layout(data=2)),
+           f"--set=spec.checkpoint.path={tmp_path / 'ckpt'}", "--set=spec.checkpoint.interval=0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env({}), stderr=subprocess.PIPE, text=True)
+    events = tmp_path / "work" / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while not (events.exists() and '"step": 20' in events.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never reached step 20"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
+    assert len(saved) == 1 and int(saved[0].removeprefix("step-")) >= 20, (saved, stderr[-2000:])
+    stops = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "preempted"]
+    assert [(e["step"], e["saved"]) for e in stops] == [(int(saved[0].removeprefix("step-")), True)]

@@ -23,7 +23,8 @@ from . import contract
 from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label, parse_job
 from .token_shards import TokenDirError, open_token_dir
 
-STOP_GRACE_SECONDS = 30.0  # stopped ranks save the step in flight first (train.preemption)
+STOP_GRACE_SECONDS = 5.0  # ranks left after another one failed: their gang is broken, nothing to save
+SAVE_GRACE_SECONDS = 30.0  # Ctrl-C: the ranks save the step in flight first (train.preemption)
 
 
 def rendezvous_store():
@@ -108,12 +109,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def stop_gang(procs: list[subprocess.Popen]) -> None:
+def stop_gang(procs: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> None:
     """SIGTERM every live rank, SIGKILL what is left after a grace period: nothing is left behind."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
@@ -371,6 +372,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
         procs, unit = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory), "rank"
     view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
     failed: tuple[int, int] | None = None
+    interrupted = False
     try:
         while True:
             view.poll()
@@ -381,9 +383,11 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
-        failed = (-1, 130)
+        failed, interrupted = (-1, 130), True
+        print(f"\nparatrain: stopping: the ranks save the step in flight first (up to {SAVE_GRACE_SECONDS:.0f} s)",
+              file=sys.stderr)
     finally:
-        stop_gang(procs)
+        stop_gang(procs, SAVE_GRACE_SECONDS if interrupted else STOP_GRACE_SECONDS)
     view.finish()
     if failed:
         rank, code = failed

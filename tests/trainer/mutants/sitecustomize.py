@@ -63,33 +63,20 @@ if MUTANT:
     elif MUTANT == "fabric_drops_the_all_reduce":
         # An all-reduce that completes and sums nothing (each rank keeps its own value): the data are wrong.
         dist.all_reduce = lambda tensor, *args, **kwargs: None
-    elif MUTANT.startswith("sigterm:"):
-        # sigterm:<rank>:<step> — SIGTERM that rank as it starts that (0-based) step: its pod is being stopped.
-        import signal
-
-        from paratrain.train import loop
-
-        term_rank, term_step = (int(v) for v in MUTANT.split(":")[1:])
-        lr_before_term = loop.lr_at
-
-        def _lr_at_term(step, t):
-            if step == term_step and int(os.environ["RANK"]) == term_rank:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return lr_before_term(step, t)
-
-        loop.lr_at = _lr_at_term
-    elif MUTANT.startswith("crash:"):
+    elif MUTANT.startswith(("crash:", "sigterm:")):
         # crash:<rank>:<step> — SIGKILL that rank as it starts that (0-based) step: a node dying mid-training.
+        # sigterm:<rank>:<step> — SIGTERM it instead: its pod is being stopped (a drain, a preemption).
         import signal
 
         from paratrain.train import loop
 
-        crash_rank, crash_step = (int(v) for v in MUTANT.split(":")[1:])
+        kind, signal_rank, signal_step = MUTANT.split(":")
+        sent = signal.SIGKILL if kind == "crash" else signal.SIGTERM
         original_lr_at = loop.lr_at
 
         def _lr_at(step, t):
-            if step == crash_step and int(os.environ["RANK"]) == crash_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if step == int(signal_step) and os.environ["RANK"] == signal_rank:
+                os.kill(os.getpid(), sent)
             return original_lr_at(step, t)
 
         loop.lr_at = _lr_at

@@ -139,7 +139,6 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
     spec = job.spec
-    stop = StopRequest()  # from here a SIGTERM stops at the next step boundary, with a checkpoint
     device, backend = pick_device(job, local_rank)
     dims = ParallelDims.from_spec(spec, world, device.type)
     check_device_supports(spec.precision, device, dims.uses_deepspeed)
@@ -176,6 +175,8 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                                         spec.checkpoint.keep, spec.checkpoint.async_save)
         with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
             engine = build_engine(spec, dims, device, corpus.vocab_size)
+            # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
+            stop = StopRequest()
             try:
                 result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop).run()
             except Preempted as stopped:
