@@ -72,6 +72,12 @@ def describe_exit(code: int) -> str:
     return "error"
 
 
+def deleted(pod: str, at: str | None = None) -> Failure:
+    """A pod deleted from outside before it finished: a stop, not the job's failure (see Failure.preempted)."""
+    return Failure(reason="PodDeleted", message=f"pod {pod} was deleted before it finished", pod=pod, at=at,
+                   preempted=True)
+
+
 def classify(pod: PodView) -> Failure | None:
     """A failed or vanishing pod → Failure (retryable or permanent); None for a pod that is fine."""
     if pod.phase == SUCCEEDED:
@@ -79,8 +85,7 @@ def classify(pod: PodView) -> Failure | None:
     if pod.terminating and (pod.phase != FAILED or pod.exit_code in _STOP_SIGNAL_EXITS):
         # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
         # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
-        return Failure(reason="PodDeleted", message=f"pod {pod.name} was deleted before it finished", pod=pod.name,
-                       at=pod.finished_at, preempted=True)
+        return deleted(pod.name, at=pod.finished_at)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
@@ -211,8 +216,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failures = [f for f in map(classify, current.values()) if f]
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failures += [Failure(reason="PodDeleted", message=f"pod {name} was deleted before it finished", pod=name,
-                             preempted=True) for name in vanished]
+        failures += [deleted(name) for name in vanished]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 
@@ -267,23 +271,23 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         decision = fail(state, pods, root, now)
         return replace(decision, events=(*events, *decision.events))
     if root.preempted:  # the gang was stopped from outside (its ranks save the step in flight when they can)
+        restarts = state.restarts
         msg = (f"{root.message}; restarting the whole gang from its newest checkpoint (a stop, not counted against "
                "backoffLimit)")
-        new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, gang_created=False, failure=root,
-                      reason=root.reason, message=msg)
-        doomed = tuple(p.name for p in current if not p.terminating)
-        return Decision(new, delete_pods=doomed, events=(*events, Event("Normal", "Preempted", msg)))
-    if state.restarts >= policy.backoff_limit:
+        event = Event("Normal", "Preempted", msg)
+    elif state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
         return replace(decision, events=(*events, *decision.events))
-    restarts = state.restarts + 1
-    msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
+    else:
+        restarts = state.restarts + 1
+        msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
+        event = Event("Warning", "RestartingGang", msg)
     new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, restarts=restarts, gang_created=False,
                   failure=root, reason=root.reason, message=msg)
     # The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address).
     doomed = tuple(p.name for p in current if not p.terminating)
-    return Decision(new, delete_pods=doomed, events=(*events, Event("Warning", "RestartingGang", msg)))
+    return Decision(new, delete_pods=doomed, events=(*events, event))
 
 
 def _suspend(state: GangState, pods: Sequence[PodView]) -> Decision:
