@@ -15,7 +15,7 @@ from typing import Any
 
 from paratrain import contract
 from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, layout_label
-from paratrain.api.spec import EnvVar, Spec
+from paratrain.api.spec import EnvVar
 
 ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
 ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
@@ -99,18 +99,13 @@ def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> 
                             master_addr=contract.pod_dns_name(name, namespace, 0))
     env |= {contract.ENV_JOB_NAME: name, contract.ENV_RESTART_ATTEMPT: str(attempt),
             contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
-            contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH, **layout_env(spec),
+            contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH,
+            **contract.layout_env(spec.parallelism, spec.precision),
             contract.ENV_STOP_GRACE: str(spec.pod.termination_grace_period_seconds - STOP_MARGIN_SECONDS)}
     user = {e.name for e in spec.pod.env}
     env |= {k: v for k, v in (COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
     return (*({"name": k, "valueFrom": {"fieldRef": {"fieldPath": f}}} for k, f in FIELD_ENV.items()),
             *({"name": k, "value": v} for k, v in env.items()), *container_env(spec.pod.env))
-
-
-def layout_env(spec: Spec) -> dict[str, str]:
-    p = spec.parallelism
-    return contract.layout_env(data=p.data, tensor=p.tensor, pipeline=p.pipeline, zero_stage=p.zero_stage,
-                               precision=spec.precision)
 
 
 def container_env(env: Sequence[EnvVar]) -> tuple[dict[str, Any], ...]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from paratrain import contract
+from paratrain.launch import free_port
 from paratrain.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,14 +61,8 @@ def test_a_program_that_refuses_its_layout_fails_with_its_exit_code(tmp_path):
     assert "data parallel only" in (tmp_path / "work" / "logs" / "node-0.log").read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_progress_serves_rank_0s_report_and_leaves_the_final_one(tmp_path, monkeypatch):
-    port = _free_port()
+    port = free_port()
     final = tmp_path / "termination-log"
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(contract.ENV_PROGRESS_PORT, str(port))

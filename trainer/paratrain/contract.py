@@ -110,9 +110,11 @@ def worker_env(*, rank: int, nnodes: int, nproc_per_node: int, master_addr: str,
     }
 
 
-def layout_env(*, data: int, tensor: int, pipeline: int, zero_stage: int, precision: str) -> dict[str, str]:
-    return {ENV_LAYOUT_DATA: str(data), ENV_LAYOUT_TENSOR: str(tensor), ENV_LAYOUT_PIPELINE: str(pipeline),
-            ENV_LAYOUT_ZERO_STAGE: str(zero_stage), ENV_LAYOUT_PRECISION: precision}
+def layout_env(parallelism, precision: str) -> dict[str, str]:
+    """A spec's layout (its `parallelism` section and `precision`) as the env every process gets."""
+    p = parallelism
+    return {ENV_LAYOUT_DATA: str(p.data), ENV_LAYOUT_TENSOR: str(p.tensor), ENV_LAYOUT_PIPELINE: str(p.pipeline),
+            ENV_LAYOUT_ZERO_STAGE: str(p.zero_stage), ENV_LAYOUT_PRECISION: precision}
 
 
 def train_command() -> list[str]:

@@ -82,12 +82,10 @@ def start_program(job: ParallelTrainJob, workdir: Path, port: int) -> list[subpr
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     procs = []
     for node in range(spec.nodes):
-        p = spec.parallelism
         env = {**os.environ, "PATH": path, "OMP_NUM_THREADS": _threads_per_rank(spec.world_size),
                **contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=node,
                                    master_addr="127.0.0.1", master_port=port),
-               **contract.layout_env(data=p.data, tensor=p.tensor, pipeline=p.pipeline, zero_stage=p.zero_stage,
-                                     precision=spec.precision),
+               **contract.layout_env(spec.parallelism, spec.precision),
                contract.ENV_JOB_NAME: job.metadata.name, contract.ENV_RESTART_ATTEMPT: "0",
                contract.ENV_EVENTS_FILE: str(events)}
         out = open(workdir / "logs" / f"node-{node}.log", "w")
