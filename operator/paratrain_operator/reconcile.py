@@ -23,8 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job, require_cluster_ready
-from paratrain.api.platform import Platform, load_platform, with_job_defaults
+from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
+from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform
 
 from . import apply, gang, metrics, observe, status
 from .clock import now as clock_now
@@ -166,8 +166,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     job: ParallelTrainJob | None = None
     filled: list[str] = []  # what the platform's jobDefaults filled in
     try:
-        job, filled = with_job_defaults(parse_job(job_document(body)), PLATFORM)
-        job = require_cluster_ready(job, PLATFORM)
+        job, filled = as_the_operator_takes_it(parse_job(job_document(body)), PLATFORM)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:

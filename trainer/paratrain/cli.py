@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .api import Problem, Spec, SpecError, load_job, require_cluster_ready
+from .api import Problem, Spec, SpecError, load_job
 from .api.shapes import parameter_count
 from .contract import EXIT_INVALID_SPEC
 from .token_shards import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
@@ -62,12 +62,11 @@ def _verdicts(job, platform, out) -> bool:
         preflight(local, checksums=False)  # validate has hashed the shards already (broken_data)
     except SpecError as exc:
         here = exc.problems
-    from .api.platform import with_job_defaults
+    from .api.platform import as_the_operator_takes_it
 
     there, filled = [], []
     try:
-        merged, filled = with_job_defaults(job, platform)
-        require_cluster_ready(merged, platform)
+        _, filled = as_the_operator_takes_it(job, platform)
     except SpecError as exc:
         there = exc.problems
     for target, problems in (("here (paratrain run)", here), ("in a cluster (the operator)", there)):
@@ -248,11 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream
 
-            from .api.platform import with_job_defaults
+            from .api.platform import as_the_operator_takes_it
 
             platform = _platform(args)
-            job, _ = with_job_defaults(job, platform)  # as the operator merges them
-            require_cluster_ready(job, platform)  # what the operator would refuse, render refuses too
+            job, _ = as_the_operator_takes_it(job, platform)  # what the operator would refuse, render refuses too
             namespace = args.namespace or job.metadata.namespace or "default"
             sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt,
                                                        platform=platform)))

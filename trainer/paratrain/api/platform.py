@@ -87,6 +87,15 @@ def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[Parall
         raise SpecError([Problem(p.path, p.message + why) for p in exc.problems]) from None
 
 
+def as_the_operator_takes_it(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
+    """The job the operator renders (jobDefaults merged in) and the fields the defaults filled; SpecError for what
+    the operator refuses (load.require_cluster_ready)."""
+    from .load import require_cluster_ready
+
+    merged, filled = with_job_defaults(job, platform)
+    return require_cluster_ready(merged, platform), filled
+
+
 def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], list[str]]:
     doc, filled = spec.dump(), []
 
