@@ -141,6 +141,8 @@ def _cel_list(items: Any) -> str:
 
 P, M, T, R, S = "self.parallelism", "self.model", "self.training", "self.resources", "self.scheduling"
 _ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef")
+_ONE_ENV_VALUE = [_rule(f"!({_present('self.valueFrom')} && has(self.value) && size(self.value) > 0)",
+                        "value and valueFrom are exclusive")]
 _ONE_ENV_SOURCE = [_rule(" + ".join(f"({_present(f'self.{k}')} ? 1 : 0)" for k in _ENV_SOURCES) + " == 1",
                          "exactly one of secretKeyRef, configMapKeyRef, fieldRef must be set")]
 _RESERVED_MOUNTS = _cel_list(RESERVED_MOUNT_PATHS)
@@ -309,8 +311,7 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     "pod.env[]": [
         _rule(f"!({_RESERVED_ENV})",
               "{self.name} is reserved: torchrun's rendezvous contract, which paratrain sets", ".name"),
-        _rule(f"!({_present('self.valueFrom')} && has(self.value) && size(self.value) > 0)",
-              "value and valueFrom are exclusive"),
+        *_ONE_ENV_VALUE,
     ],
     "pod.env[].valueFrom": _ONE_ENV_SOURCE,
     "pod.topologySpreadConstraints[]": [
@@ -322,10 +323,7 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               ".name"),
     ],
     "pod.initContainers[].env[].valueFrom": _ONE_ENV_SOURCE,
-    "pod.initContainers[].env[]": [
-        _rule(f"!({_present('self.valueFrom')} && has(self.value) && size(self.value) > 0)",
-              "value and valueFrom are exclusive"),
-    ],
+    "pod.initContainers[].env[]": _ONE_ENV_VALUE,
     "resources": [
         # has(): the CRD's own default for resources ({}) is checked before nested defaults fill it in.
         _rule("!has(self.extra) || !has(self.gpuResource) || !(self.gpuResource in self.extra)",
