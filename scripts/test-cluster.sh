@@ -149,6 +149,8 @@ start_store_and_apiserver() {
 
   # The endpoint reconciler refuses a loopback advertise address; nothing here routes to the `kubernetes` Service.
   # Kubelets (the tests' log servers) are reached at their InternalIP only: never a DNS lookup of a node name.
+  # Webhook and aggregated-API Services are reached at their EndpointSlices' addresses (no kube-proxy routes a
+  # ClusterIP here): how the Kueue test reaches Kueue's webhooks.
   start kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$etcd_port" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
@@ -159,7 +161,8 @@ start_store_and_apiserver() {
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --service-cluster-ip-range 10.96.0.0/24 --allow-privileged=false \
     --feature-gates "$FEATURE_GATES" --runtime-config "scheduling.k8s.io/v1beta1=true" \
-    --enable-priority-and-fairness=false --profiling=false
+    --enable-priority-and-fairness=false --profiling=false \
+    --enable-aggregator-routing=true
 
   write_kubeconfig "$DIR/kubeconfig" admin
   write_kubeconfig "$DIR/controller-manager.kubeconfig" controller-manager

@@ -2,6 +2,7 @@
 # Builds the real Kubernetes control plane the live tests run on, from pinned sources, once per version:
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl from k8s.io/kubernetes, and etcd from the
 # go.etcd.io/etcd/server/v3 release that same Kubernetes release pins (so one module graph builds all five).
+# It then has scripts/kueuebin.sh build the other Go component the live tests run, Kueue, the same way.
 #
 #   scripts/testbin.sh          build what the cache lacks, then print the bin folder
 #   scripts/testbin.sh --path   print the bin folder only (exit 1 if it is incomplete)
@@ -10,6 +11,7 @@
 # ~/.cache/paratrain/testbin, one folder per Kubernetes version and build recipe. Needs Go >= 1.26 and the Go
 # module proxy.
 set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
 
 K8S_VERSION="v1.37.2"
 # Bump when the build itself changes (flags, stamping): a cache built the old way is then rebuilt, beside it.
@@ -28,6 +30,7 @@ if [[ "${1:-}" == "--path" ]]; then
   exit 1
 fi
 if complete; then
+  bash "$HERE/kueuebin.sh" >&2
   echo "$BIN"
   exit 0
 fi
@@ -88,4 +91,5 @@ go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
 echo "$K8S_VERSION etcd $etcd_version" > "$BIN/VERSION"
 echo "testbin: built in $((SECONDS - start)) s" >&2
 complete
+bash "$HERE/kueuebin.sh" >&2
 echo "$BIN"

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from paratrain import contract
+from paratrain.api import kueue
 from paratrain.api import status as status_model
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
@@ -143,13 +144,14 @@ class Policy:
     suspend: bool = False
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
+    kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
         spec, rp = job.spec, job.spec.run_policy
         return cls(name=job.metadata.name, nodes=spec.nodes, backoff_limit=rp.backoff_limit, suspend=rp.suspend,
                    active_deadline_seconds=rp.active_deadline_seconds,
-                   ttl_seconds_after_finished=rp.ttl_seconds_after_finished)
+                   ttl_seconds_after_finished=rp.ttl_seconds_after_finished, kueue=bool(kueue.queue_name(job)))
 
 
 @dataclass(frozen=True)
@@ -229,8 +231,13 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         return Decision(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
 
     missing = tuple(r for r in range(policy.nodes) if r not in current)
-    if missing:
+    if policy.kueue:
+        # The deadline clock runs from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
+        queued = bool(missing) or any(p.queued for p in current.values())
+        state = replace(state, start_time=None if queued else state.start_time or to_iso(now))
+    elif missing:
         state = replace(state, start_time=state.start_time or to_iso(now))
+    if missing:
         events.append(Event("Normal", "CreatingGang", f"creating {len(missing)} of {policy.nodes} pods "
                             f"(attempt {state.attempt})"))
     started = sum(p.phase in (RUNNING, SUCCEEDED) for p in current.values())

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from paratrain import contract
-from paratrain.api import API_GROUP_VERSION, PLURAL
+from paratrain.api import API_GROUP_VERSION, PLURAL, kueue
 from paratrain.api.status import FAILED, PENDING, SUCCEEDED
 
 from .kube import ApiError, api_path, client
@@ -56,6 +56,7 @@ class PodView:
     message: str | None = None
     finished_at: str | None = None
     waiting: str | None = None  # why it is not running yet (ImagePullBackOff, Unschedulable)
+    queued: bool = False  # Kueue holds it (its admission gate) until the whole gang is admitted
     ip: str | None = None
     termination_message: str | None = None
     uid: str = ""
@@ -91,6 +92,10 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     unschedulable = next((c for c in status.get("conditions") or []
                           if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
     blocker = waiting or unschedulable
+    queued = kueue.ADMISSION_GATE in {g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []}
+    if queued:  # the scheduler's own words say only "blocked by scheduling gates"
+        blocker = {"reason": "QueuedByKueue", "message": "Kueue has not admitted the gang yet (LocalQueue "
+                   f"{labels.get(kueue.QUEUE_LABEL)}, pod group {labels.get(kueue.POD_GROUP_LABEL)})"}
     return PodView(
         name=meta.get("name", ""),
         attempt=as_int(labels.get(contract.LABEL_ATTEMPT), -1),
@@ -102,6 +107,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         message=status.get("message") or term.get("message"),
         finished_at=term.get("finishedAt") or meta.get("deletionTimestamp"),
         waiting=f"{blocker.get('reason')}: {blocker.get('message', '')}".rstrip(": ") if blocker else None,
+        queued=queued,
         ip=status.get("podIP"),
         termination_message=term.get("message"),
         uid=meta.get("uid", ""),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratrain import contract
-from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, layout_label
+from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, kueue, layout_label
 from paratrain.api.spec import EnvVar
 
 ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
@@ -118,6 +118,7 @@ def container_env(env: Sequence[EnvVar]) -> tuple[dict[str, Any], ...]:
 def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int, rank: int,
                pod_group: str | None) -> dict[str, str]:
     own = plan_labels | {contract.LABEL_ATTEMPT: str(attempt), contract.LABEL_NODE_RANK: str(rank)}
+    own |= kueue.pod_labels(job, attempt)
     if job.spec.scheduling.gang == "coscheduling" and pod_group:
         own[COSCHEDULING_GROUP_LABEL] = pod_group
     return dict(job.spec.pod.labels) | own
@@ -125,7 +126,7 @@ def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int,
 
 def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: str | None) -> dict[str, str]:
     own = {ANNOTATION_NODE_RANK: str(rank), ANNOTATION_ATTEMPT: str(attempt),
-           ANNOTATION_LAYOUT: layout_label(job.spec)}
+           ANNOTATION_LAYOUT: layout_label(job.spec)} | kueue.pod_annotations(job)
     if job.spec.scheduling.gang == "volcano" and pod_group:
         own[VOLCANO_GROUP_ANNOTATION] = pod_group
     return dict(job.spec.pod.annotations) | own

@@ -52,10 +52,11 @@ _tasks: set[asyncio.Task[None]] = set()
 
 def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
     """The CR as the spec model reads it: kopf's annotations and the status stay out; the uid stays in (the
-    renderer sets ownerReferences from it)."""
+    renderer sets ownerReferences from it), and so do the labels (Kueue's queue is one)."""
     meta = body.get("metadata") or {}
     return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}, "spec": body.get("spec") or {}}
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels") if k in meta},
+            "spec": body.get("spec") or {}}
 
 
 def request(key: JobKey, delay: float | None = None) -> None:

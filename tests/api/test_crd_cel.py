@@ -94,6 +94,8 @@ CROSS_FIELD_CASES = [
     ("reserved-mount", {"pod": {"volumes": [vol("a", "/dev/shm")]}}, {"spec.pod.volumes"}),
     ("reserved-volume-name", {"pod": {"volumes": [vol("paratrain-x", "/x")]}}, {"spec.pod.volumes[0].name"}),
     ("reserved-label", {"pod": {"labels": {"paratrain.dev/job-name": "other"}}}, {"spec.pod.labels"}),
+    # Kueue's keys belong on the job, or each pod would be admitted on its own.
+    ("kueue-label-on-pods", {"pod": {"labels": {"kueue.x-k8s.io/queue-name": "team-a"}}}, {"spec.pod.labels"}),
     ("reserved-env", {"pod": {"env": [{"name": "A"}, {"name": "MASTER_ADDR", "value": "evil"}]}},
      {"spec.pod.env[1].name"}),
     ("env-twice", {"pod": {"env": [{"name": "A"}, {"name": "A", "value": "2"}]}}, {"spec.pod.env"}),
@@ -130,6 +132,8 @@ MORE_CASES = [
      {"spec.scheduling.tolerations[0]"}),
     ("text-explicit-null-path", {"data": {"source": "text", "path": None}}, {"spec.data.path"}),
     ("reserved-annotation", {"pod": {"annotations": {"paratrain.dev/attempt": "9"}}}, {"spec.pod.annotations"}),
+    ("kueue-annotation-on-pods", {"pod": {"annotations": {"kueue.x-k8s.io/pod-group-total-count": "1"}}},
+     {"spec.pod.annotations"}),
     ("reserved-env-prefix", {"pod": {"env": [{"name": "PET_NNODES", "value": "9"}]}}, {"spec.pod.env[0].name"}),
     ("reserved-torchrun-name", {"pod": {"env": [{"name": "GROUP_WORLD_SIZE", "value": "9"}]}},
      {"spec.pod.env[0].name"}),

@@ -189,6 +189,20 @@ def test_the_active_deadline_fails_the_job_and_stops_its_pods():
                   ).state.phase == "Running"
 
 
+def test_under_kueue_the_deadline_clock_starts_at_admission_not_while_the_gang_is_queued():
+    policy = replace(POLICY, active_deadline_seconds=300, kueue=True)
+    created = decide([], policy=policy)
+    assert created.create_ranks == (0, 1, 2) and created.state.start_time is None
+    queued = decide(gang_of("Pending", "Pending", "Pending", queued=True), created.state, policy,
+                    now=NOW + timedelta(hours=5))  # hours in the queue: no deadline, no start time
+    assert queued.state.phase == "Pending" and queued.state.start_time is None
+    admitted = decide(gang_of("Pending", "Pending", "Pending"), queued.state, policy, now=NOW + timedelta(hours=5))
+    assert admitted.state.start_time == to_iso(NOW + timedelta(hours=5))
+    later = NOW + timedelta(hours=5, seconds=301)
+    assert decide(gang_of("Running", "Running", "Running"), admitted.state, policy, now=later).state.reason == \
+        "DeadlineExceeded"
+
+
 def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_attempt():
     policy = replace(POLICY, suspend=True)
     decision = decide(gang_of("Running", "Running", "Running"), RUNNING, policy)
@@ -228,6 +242,14 @@ def test_pod_view_reads_labels_exit_codes_and_why_a_pod_waits():
                              "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                              "message": "0/4 nodes have a free GPU"}]}})
     assert waiting.attempt == -1 and waiting.waiting == "Unschedulable: 0/4 nodes have a free GPU"
+    held = observe.pod_view({"metadata": {"name": "x", "labels": {"kueue.x-k8s.io/queue-name": "team-a",
+                                                                  "kueue.x-k8s.io/pod-group-name": "job-0"}},
+                             "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]},
+                             "status": {"phase": "Pending", "conditions": [
+                                 {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+                                  "message": "Scheduling is blocked due to non-empty scheduling gates"}]}})
+    assert held.queued and held.waiting == ("QueuedByKueue: Kueue has not admitted the gang yet (LocalQueue team-a, "
+                                            "pod group job-0)")
 
 
 def test_classify():

@@ -315,3 +315,20 @@ def test_render_is_pure_and_deterministic() -> None:
     assert render_job(job, "llm", 1) == render_job(job, "llm", 1)
     assert job.model_dump() == before
     assert plan_gang(job, "llm", 1) == plan_gang(job, "llm", 1)
+
+
+def test_a_job_in_a_kueue_queue_labels_every_pod_as_one_group_per_attempt() -> None:
+    doc = job_doc()
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a", "kueue.x-k8s.io/priority-class": "low",
+                                 "team": "vision"}
+    for attempt in (0, 3):
+        for pod in pods(render(doc, attempt=attempt)):
+            labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+            assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+            assert labels["kueue.x-k8s.io/priority-class"] == "low"
+            assert labels["kueue.x-k8s.io/pod-group-name"] == f"j-{attempt}"  # a restart is a new Workload
+            assert annotations["kueue.x-k8s.io/pod-group-total-count"] == "3"
+            assert annotations["kueue.x-k8s.io/retriable-in-group"] == "false"
+            assert "team" not in labels  # only Kueue's keys are carried from the job
+    for pod in pods(render(job_doc())):
+        assert not [k for k in {**pod["metadata"]["labels"], **pod["metadata"]["annotations"]} if "kueue" in k]

@@ -28,9 +28,9 @@ from pydantic import BaseModel
 
 from .spec import (
     API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, JOB_NAME, KIND, KUBERNETES_OWNED_MEANING,
-    KUBERNETES_OWNED_RESOURCE, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES,
-    MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX, RESERVED_MOUNT_PATHS,
-    RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, TRAINER_SECTIONS, Spec,
+    KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING,
+    MAX_ANNOTATION_BYTES, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX,
+    RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, TRAINER_SECTIONS, Spec,
 )
 from .shapes import BASE_DEFAULTS, DEFAULT_FAMILY, LLAMA_FFN_MULTIPLE, PRESETS
 from .status import JobStatus
@@ -153,6 +153,9 @@ _RESERVED_KEY = f"k.startsWith({_literal(RESERVED_KEY_PREFIX)})"
 _RESERVED_KEYS = [_rule(f"!self.exists(k, {_RESERVED_KEY})",
                         f"key '{{self.filter(k, {_RESERVED_KEY})[0]}}': keys under {RESERVED_KEY_PREFIX} "
                         "are reserved by paratrain")]
+_KUEUE_KEY = f"k.startsWith({_literal(KUEUE_KEY_PREFIX)})"
+_KUEUE_KEYS = [_rule(f"!self.exists(k, {_KUEUE_KEY})",
+                     f"key '{{self.filter(k, {_KUEUE_KEY})[0]}}': {KUEUE_KEY_MEANING}")]
 _GOOD_KEY = f"size(k) <= {LABEL_KEY_MAX_LENGTH} && k.matches({_literal(LABEL_KEY)})"
 # Built directly: the pattern's own braces ({0,61}) would read as placeholders of a _rule message.
 _LABEL_KEYS = [{"rule": f"self.all(k, {_GOOD_KEY})", "messageExpression": _literal(
@@ -345,8 +348,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"!self.name.startsWith({_literal(RESERVED_VOLUME_PREFIX)})",
               f"volume names starting with '{RESERVED_VOLUME_PREFIX}' are reserved by paratrain", ".name"),
     ],
-    "pod.labels": _LABEL_KEYS + _RESERVED_KEYS,
-    "pod.annotations": _LABEL_KEYS + _RESERVED_KEYS + _ANNOTATIONS_FIT_A_POD,
+    "pod.labels": _LABEL_KEYS + _RESERVED_KEYS + _KUEUE_KEYS,
+    "pod.annotations": _LABEL_KEYS + _RESERVED_KEYS + _KUEUE_KEYS + _ANNOTATIONS_FIT_A_POD,
     "scheduling.nodeSelector": _LABEL_KEYS,
     "resources.extra": [{"rule": f"self.all(k, {_GOOD_RESOURCE})", "messageExpression": _literal(
         f"invalid key: must be an extended resource name ({EXTENDED_RESOURCE_MEANING}), got '%s'")

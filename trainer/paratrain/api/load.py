@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from . import spec as _spec
+from .kueue import kueue_problems
 from .platform import Platform, platform_problems
 from .spec import ParallelTrainJob, cluster_problems, cross_field_problems
 
@@ -114,8 +115,8 @@ def parse_job(doc: Any) -> ParallelTrainJob:
 
 def require_cluster_ready(job: ParallelTrainJob, platform: Platform | None = None) -> ParallelTrainJob:
     """Raise SpecError for what a valid job cannot do in pods (e.g. a relative checkpoint path), or may not do on
-    this platform (host access it does not allow; default: the restricted profile's answer)."""
-    checks = cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform())
+    this platform (host access it does not allow; default: the restricted profile's answer), or Kueue cannot admit."""
+    checks = cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform()) + kueue_problems(job)
     problems = [Problem(path, msg) for path, msg in checks]
     if problems:
         raise SpecError(problems)

@@ -44,6 +44,11 @@ RESERVED_ENV_PREFIXES = ("PET_", "PARATRAIN_", "TORCHELASTIC_")
 RESERVED_MOUNT_PATHS = ("/dev/shm", "/etc/paratrain")
 RESERVED_VOLUME_PREFIX = "paratrain-"
 RESERVED_KEY_PREFIX = f"{API_GROUP}/"
+# Kueue reads its keys from the pods, where the operator writes them from the job's own labels (api/kueue.py): on
+# spec.pod they would make each pod a Workload of its own, admitted one by one.
+KUEUE_KEY_PREFIX = "kueue.x-k8s.io/"
+KUEUE_KEY_MEANING = ("Kueue's keys go on the job's metadata.labels (kueue.x-k8s.io/queue-name, "
+                     "kueue.x-k8s.io/priority-class), from which paratrain labels the pods as one group")
 TRAINER_CONTAINER = "trainer"  # the container every pod runs the trainer in
 # The sections only the built-in trainer reads: a job with its own spec.entrypoint leaves them at their defaults.
 TRAINER_SECTIONS = ("model", "data", "training", "checkpoint", "logging")
@@ -284,7 +289,8 @@ class SchedulingSpec(_Model):
     gang: Literal["none", "kubernetes", "volcano", "coscheduling"] = Field("none", description=(
         "All-or-nothing scheduling of the gang: kubernetes (the native Workload and PodGroup APIs, 1.37 with the "
         "GenericWorkload gate), volcano, coscheduling (scheduler-plugins), or none."))
-    queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description="Volcano queue.")
+    queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description=(
+        "Volcano queue (gang 'volcano'). For Kueue, label the job kueue.x-k8s.io/queue-name instead."))
     topology_key: str | None = Field(None, pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
         "Keep the whole gang in one domain of this node label (e.g. topology.kubernetes.io/zone, or a rack or "
         "network-block label): gang 'kubernetes' only, Kubernetes 1.37 with TopologyAwareWorkloadScheduling."))
@@ -578,6 +584,8 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     for field, keys in (("labels", spec.pod.labels), ("annotations", spec.pod.annotations)):
         for key in sorted(k for k in keys if k.startswith(RESERVED_KEY_PREFIX)):
             out.append((f"spec.pod.{field}", f"key {key!r}: keys under {RESERVED_KEY_PREFIX} are reserved by paratrain"))
+        for key in sorted(k for k in keys if k.startswith(KUEUE_KEY_PREFIX)):
+            out.append((f"spec.pod.{field}", f"key {key!r}: {KUEUE_KEY_MEANING}"))
     for i, env in enumerate(spec.pod.env):
         if is_reserved_env(env.name):
             out.append((f"spec.pod.env[{i}].name", f"{env.name} is reserved: torchrun's rendezvous contract, which "

@@ -1,0 +1,179 @@
+"""Kueue admits a job's gang as a whole, live: the real Kueue controller manager (built from its Go module by
+scripts/kueuebin.sh, installed from its own release kustomization; see support/kueue.py) on a control plane of this
+module's own, the operator as its ServiceAccount, and the real trainer in the test kubelet's pods.
+
+A job labelled `kueue.x-k8s.io/queue-name` gets pods that Kueue gates until its ClusterQueue has quota for all of
+them: too little quota holds the whole gang (no pod is bound); raising it admits the gang whole and it trains.
+A higher-priority job then preempts a running one: Kueue evicts the gang, its ranks checkpoint the step in flight,
+the operator queues a fresh gang without counting a restart, and the job resumes at the step it was stopped.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paratrain.api import kueue, parse_job, read_yaml
+from paratrain_operator.render import render_job
+
+from ..support.control_plane import REPO, ControlPlane, wait_for
+from .support.kueue import Kueue
+from .support.real_cluster import RealCluster
+from .test_live_trainer import apply, tiny_job
+
+pytestmark = pytest.mark.timeout(420)
+KUEUE = "kueue.x-k8s.io/v1beta2"
+
+
+@pytest.fixture(scope="module")
+def kueue_plane(tmp_path_factory):
+    """A control plane of its own: Kueue's pod webhook (failurePolicy Fail) sees every pod created on it."""
+    plane = ControlPlane(tmp_path_factory.mktemp("kueue-plane"))
+    manager = Kueue(plane, tmp_path_factory.mktemp("kueue"))
+    yield plane, manager
+    manager.close()
+    plane.close()
+
+
+@pytest.fixture
+def cluster(kueue_plane, tmp_path: Path, request: pytest.FixtureRequest):
+    plane, manager = kueue_plane
+    c = RealCluster(plane, tmp_path, node=f"kueue-node-{abs(hash(request.node.name)) % 10**6}")
+    c.kueue = manager
+    yield c
+    c.close()
+
+
+def create(cluster: RealCluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    api = cluster.plane.api
+    return api.must(api.create(path, body))
+
+
+def queues(cluster: RealCluster, ns: str, cpu: str, **cluster_queue_spec: Any) -> str:
+    """A ClusterQueue of `cpu` (and ample memory) for `ns`'s LocalQueue 'team'; returns the ClusterQueue's name."""
+    if not cluster.plane.api.get(f"/apis/{KUEUE}/resourceflavors/default").ok:
+        create(cluster, f"/apis/{KUEUE}/resourceflavors", {"apiVersion": KUEUE, "kind": "ResourceFlavor",
+                                                             "metadata": {"name": "default"}})
+    name = f"cq-{ns}"
+    spec = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{"name": "default", "resources": [
+                {"name": "cpu", "nominalQuota": cpu}, {"name": "memory", "nominalQuota": "64Gi"}]}]}],
+            **cluster_queue_spec}
+    create(cluster, f"/apis/{KUEUE}/clusterqueues", {"apiVersion": KUEUE, "kind": "ClusterQueue",
+                                                      "metadata": {"name": name}, "spec": spec})
+    create(cluster, f"/apis/{KUEUE}/namespaces/{ns}/localqueues", {
+        "apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
+        "spec": {"clusterQueue": name}})
+    return name
+
+
+def queued_job(ns: str, name: str, checkpoints: Path, steps: int, priority: str | None = None) -> dict[str, Any]:
+    job = tiny_job(name, ns, checkpoints, steps)
+    job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"} | ({kueue.PRIORITY_CLASS_LABEL: priority}
+                                                               if priority else {})
+    return job
+
+
+def workloads(cluster: RealCluster, ns: str) -> list[dict[str, Any]]:
+    return cluster.plane.api.must(cluster.plane.api.get(f"/apis/{KUEUE}/namespaces/{ns}/workloads"))["items"]
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def test_too_little_quota_holds_the_whole_gang_and_raising_it_admits_the_gang_whole(cluster: RealCluster,
+                                                                                    tmp_path: Path):
+    ns = cluster.namespace("kueue-admit")
+    cluster_queue = queues(cluster, ns, cpu="1")  # each of the 2 pods asks for 1 CPU: room for half the gang
+    apply(cluster, queued_job(ns, "tiny", tmp_path / "ckpt", steps=12), tmp_path / "job.yaml")
+
+    def gated_gang() -> list[dict[str, Any]]:
+        pods = cluster.pods(ns, "tiny")
+        gated = [p for p in pods if {"name": kueue.ADMISSION_GATE} in p["spec"].get("schedulingGates", [])]
+        return pods if len(gated) == 2 else []
+    pods = wait_for(gated_gang, 60, f"the gang's 2 pods, gated by Kueue\n{cluster.diagnostics(ns, 'tiny')}")
+    for pod in pods:
+        assert pod["metadata"]["labels"][kueue.QUEUE_LABEL] == "team"
+        assert pod["metadata"]["labels"][kueue.POD_GROUP_LABEL] == "tiny-0"
+        assert pod["metadata"]["annotations"][kueue.POD_GROUP_TOTAL_COUNT] == "2"
+
+    def pending_workload() -> dict[str, Any] | None:
+        found = workloads(cluster, ns)
+        return found[0] if len(found) == 1 and condition(found[0], "QuotaReserved").get("status") == "False" else None
+    workload = wait_for(pending_workload, 60, "Kueue's Workload for the gang, pending")
+    assert "insufficient quota for cpu" in condition(workload, "QuotaReserved")["message"]
+    assert sum(p["count"] for p in workload["spec"]["podSets"]) == 2  # one Workload for the whole gang
+
+    # Held as a whole: for a while, not one pod is bound, and the job says why.
+    wait_for(lambda: "QueuedByKueue" in cluster.status(ns, "tiny").get("message", ""), 30,
+             f"the job's status to say Kueue holds it\n{cluster.diagnostics(ns, 'tiny')}")
+    for _ in range(20):
+        assert not any(p["spec"].get("nodeName") for p in cluster.pods(ns, "tiny")), "a pod was bound before admission"
+        time.sleep(1)
+    status = cluster.status(ns, "tiny")
+    assert status["phase"] == "Pending" and status["pods"]["pending"] == 2, status
+    assert "LocalQueue team" in status["message"], status["message"]
+
+    patch = [{"op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/0/nominalQuota", "value": "2"}]
+    cluster.plane.api.must(cluster.plane.api.request("PATCH", f"/apis/{KUEUE}/clusterqueues/{cluster_queue}", patch,
+                                                     content_type="application/json-patch+json"))
+    status = cluster.wait_phase(ns, "tiny", "Succeeded", timeout=180)
+    assert status["restarts"] == 0 and status["progress"]["step"] == 12, status
+    admitted = workloads(cluster, ns)
+    assert len(admitted) == 1 and condition(admitted[0], "Admitted").get("status") == "True", admitted
+    assert wait_for(lambda: condition(workloads(cluster, ns)[0], "Finished").get("status") == "True", 60,
+                    "Kueue to see the gang finish")
+    # Finished, Kueue lets the pods go (its finalizer is off them), so deleting the job leaves nothing behind.
+    wait_for(lambda: not any(p["metadata"].get("finalizers") for p in cluster.pods(ns, "tiny")), 60,
+             "Kueue to release its finalizers")
+
+
+def test_kueue_preempts_a_running_gang_for_a_higher_priority_job_and_it_resumes_at_the_stopped_step(
+        cluster: RealCluster, tmp_path: Path):
+    ns = cluster.namespace("kueue-preempt")
+    for name, value in (("low", 10), ("high", 1000)):
+        if not cluster.plane.api.get(f"/apis/{KUEUE}/workloadpriorityclasses/{name}").ok:
+            create(cluster, f"/apis/{KUEUE}/workloadpriorityclasses", {
+                "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value})
+    # Room for one 2-pod gang; a higher priority takes it from a lower one.
+    queues(cluster, ns, cpu="2", preemption={"withinClusterQueue": "LowerPriority"})
+    checkpoints = tmp_path / "long"
+    long = queued_job(ns, "long", checkpoints, steps=400, priority="low")  # long enough to be stopped mid-run
+    long["spec"]["checkpoint"]["interval"] = 0  # only the stop and the end save
+    apply(cluster, long, tmp_path / "long.yaml")
+    cluster.wait_phase(ns, "long", "Running", 90)
+    wait_for(lambda: (cluster.status(ns, "long").get("progress") or {}).get("step", 0) >= 10, 120, "step 10")
+
+    apply(cluster, queued_job(ns, "urgent", tmp_path / "urgent", steps=12, priority="high"), tmp_path / "urgent.yaml")
+    urgent = cluster.wait_phase(ns, "urgent", "Succeeded", 180)
+    status = cluster.wait_phase(ns, "long", "Succeeded", 240)
+    assert (status["restarts"], status["attempt"]) == (0, 1), cluster.diagnostics(ns, "long")
+    assert "Preempted" in cluster.event_reasons(ns, "long"), cluster.event_reasons(ns, "long")
+    # The preempted gang was queued again and admitted only once the urgent job had finished.
+    second = [p for p in cluster.pods(ns, "long") if p["metadata"]["labels"][kueue.POD_GROUP_LABEL] == "long-1"]
+    started = min(c["state"]["running"]["startedAt"] if "running" in c["state"] else
+                  c["state"]["terminated"]["startedAt"] for p in second for c in p["status"]["containerStatuses"])
+    assert started >= urgent["completionTime"], (started, urgent["completionTime"])
+
+    logs = cluster.kubectl("logs", "-n", ns, "long-1-0").stdout  # the new gang's rank 0
+    resumed = re.search(r"resume step=(\d+)", logs)
+    assert resumed and 10 <= int(resumed[1]) < 400, logs[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{int(resumed[1]):08d}", "step-00000400"]
+
+
+def test_the_kueue_examples_pass_a_server_side_dry_run_and_kueue_gates_the_examples_gang(cluster: RealCluster):
+    ns = cluster.namespace("kueue-examples")
+    for path in ("examples/kueue/queues.yaml", "examples/kueue.yaml"):
+        dry = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(REPO / path))
+        assert dry.returncode == 0, dry.stderr
+    job = read_yaml(REPO / "examples" / "kueue.yaml")
+    for obj in render_job(parse_job(job), ns, 0):
+        if obj["kind"] == "Pod":
+            admitted = cluster.plane.api.must(cluster.plane.api.create(f"/api/v1/namespaces/{ns}/pods", obj,
+                                                                       dry_run=True))
+            assert {"name": kueue.ADMISSION_GATE} in admitted["spec"]["schedulingGates"], admitted["spec"]

@@ -1,0 +1,67 @@
+"""Kueue admission, in Kueue's own convention: the `kueue.x-k8s.io/queue-name` label on a ParallelTrainJob (as users
+put it on a Job, JobSet or TrainJob) puts its gang under Kueue's plain-pod group integration. Every pod of an
+attempt carries the queue, the attempt's group name and the group's size, so Kueue admits, holds or preempts the
+gang as one Workload.
+
+The names are Kueue's (v0.17: pkg/controller/constants and pkg/controller/jobs/pod/constants).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .spec import DNS_SUBDOMAIN, KUEUE_KEY_PREFIX, ParallelTrainJob
+
+QUEUE_LABEL = f"{KUEUE_KEY_PREFIX}queue-name"
+PRIORITY_CLASS_LABEL = f"{KUEUE_KEY_PREFIX}priority-class"  # a WorkloadPriorityClass, as on any Kueue job
+POD_GROUP_LABEL = f"{KUEUE_KEY_PREFIX}pod-group-name"
+POD_GROUP_TOTAL_COUNT = f"{KUEUE_KEY_PREFIX}pod-group-total-count"
+# "false": a group whose pods have all ended is finished. The operator never re-creates a pod inside a group (a
+# restart is a new attempt, a new group), so Kueue can release the quota and the pods' finalizers at once.
+RETRIABLE_IN_GROUP = f"{KUEUE_KEY_PREFIX}retriable-in-group"
+ADMISSION_GATE = f"{KUEUE_KEY_PREFIX}admission"  # the scheduling gate Kueue holds a pod with until admission
+# The job labels carried to every pod (Kueue reads them there).
+CARRIED_LABELS = (QUEUE_LABEL, PRIORITY_CLASS_LABEL)
+
+
+def _job_labels(job: ParallelTrainJob) -> dict[str, Any]:
+    return (job.metadata.model_extra or {}).get("labels") or {}
+
+
+def queue_name(job: ParallelTrainJob) -> str | None:
+    """The job's LocalQueue, or None when Kueue does not manage it."""
+    return _job_labels(job).get(QUEUE_LABEL) or None
+
+
+def pod_group(job_name: str, attempt: int) -> str:
+    """One group per attempt: a restarted gang is a new Workload, queued afresh."""
+    return f"{job_name}-{attempt}"
+
+
+def pod_labels(job: ParallelTrainJob, attempt: int) -> dict[str, str]:
+    if not queue_name(job):
+        return {}
+    labels = _job_labels(job)
+    return {k: str(labels[k]) for k in CARRIED_LABELS if labels.get(k)} | {
+        POD_GROUP_LABEL: pod_group(job.metadata.name, attempt)}
+
+
+def pod_annotations(job: ParallelTrainJob) -> dict[str, str]:
+    if not queue_name(job):
+        return {}
+    return {POD_GROUP_TOTAL_COUNT: str(job.spec.nodes), RETRIABLE_IN_GROUP: "false"}
+
+
+def kueue_problems(job: ParallelTrainJob) -> list[tuple[str, str]]:
+    """What Kueue cannot admit, as (field path, message)."""
+    labels, out = _job_labels(job), []
+    for key, kind in ((QUEUE_LABEL, "LocalQueue"), (PRIORITY_CLASS_LABEL, "WorkloadPriorityClass")):
+        value = labels.get(key)
+        if value is not None and not (isinstance(value, str) and len(value) <= 63 and re.match(DNS_SUBDOMAIN, value)):
+            out.append((f"metadata.labels[{key}]", f"must name a Kueue {kind} (a lowercase DNS name of at most 63 "
+                        f"characters), got {value!r}"))
+    if queue_name(job) and job.spec.scheduling.gang == "volcano":
+        out.append(("spec.scheduling.gang", f"Kueue admits this job (label {QUEUE_LABEL}) and Volcano would queue "
+                    "it again: use one of them (Kueue composes with gang 'kubernetes', 'coscheduling' or 'none')"))
+    return out
