@@ -13,8 +13,9 @@ is applied as built, except:
 
 The webhook Service reaches the process through an EndpointSlice naming this machine's address, which the API
 server follows (test-cluster.sh runs it with --enable-aggregator-routing). Kueue's own certificate management
-signs the webhook certificate for the Service's name and injects the CA into the webhook configurations and CRDs,
-as in a cluster.
+signs the webhook certificate for the Service's name, keeps it in its Secret and injects the CA into the webhook
+configurations and CRDs, as in a cluster; the test copies the Secret into the manager's certDir, as a kubelet
+mounts it into the manager's pod.
 """
 
 from __future__ import annotations
