@@ -27,8 +27,6 @@ VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 WORKLOAD_TEMPLATE = "workers"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
-# Of a stopped pod's grace period, what `paratrain node` keeps for itself after its workers' checkpoint and exit.
-STOP_MARGIN_SECONDS = 5
 # Env from the downward API (name → pod field).
 FIELD_ENV = {contract.ENV_PROGRESS_HOST: "status.podIP", "POD_NAME": "metadata.name"}
 # A broken gang must fail fast (the operator then restarts all of it) rather than hang on a collective.
@@ -101,7 +99,7 @@ def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> 
             contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
             contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH,
             **contract.layout_env(spec.parallelism, spec.precision),
-            contract.ENV_STOP_GRACE: str(spec.pod.termination_grace_period_seconds - STOP_MARGIN_SECONDS)}
+            contract.ENV_STOP_GRACE: str(spec.pod.termination_grace_period_seconds - contract.STOP_MARGIN_SECONDS)}
     user = {e.name for e in spec.pod.env}
     env |= {k: v for k, v in (COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
     return (*({"name": k, "valueFrom": {"fieldRef": {"fieldPath": f}}} for k, f in FIELD_ENV.items()),

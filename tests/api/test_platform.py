@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.api import SpecError, parse_job
-from paratrain.api.platform import Platform, with_job_defaults
+from paratrain.api import SpecError, parse_job, require_cluster_ready
+from paratrain.api.platform import Platform, grace_problem, with_job_defaults
 
 DEFAULTS = {"image": "registry.example.com/ml/trainer:1.2",
             "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TEAM", "value": "platform"}],
@@ -65,3 +65,29 @@ def test_a_merged_job_that_breaks_a_rule_is_refused_naming_the_field_and_the_def
     [problem] = err.value.problems
     assert problem.path == "spec.resources.extra"
     assert "after the platform's jobDefaults filled spec.resources.gpuResource" in problem.message
+
+
+def llama(nodes: int, grace: int, **spec) -> dict:
+    """A 1B-class Llama (973M parameters + 4,096 per vocabulary entry) on `nodes` nodes of 8 GPUs."""
+    return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "big"},
+            "spec": {"nodes": nodes, "procsPerNode": 8, "resources": {"gpusPerNode": 8},
+                     "parallelism": {"data": 8 * nodes}, "model": {"preset": "llama3-1b", "vocabSize": 128256},
+                     "training": {"batchSize": 8 * nodes}, "checkpoint": {"path": "/ckpt"},
+                     "pod": {"terminationGracePeriodSeconds": grace}, **spec}}
+
+
+def test_a_grace_period_too_short_for_the_stop_save_is_refused_with_the_period_it_needs():
+    # 12 bytes x 1.5e9 parameters = 18 GB on one node at 512 MiB/s: 33.5 s + 10 s, and the node keeps 5 s.
+    found = grace_problem(parse_job(llama(1, grace=45)).spec, Platform())
+    assert found and "estimated at 43 s (16.75 GiB per node" in found and "set it to at least 49" in found, found
+    assert grace_problem(parse_job(llama(1, grace=49)).spec, Platform()) is None
+    assert grace_problem(parse_job(llama(2, grace=45)).spec, Platform()) is None  # half the share per node
+    assert grace_problem(parse_job(llama(1, grace=45)).spec, Platform(checkpoint_bandwidth="2Gi")) is None
+    # Nothing to save: no estimate.
+    assert grace_problem(parse_job(llama(1, grace=10, checkpoint={})).spec, Platform()) is None
+
+
+def test_the_operator_refuses_the_short_grace_period_naming_the_field():
+    with pytest.raises(SpecError) as info:
+        require_cluster_ready(parse_job(llama(1, grace=20)))
+    assert [p.path for p in info.value.problems] == ["spec.pod.terminationGracePeriodSeconds"]

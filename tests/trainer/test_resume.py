@@ -58,6 +58,9 @@ def test_a_stopped_run_checkpoints_the_step_in_flight_and_resumes_exactly(tmp_pa
                       env={"PARATRAIN_TEST_MUTANT": "sigterm:1:6", "PYTHONPATH": str(MUTANTS)})
     assert proc.returncode == contract.EXIT_PREEMPTED, proc.stderr[-3000:]
     assert sorted(p.name for p in (stopped_dir / "ckpt").glob("step-*")) == ["step-00000007"]
+    events = [json.loads(line) for line in (stopped_dir / "work" / "events.jsonl").read_text().splitlines()]
+    stopped = next(e for e in events if e["event"] == "preempted")
+    assert stopped["step"] == 7 and stopped["saved"] and 0 < stopped["saveSeconds"] < 60  # what the grace must fit
     _, resumed = run_job(stopped_dir, overrides)
     assert resumed["resumed_from_step"] == 7
     assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)

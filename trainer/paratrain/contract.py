@@ -31,6 +31,7 @@ ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is pres
 ENV_TERMINATION_LOG = "PARATRAIN_TERMINATION_LOG"
 # Seconds `paratrain node` gives its workers to save and exit after a SIGTERM (the pod's grace period, less a margin).
 ENV_STOP_GRACE = "PARATRAIN_STOP_GRACE_SECONDS"
+STOP_MARGIN_SECONDS = 5  # of the grace period, what `paratrain node` keeps for itself after its workers exit
 TERMINATION_LOG_PATH = "/dev/termination-log"
 
 # The job's layout, in every process's env: what a program of its own (spec.entrypoint) reads to build its mesh.

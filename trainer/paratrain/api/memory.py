@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 FP32 = 4
 CE_CHUNK_TOKENS = 4096  # engine.CE_CHUNK_TOKENS: the loss's fp32 pieces
 DDP_BUCKET_BYTES = 25 * 2**20  # torch's default bucket_cap_mb; the buckets together hold every gradient once
+# A checkpoint holds fp32 weights and AdamW's two fp32 moments, whatever the layout (ZeRO shards them, DCP writes
+# each tensor once); saving costs a fixed part too (the collective plan, the manifest, the commit).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+SAVE_FIXED_SECONDS = 10
 UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
@@ -242,3 +246,13 @@ def fit_problem(ranks: list[RankMemory], limit: int) -> str | None:
             f"{human(limit)} given; its biggest term is {term} ({human(size)}). `paratrain validate --memory` shows "
             "every term; more tensor or pipeline parallelism, ZeRO, activation checkpointing or smaller micro-steps "
             "(gradientAccumulation) shrink them")
+
+
+def stop_save_seconds(spec, vocab_size: int, bytes_per_second: int) -> tuple[float, float]:
+    """(seconds, bytes per node) a stopped gang is estimated to need to save its step: the checkpoint is spread
+    over the nodes (DCP writes each tensor once and balances replicated ones over the ranks), each node writing
+    and then hashing its share at `bytes_per_second`."""
+    from .shapes import parameter_count
+
+    per_node = CHECKPOINT_BYTES_PER_PARAMETER * parameter_count(spec.model, vocab_size) / spec.nodes
+    return SAVE_FIXED_SECONDS + per_node / bytes_per_second, per_node

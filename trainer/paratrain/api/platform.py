@@ -8,14 +8,16 @@ the restricted Pod Security profile's answer (no host access) and a NetworkPolic
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
 
+from .. import contract
 from .spec import (
-    DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
+    BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
     ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model,
 )
 
@@ -69,6 +71,10 @@ class Platform(_Model):
         "Jobs may use the node's network namespace (spec.pod.hostNetwork), for RDMA fabrics without a CNI."))
     network_policy: GangNetworkPolicy = Field(default_factory=GangNetworkPolicy)
     job_defaults: JobDefaults = Field(default_factory=JobDefaults)
+    checkpoint_bandwidth: str = Field("512Mi", pattern=BYTES, max_length=32, description=(
+        "Bytes per second one node writes, then hashes, a checkpoint at on the storage jobs checkpoint to. A "
+        "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
+        "longer are refused."))
 
 
 def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
@@ -146,8 +152,11 @@ def load_platform(path: str | Path) -> Platform:
 
 
 def platform_problems(spec: Spec, platform: Platform) -> list[tuple[str, str]]:
-    """Host access the job asks for and the platform does not allow, as (field path, message)."""
+    """Host access the job asks for and the platform does not allow, and a grace period too short for a stopped
+    gang to save its step on the platform's storage, as (field path, message)."""
     out = []
+    if problem := grace_problem(spec, platform):
+        out.append(("spec.pod.terminationGracePeriodSeconds", problem))
     if spec.pod.ipc_lock and not platform.allow_ipc_lock:
         out.append(("spec.pod.ipcLock", "the platform does not allow the IPC_LOCK capability (the operator's "
                     "platform.allowIpcLock, a Helm value)"))
@@ -155,3 +164,24 @@ def platform_problems(spec: Spec, platform: Platform) -> list[tuple[str, str]]:
         out.append(("spec.pod.hostNetwork", "the platform does not allow host networking (the operator's "
                     "platform.allowHostNetwork, a Helm value)"))
     return out
+
+
+def grace_problem(spec: Spec, platform: Platform) -> str | None:
+    """Why a stopped gang of the built-in trainer cannot save its step within its grace period (None if it can,
+    or if it saves nothing)."""
+    if not spec.checkpoint.path:  # nothing is saved (a program of its own has no checkpoint section either)
+        return None
+    from .memory import SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
+
+    # Without a stated vocabulary (text or token data) the embedding is left out: the estimate is then a floor.
+    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else 0)
+    bandwidth = parse_bytes(platform.checkpoint_bandwidth)
+    seconds, per_node = stop_save_seconds(spec, vocab, bandwidth)
+    budget = spec.pod.termination_grace_period_seconds - contract.STOP_MARGIN_SECONDS
+    if seconds <= budget:
+        return None
+    need = math.ceil(seconds) + contract.STOP_MARGIN_SECONDS
+    return (f"a stopped gang saves its step within the grace period less {contract.STOP_MARGIN_SECONDS} s, and this "
+            f"job's save is estimated at {seconds:.0f} s ({human(per_node)} per node: 12 bytes per parameter, "
+            f"weights and AdamW's moments, over {spec.nodes} node(s), at the platform's checkpointBandwidth of "
+            f"{human(bandwidth)}/s per node, plus {SAVE_FIXED_SECONDS} s): set it to at least {need}")

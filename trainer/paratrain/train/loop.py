@@ -134,11 +134,14 @@ class Trainer:
         self._committed(self.checkpointer.save(step, state, meta))
 
     def _stop(self, step: int) -> None:
-        """Save `step` (unless there is no checkpoint path) and leave the loop: the job was asked to stop."""
+        """Save `step` (unless there is no checkpoint path) and leave the loop: the job was asked to stop. How long
+        the save took is reported: the grace period it must fit in is checked against an estimate."""
+        t0 = time.perf_counter()
         if self.checkpointer:
             self.save(step)
             self._committed(self.checkpointer.wait())
-        self._emit("preempted", step=step, saved=bool(self.checkpointer))
+        self._emit("preempted", step=step, saved=bool(self.checkpointer),
+                   saveSeconds=round(time.perf_counter() - t0, 3))
         raise Preempted(step, saved=bool(self.checkpointer))
 
     def _committed(self, step: int | None) -> None:
