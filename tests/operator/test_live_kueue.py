@@ -22,7 +22,7 @@ from paratrain_operator.render import render_job
 
 from ..support.control_plane import REPO, ControlPlane, wait_for
 from .support.kueue import Kueue
-from .support.real_cluster import RealCluster
+from .support.real_cluster import RealCluster, install_crd
 from .test_live_trainer import apply, tiny_job
 
 pytestmark = pytest.mark.timeout(420)
@@ -166,14 +166,15 @@ def test_kueue_preempts_a_running_gang_for_a_higher_priority_job_and_it_resumes_
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{int(resumed[1]):08d}", "step-00000400"]
 
 
-def test_the_kueue_examples_pass_a_server_side_dry_run_and_kueue_gates_the_examples_gang(cluster: RealCluster):
-    ns = cluster.namespace("kueue-examples")
+def test_the_kueue_examples_pass_a_server_side_dry_run_and_kueue_gates_the_examples_gang(kueue_plane):
+    plane, _ = kueue_plane
+    install_crd(plane)
+    ns = plane.create_namespace("kueue-examples")
     for path in ("examples/kueue/queues.yaml", "examples/kueue.yaml"):
-        dry = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(REPO / path))
+        dry = plane.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(REPO / path))
         assert dry.returncode == 0, dry.stderr
     job = read_yaml(REPO / "examples" / "kueue.yaml")
     for obj in render_job(parse_job(job), ns, 0):
         if obj["kind"] == "Pod":
-            admitted = cluster.plane.api.must(cluster.plane.api.create(f"/api/v1/namespaces/{ns}/pods", obj,
-                                                                       dry_run=True))
+            admitted = plane.api.must(plane.api.create(f"/api/v1/namespaces/{ns}/pods", obj, dry_run=True))
             assert {"name": kueue.ADMISSION_GATE} in admitted["spec"]["schedulingGates"], admitted["spec"]
