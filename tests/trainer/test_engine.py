@@ -104,3 +104,17 @@ def test_deepspeed_reduces_gradients_in_fp32_whatever_the_precision(precision):
     the model's dtype)."""
     spec = Spec(nodes=2, precision=precision, parallelism={"data": 2, "zeroStage": 2})
     assert deepspeed_config(spec, 2, torch.device("cpu"), CFG.embed_dim)["communication_data_type"] == "fp32"
+
+
+def test_a_single_process_agrees_on_its_loss_and_flags_without_a_collective(one_rank_group, monkeypatch):
+    """One process has nothing to agree on: the per-step loss all-reduce (and its host sync) is skipped, which
+    bench/overhead.py found among what made a single-process run slower than a plain loop."""
+    import torch.distributed as dist
+
+    from paratrain.train.loop import mean_over_reporters
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective in a one-process run")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    assert mean_over_reporters(2.5, torch.device("cpu"), flags=(False, True)) == (2.5, (False, True))

@@ -8,6 +8,7 @@ not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -61,11 +62,12 @@ def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.
 @torch.no_grad()
 def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, the same on every rank: the squares of each rank's own shards summed
-    locally, then one all-reduce per (mesh, sharded mesh dim) group of DTensor gradients (not a collective per
-    parameter: llama3-1b under FSDP2 has 147), pipeline stages summed over "pp"."""
+    locally (one foreach kernel per group, not three small ones per parameter), then one all-reduce per (mesh,
+    sharded mesh dim) group of DTensor gradients (not a collective per parameter: llama3-1b under FSDP2 has 147),
+    pipeline stages summed over "pp"."""
     device = params[0].device if params else "cpu"
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    sharded: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
+    plain: list[torch.Tensor] = []
+    sharded: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
     for p in params:
         grad = p.grad
         if grad is None:
@@ -78,17 +80,25 @@ def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
             # under TP, which is_shard() does not count).
             key = (grad.device_mesh, tuple(d for d, placement in enumerate(grad.placements)
                                            if not placement.is_replicate()))
-            local_sq = torch.linalg.vector_norm(grad.to_local(), dtype=torch.float32).square()
-            sharded[key] = sharded[key] + local_sq if key in sharded else local_sq
+            sharded.setdefault(key, []).append(grad.to_local())
         else:
-            total_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    for (mesh, shard_dims), square in sharded.items():
+            plain.append(grad)
+    total_sq = _sum_of_squares(plain, device)
+    for (mesh, shard_dims), shards in sharded.items():
+        square = _sum_of_squares(shards, device)
         for mesh_dim in shard_dims:  # a shard's square is summed over the ranks holding the other shards
             dist.all_reduce(square, group=mesh.get_group(mesh_dim))
         total_sq += square
     if dims.pp_enabled:
         dist.all_reduce(total_sq, group=dims.group("pp"))
     return math.sqrt(total_sq.item()) if torch.isfinite(total_sq) else math.inf
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The sum of the tensors' squared L2 norms, in fp32."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def loss_weight(accumulation: int, microbatches: int) -> float:
@@ -122,8 +132,9 @@ class TorchEngine:
     heads_rng: RNGStream | None = None  # tensor parallel's stream for attention dropout
     last_grad_bytes: int = 0
 
-    @property
+    @functools.cached_property
     def params(self) -> list[nn.Parameter]:
+        """The trainable parameters (fixed once the model is parallelised; read twice a step)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
@@ -137,7 +148,8 @@ class TorchEngine:
     def forward_backward(self, micro_batches: list[Batch]) -> float | None:
         """Accumulate this rank's gradients over one optimizer step's micro-batches, reducing them over dp once,
         in the last micro-step; return their mean loss where this rank computes it."""
-        self.model.train()
+        if not self.model.training:  # train() walks every module: only after an evaluation
+            self.model.train()
         losses = []
         for i, (x, y) in enumerate(micro_batches):
             with self._dp_gradient_sync(i == len(micro_batches) - 1):
@@ -187,9 +199,8 @@ class TorchEngine:
             # One multiply both unscales (fp16) and clips: clip_grad_norm_'s coefficient, clamped at 1.
             clip = min(1.0, self.grad_clip / (grad_norm + 1e-6)) if self.grad_clip > 0 else 1.0
             coef = clip / loss_scale
-            if coef != 1.0:
-                for g in grads:
-                    g.mul_(coef)
+            if coef != 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()

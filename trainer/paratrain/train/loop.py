@@ -33,6 +33,9 @@ def mean_over_reporters(value: float | None, device: torch.device,
     """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value;
     and for each of `flags`, whether any rank raised it (rank 0's "a timed checkpoint is due", a rank's SIGTERM),
     in the same all-reduce."""
+    if dist.get_world_size() == 1:  # nothing to agree on: a collective (and a host sync) per step for nothing
+        assert value is not None, "a single process computes every loss"
+        return value, tuple(flags)
     t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0, *map(float, flags)], dtype=torch.float64,
                      device=device)
     dist.all_reduce(t)
@@ -59,12 +62,12 @@ class Trainer:
                  stop: StopRequest | None = None):
         self.spec, self.engine, self.dims, self.corpus, self.device = spec, engine, dims, corpus, device
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
+        self._rows = rank_rows(spec.training.batch_size, dims.dp_rank, dims.dp)  # this rank's rows of each batch
         self.result = RunResult()
 
     def _batch(self, tokens, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.spec.training, self.spec.model
-        x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream,
-                            rank_rows(t.batch_size, self.dims.dp_rank, self.dims.dp))
+        x, y = global_batch(tokens, t.batch_size, m.block_size, t.seed, step, stream, self._rows)
         return x.to(self.device), y.to(self.device)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
