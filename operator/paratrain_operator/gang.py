@@ -144,14 +144,15 @@ class Policy:
     suspend: bool = False
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
-    kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
+    under_kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
         spec, rp = job.spec, job.spec.run_policy
         return cls(name=job.metadata.name, nodes=spec.nodes, backoff_limit=rp.backoff_limit, suspend=rp.suspend,
                    active_deadline_seconds=rp.active_deadline_seconds,
-                   ttl_seconds_after_finished=rp.ttl_seconds_after_finished, kueue=bool(kueue.queue_name(job)))
+                   ttl_seconds_after_finished=rp.ttl_seconds_after_finished,
+                   under_kueue=bool(kueue.queue_name(job)))
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         return Decision(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
 
     missing = tuple(r for r in range(policy.nodes) if r not in current)
-    if policy.kueue:
+    if policy.under_kueue:
         # The deadline clock runs from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
         queued = bool(missing) or any(p.queued for p in current.values())
         state = replace(state, start_time=None if queued else state.start_time or to_iso(now))

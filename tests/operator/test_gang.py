@@ -190,7 +190,7 @@ def test_the_active_deadline_fails_the_job_and_stops_its_pods():
 
 
 def test_under_kueue_the_deadline_clock_starts_at_admission_not_while_the_gang_is_queued():
-    policy = replace(POLICY, active_deadline_seconds=300, kueue=True)
+    policy = replace(POLICY, active_deadline_seconds=300, under_kueue=True)
     created = decide([], policy=policy)
     assert created.create_ranks == (0, 1, 2) and created.state.start_time is None
     queued = decide(gang_of("Pending", "Pending", "Pending", queued=True), created.state, policy,
