@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -62,8 +63,12 @@ class Trainer:
                  stop: StopRequest | None = None):
         self.spec, self.engine, self.dims, self.corpus, self.device = spec, engine, dims, corpus, device
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
-        self._rows = rank_rows(spec.training.batch_size, dims.dp_rank, dims.dp)  # this rank's rows of each batch
         self.result = RunResult()
+
+    @functools.cached_property
+    def _rows(self) -> slice:
+        """This rank's rows of every global batch (looked up once: the mesh lookup is not free every step)."""
+        return rank_rows(self.spec.training.batch_size, self.dims.dp_rank, self.dims.dp)
 
     def _batch(self, tokens, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.spec.training, self.spec.model
