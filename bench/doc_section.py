@@ -1,8 +1,14 @@
-"""Benchmarks write their tables into docs/benchmarks.md between `<!-- bench:NAME:begin/end -->` markers."""
+"""Benchmarks write their tables into docs/benchmarks.md between `<!-- bench:NAME:begin/end -->` markers, and their
+results as JSON with a plot beside it."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -17,3 +23,25 @@ def write_section(name: str, lines: list[str], doc: Path = DOC) -> None:
     _, _, tail = rest.partition(end)
     doc.write_text(head + "\n".join([begin, "", *lines, "", end]) + tail)
     print(f"updated the {name} section of {doc}")
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_results(result: dict[str, Any], out: Path, draw: Callable[[Path], None]) -> None:
+    """`result` as JSON at `out`, and `draw`'s plot beside it (same name, .png)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    draw(out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from doc_section import write_section
+from doc_section import machine, pyplot, save_results, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -80,11 +79,7 @@ WORKERS = {"DP=1": 1, "2 x DP=1 at once": 2, "DP=2": 2, "DP=4 (oversubscribed)":
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     names = list(summary)
     speedups = [summary[n]["speedup"] for n in names]
@@ -122,10 +117,8 @@ def main() -> None:
     result = {"shape": SHAPE, "per_rank_batch": PER_RANK_BATCH, "steps": args.steps, "repeats": args.repeats,
               "variants": summary, "dp2_speedup": dp2, "two_core_ceiling": ceiling,
               "communication_share_of_dp2": 1 - dp2 / ceiling, "target": "DP=2 >= 1.85x",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(summary, args.out.with_suffix(".png"))
+              "machine": machine()}
+    save_results(result, args.out, lambda png: plot(summary, png))
     print(f"DP=2: {dp2:.2f}x one process; two independent processes: {ceiling:.2f}x (this machine's ceiling); "
           f"communication costs DP=2 {100 * (1 - dp2 / ceiling):.1f}% of that ceiling")
     if not args.no_doc:

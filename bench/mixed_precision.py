@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
-from doc_section import write_section
+from doc_section import machine, pyplot, save_results, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -50,11 +48,7 @@ def run(precision: str, steps: int, tmp: Path) -> dict:
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     for precision, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=precision, linewidth=0.9)
@@ -92,11 +86,8 @@ def main() -> None:
                            "skipped_steps": m["skipped_steps"], "losses": m["losses"]}
     result = {"example": "examples/shakespeare.yaml", "steps": args.steps, "precisions": rows,
               "cpu_native_fp16": cpu_has_native_fp16(),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot({p: r["losses"] for p, r in rows.items()}, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+              "machine": machine()}
+    save_results(result, args.out, lambda png: plot({p: r["losses"] for p, r in rows.items()}, png))
     if not args.no_doc:
         table = [f"| {p} | {r['tokens_per_second']:,.0f} | {r['seconds_per_step'] * 1000:.1f} | "
                  f"{r['speed_over_fp32']:.2f}x | {r['largest_relative_loss_gap']:.2%} | {r['val_loss']:.4f} | "

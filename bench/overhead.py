@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
-from doc_section import write_section
+from doc_section import machine, pyplot, save_results, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -103,11 +102,7 @@ def run_plain(job_file: Path, tmp: Path) -> dict:
 
 
 def plot(pairs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     reps = range(1, len(pairs) + 1)
     width = 0.38
@@ -160,12 +155,9 @@ def main() -> None:
     result = {"shape": SHAPE, "training": TRAINING, "steps": args.steps, "repeats": args.repeats, "pairs": pairs,
               "median_ratio": median, "target": "within 3% (ratio >= 0.97)",
               "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count(),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(pairs, args.out.with_suffix(".png"))
-    print(f"median ratio {median:.3f}x (paratrain over the plain loop); wrote {args.out} and "
-          f"{args.out.with_suffix('.png')}")
+              "machine": machine()}
+    save_results(result, args.out, lambda png: plot(pairs, png))
+    print(f"median ratio {median:.3f}x (paratrain over the plain loop)")
     if not args.no_doc:
         rows = [f"| {i} | {p['plain']:,.0f} | {p['paratrain']:,.0f} | {p['ratio']:.3f}x | {p['largest_loss_gap']:.1e} |"
                 for i, p in enumerate(pairs, 1)]
