@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from .. import contract
+from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
 from .spec import (
     BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
     ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model,
@@ -171,8 +172,6 @@ def grace_problem(spec: Spec, platform: Platform) -> str | None:
     or if it saves nothing)."""
     if not spec.checkpoint.path:  # nothing is saved (a program of its own has no checkpoint section either)
         return None
-    from .memory import SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
-
     # Without a stated vocabulary (text or token data) the embedding is left out: the estimate is then a floor.
     vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else 0)
     bandwidth = parse_bytes(platform.checkpoint_bandwidth)
@@ -182,6 +181,7 @@ def grace_problem(spec: Spec, platform: Platform) -> str | None:
         return None
     need = math.ceil(seconds) + contract.STOP_MARGIN_SECONDS
     return (f"a stopped gang saves its step within the grace period less {contract.STOP_MARGIN_SECONDS} s, and this "
-            f"job's save is estimated at {seconds:.0f} s ({human(per_node)} per node: 12 bytes per parameter, "
+            f"job's save is estimated at {seconds:.0f} s ({human(per_node)} per node: "
+            f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes per parameter, "
             f"weights and AdamW's moments, over {spec.nodes} node(s), at the platform's checkpointBandwidth of "
             f"{human(bandwidth)}/s per node, plus {SAVE_FIXED_SECONDS} s): set it to at least {need}")
