@@ -25,16 +25,13 @@ pipeline_bubble.png, and the `pipeline_bubble` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from doc_section import machine, pyplot, save_results, write_section
+from ranks import engine_for, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -81,39 +78,30 @@ class StageTimer:
         self.ops, self.t0 = [], time.perf_counter()
 
 
-def worker(rank: int, world: int, port: int, schedule: str, m: int, steps: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def rank_steps(schedule: str, m: int, steps: int) -> dict:
+    """On one rank: `steps` timed steps after a first one (which builds the stage's buffers), then one more under
+    the live-tensor counter."""
     import torch
     import torch.distributed as dist
 
-    from paratrain.api.load import parse_job
-    from paratrain.train.dims import ParallelDims
-    from paratrain.train.parallelize import build_engine
     from paratrain.train.perf import LiveTensorBytes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    spec = parse_job(job(schedule, world, m)).spec
-    dims = ParallelDims.from_spec(spec, world, "cpu")
-    device = torch.device("cpu")
-    engine = build_engine(spec, dims, device, SHAPE["vocabSize"])
+    _, _, engine = engine_for(job(schedule, dist.get_world_size(), m), SHAPE["vocabSize"])
     timer = StageTimer(engine.schedule)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, SHAPE["vocabSize"], (MICROBATCH_ROWS * m, SHAPE["blockSize"]), generator=g)
-    steps_out = []
-    for step in range(steps + 2):  # the first step builds the stage's buffers; the last is the memory step
+    x = torch.randint(0, SHAPE["vocabSize"], (MICROBATCH_ROWS * m, SHAPE["blockSize"]),
+                      generator=torch.Generator().manual_seed(0))
+    timed = []
+    for step in range(steps + 1):
         dist.barrier()
         timer.start()
-        counter = LiveTensorBytes(device) if step == steps + 1 else None
-        with counter or nullcontext():
-            engine.forward_backward([(x, x)])
-        wall = time.perf_counter() - timer.t0
-        if counter:
-            peak = counter.peak
-        elif step > 0:
-            steps_out.append({"wall": wall, "ops": timer.ops})
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"steps": steps_out, "peak_bytes": peak}))
-    dist.destroy_process_group()
+        engine.forward_backward([(x, x)])
+        if step > 0:
+            timed.append({"wall": time.perf_counter() - timer.t0, "ops": timer.ops})
+    dist.barrier()
+    timer.start()  # the timed steps keep their lists
+    with LiveTensorBytes(torch.device("cpu")) as counter:
+        engine.forward_backward([(x, x)])
+    return {"steps": timed, "peak_bytes": counter.peak}
 
 
 def replay(stages: list[list[tuple[str, int, float]]]) -> tuple[float, list[float]]:
@@ -152,14 +140,7 @@ def compute_ops(ops: list) -> list[tuple[str, int, float]]:
 
 
 def measure(schedule: str, p: int, m: int, steps: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(worker, args=(p, port, schedule, m, steps, out_dir), nprocs=p, start_method="spawn")
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(p)]
+    ranks = spawn(rank_steps, p, schedule, m, steps)
     measured, replayed = [], []
     for i in range(steps):
         wall = max(r["steps"][i]["wall"] for r in ranks)

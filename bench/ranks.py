@@ -1,0 +1,55 @@
+"""Benchmarks that look inside a step (pipeline_bubble.py, communication.py) run the trainer's own engine in
+processes of their own: `spawn` starts one per rank on a gloo group and collects what each returns, and
+`engine_for` builds the engine a job document describes, exactly as `paratrain train` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """Run `fn(*args)` on `world` ranks, one process each with one thread, joined on a gloo group; return each
+    rank's result (JSON-able), in rank order."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_main, args=(world, port, out_dir, fn, args), nprocs=world, start_method="spawn")
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(fn(*args)))
+        dist.barrier()  # no rank leaves while another may still talk to it
+    finally:
+        dist.destroy_process_group()
+
+
+def engine_for(job: dict, vocab_size: int):
+    """(spec, dims, engine) of a job document on this process group, on the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.api.load import parse_job
+    from paratrain.train.dims import ParallelDims
+    from paratrain.train.parallelize import build_engine
+
+    spec = parse_job(job).spec
+    dims = ParallelDims.from_spec(spec, dist.get_world_size(), "cpu")
+    return spec, dims, build_engine(spec, dims, torch.device("cpu"), vocab_size)
