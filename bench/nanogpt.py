@@ -1,0 +1,202 @@
+"""paratrain against nanoGPT's own train.py at nanoGPT's CPU shape, alternating, side by side.
+
+    git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT   # not a dependency: only this script reads it
+    .venv/bin/python bench/nanogpt.py --nanogpt /tmp/nanoGPT [--iters 2000] [--repeats 2]
+
+nanoGPT's README trains Shakespeare characters on a CPU with
+
+    python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 --log_interval=1
+        --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000
+        --dropout=0.0
+
+and this script runs exactly that (in a copy of the checkout, on examples/data/tinyshakespeare.txt prepared by its
+own data/shakespeare_char/prepare.py), against `paratrain run` of the same shape, optimizer settings, schedule,
+clipping and data split, alternating the two `--repeats` times. Reported per run: the whole command's seconds (what
+a user waits, start-up and evaluations included: nanoGPT evaluates train and val, 20 batches each, every 250
+iterations; paratrain val only, 20 batches at the same interval), training tokens/s over the iterations alone
+(nanoGPT's logged per-iteration times without the evaluation iterations; paratrain's metrics), and the final
+validation loss. Then one step of each side's model alone, outside any loop, to tell the models' cost from the
+loops'. Target (issue 17): at least nanoGPT's speed. Writes bench/results/nanogpt.json and nanogpt.png,
+and the `nanogpt` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from doc_section import machine, pyplot, save_results, write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
+BATCH, BLOCK, EVAL_INTERVAL, EVAL_ITERS = 12, 64, 250, 20
+NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", f"--eval_iters={EVAL_ITERS}",
+                "--log_interval=1", f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
+                "--n_embd=128", "--dropout=0.0"]
+
+
+def paratrain_job(iters: int) -> dict:
+    """nanoGPT's settings for this run, as a ParallelTrainJob (config/train_shakespeare_char.py and the flags)."""
+    return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "nanogpt"},
+            "spec": {"nodes": 1, "procsPerNode": 1,
+                     "model": {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": BLOCK, "dropout": 0.0},
+                     "data": {"source": "text", "path": str(TEXT), "valFraction": 0.1},
+                     "training": {"steps": iters, "batchSize": BATCH, "learningRate": 1.0e-3,
+                                  "minLearningRate": 1.0e-4, "warmupSteps": 100, "weightDecay": 0.1, "beta1": 0.9,
+                                  "beta2": 0.99, "gradClip": 1.0, "evalInterval": EVAL_INTERVAL,
+                                  "evalSteps": EVAL_ITERS, "seed": 1337}}}
+
+
+def prepare_nanogpt(checkout: Path, tmp: Path) -> Path:
+    """A copy of the checkout with Shakespeare prepared by its own script (input.txt present: no download)."""
+    work = tmp / "nanoGPT"
+    shutil.copytree(checkout, work, ignore=shutil.ignore_patterns(".git", "out*"))
+    data = work / "data" / "shakespeare_char"
+    shutil.copy(TEXT, data / "input.txt")
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    return work
+
+
+def run_nanogpt(work: Path, iters: int, tmp: Path) -> dict:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={iters}",
+                           f"--lr_decay_iters={iters}", f"--out_dir={tmp / 'out'}"], cwd=work, capture_output=True,
+                          text=True)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"nanoGPT's train.py failed:\n{proc.stderr[-3000:]}")
+    times = {int(i): float(ms) / 1000 for i, ms in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms",
+                                                                proc.stdout, re.M)}
+    train = [dt for i, dt in times.items() if i > 0 and i % EVAL_INTERVAL != 0]
+    val = re.findall(r"^step \d+: train loss [\d.]+, val loss ([\d.]+)", proc.stdout, re.M)
+    return {"seconds": seconds, "tokens_per_second": BATCH * BLOCK * len(train) / sum(train),
+            "val_loss": float(val[-1])}
+
+
+def run_paratrain(job_file: Path, tmp: Path) -> dict:
+    metrics = tmp / "metrics.json"
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
+                           "--workdir", str(tmp / "work"), "--no-progress"], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"paratrain run failed:\n{proc.stderr[-3000:]}")
+    m = json.loads(metrics.read_text())
+    return {"seconds": seconds, "tokens_per_second": m["tokens_per_second"], "val_loss": m["val_loss"]}
+
+
+def model_step_seconds(work: Path, steps: int) -> dict[str, float]:
+    """Median seconds of one forward+backward+AdamW step of each side's model alone (nanoGPT's model.py GPT from the
+    checkout, with train.py's bias=False; paratrain's GPT), same shape and batch, alternating in this process:
+    what the models cost apart from the loops around them."""
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.train.model import GPT, GPTConfig
+
+    sys.path.insert(0, str(work))
+    import model as nanogpt_model  # nanoGPT's model.py, from the copy of the checkout
+
+    vocab = 65
+    theirs = nanogpt_model.GPT(nanogpt_model.GPTConfig(block_size=BLOCK, vocab_size=vocab, n_layer=4, n_head=4,
+                                                       n_embd=128, dropout=0.0, bias=False))
+    ours = GPT(GPTConfig(vocab_size=vocab, block_size=BLOCK, layers=4, heads=4, embed_dim=128, dropout=0.0))
+    tokens = torch.randint(0, vocab, (BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    sides = {"nanoGPT model.py": (theirs, lambda m: m(x, y)[1]),
+             "paratrain model.py": (ours, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten()))}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for name, (m, _) in sides.items()}
+    for step in range(2 * steps):
+        for name, (m, loss_of) in sides.items():
+            started = time.perf_counter()
+            loss_of(m).backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            if step >= steps // 2:  # after a warm-up
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    plt = pyplot()
+    fig, (wall, speed) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((wall, "seconds", "whole command (s)"), (speed, "tokens_per_second", "training tokens/s")):
+        for i, side in enumerate(runs):
+            values = [r[key] for r in runs[side]]
+            ax.scatter([i] * len(values), values, label=side)
+        ax.set_xticks(range(len(runs)), list(runs))
+        ax.set_ylabel(label)
+    fig.suptitle("paratrain against nanoGPT's train.py, CPU Shakespeare shape")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nanogpt", type=Path, required=True, help="a checkout of github.com/karpathy/nanoGPT")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "nanogpt.json")
+    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    if not (args.nanogpt / "train.py").exists():
+        raise SystemExit(f"--nanogpt {args.nanogpt}: no train.py there; clone github.com/karpathy/nanoGPT first")
+    commit = subprocess.run(["git", "-C", str(args.nanogpt), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+
+    runs: dict[str, list[dict]] = {"nanoGPT train.py": [], "paratrain run": []}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        work = prepare_nanogpt(args.nanogpt, tmp)
+        job_file = tmp / "job.yaml"
+        job_file.write_text(yaml.safe_dump(paratrain_job(args.iters)))
+        for rep in range(args.repeats):
+            order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            for side in order:
+                where = tmp / f"{rep}-{side.split()[0]}"
+                where.mkdir()
+                got = run_nanogpt(work, args.iters, where) if side.startswith("nanoGPT") else \
+                    run_paratrain(job_file, where)
+                runs[side].append(got)
+                print(f"repetition {rep + 1}: {side}: {got['seconds']:.1f} s, {got['tokens_per_second']:,.0f} "
+                      f"training tokens/s, val loss {got['val_loss']:.4f}", flush=True)
+        models = model_step_seconds(work, 200)
+    print("one step of each model alone: " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in models.items()))
+    med = {side: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for side, rs in runs.items()}
+    ours, theirs = med["paratrain run"], med["nanoGPT train.py"]
+    result = {"iters": args.iters, "repeats": args.repeats, "nanogpt_commit": commit, "runs": runs, "medians": med,
+              "speed_over_nanogpt": ours["tokens_per_second"] / theirs["tokens_per_second"],
+              "wall_over_nanogpt": theirs["seconds"] / ours["seconds"], "model_step_seconds": models,
+              "model_speed_over_nanogpt": models["nanoGPT model.py"] / models["paratrain model.py"],
+              "machine": machine()}
+    save_results(result, args.out, lambda png: plot(runs, png))
+    print(f"paratrain's training speed is {result['speed_over_nanogpt']:.3f}x nanoGPT's; whole command "
+          f"{result['wall_over_nanogpt']:.3f}x")
+    if not args.no_doc:
+        rows = [f"| {side} | {m['seconds']:.1f} | {m['tokens_per_second']:,.0f} | {m['val_loss']:.4f} |"
+                for side, m in med.items()]
+        write_section("nanogpt", [
+            f"`.venv/bin/python bench/nanogpt.py --nanogpt DIR --iters {args.iters} --repeats {args.repeats}` "
+            f"(nanoGPT at {commit}; {result['machine']}; medians):", "",
+            "| command | whole command (s) | training tokens/s | final val loss |", "|---|---|---|---|", *rows, "",
+            f"paratrain trains at **{result['speed_over_nanogpt']:.3f}x** nanoGPT's speed; the whole command runs "
+            f"at {result['wall_over_nanogpt']:.3f}x (nanoGPT's seconds over paratrain's).", "",
+            "One forward, backward and AdamW step of each model alone, outside any loop (median of 300 "
+            "alternating steps after 100 of warm-up): " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in models.items())
+            + f": paratrain's model runs at {result['model_speed_over_nanogpt']:.3f}x nanoGPT's.", "",
+            "![nanoGPT comparison](../bench/results/nanogpt.png)"])
+
+
+if __name__ == "__main__":
+    main()
