@@ -23,6 +23,7 @@ and the `nanogpt` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
@@ -104,8 +105,9 @@ def model_step_seconds(work: Path, steps: int) -> dict[str, float]:
 
     from paratrain.train.model import GPT, GPTConfig
 
-    sys.path.insert(0, str(work))
-    import model as nanogpt_model  # nanoGPT's model.py, from the copy of the checkout
+    found = importlib.util.spec_from_file_location("nanogpt_model", work / "model.py")  # the checkout's model.py
+    nanogpt_model = importlib.util.module_from_spec(found)
+    found.loader.exec_module(nanogpt_model)
 
     vocab = 65
     theirs = nanogpt_model.GPT(nanogpt_model.GPTConfig(block_size=BLOCK, vocab_size=vocab, n_layer=4, n_head=4,
