@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 from doc_section import machine, pyplot, save_results, write_section
+from runs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -60,28 +59,13 @@ def example_job(family: str, tmp: Path) -> dict:
     return job
 
 
-def run(job: dict, overrides: list[str], tmp: Path) -> dict:
-    tmp.mkdir(parents=True, exist_ok=True)
-    job_file, metrics = tmp / "job.yaml", tmp / "metrics.json"
-    job_file.write_text(yaml.safe_dump(job))
-    cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-           "--workdir", str(tmp / "work"), "--no-progress"]
-    for item in overrides:
-        cmd += ["--set", item]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"paratrain run {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    return {**json.loads(metrics.read_text()), "seconds": time.perf_counter() - started}
-
-
 def family_curves(family: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         job = example_job(family, tmp)
         runs = {}
         for i, (name, overrides) in enumerate(parity_layouts(family).items()):
-            runs[name] = run(job, overrides, tmp / str(i))
+            runs[name] = run_job(job, tmp / str(i), overrides)
             print(f"{family} {name}: final loss {runs[name]['losses'][-1]:.4f}, val loss {runs[name]['val_loss']:.4f}"
                   f" ({runs[name]['seconds']:.0f} s)", flush=True)
     reference = runs["single process"]["losses"]

@@ -14,14 +14,12 @@ mixed_precision.png, and the `mixed_precision` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 from doc_section import machine, pyplot, save_results, write_section
+from runs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -37,14 +35,7 @@ def run(precision: str, steps: int, tmp: Path) -> dict:
     spec["checkpoint"] = {}
     spec["pod"] = {}
     spec["data"]["path"] = str(ROOT / spec["data"]["path"])
-    tmp.mkdir(parents=True, exist_ok=True)
-    job_file, metrics = tmp / "job.yaml", tmp / "metrics.json"
-    job_file.write_text(yaml.safe_dump(job))
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-                           "--workdir", str(tmp / "work"), "--no-progress"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"paratrain run ({precision}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(metrics.read_text())
+    return run_job(job, tmp)
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:

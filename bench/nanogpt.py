@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import shutil
 import statistics
@@ -34,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
 from doc_section import machine, pyplot, save_results, write_section
+from runs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -82,18 +81,6 @@ def run_nanogpt(work: Path, iters: int, tmp: Path) -> dict:
     val = re.findall(r"^step \d+: train loss [\d.]+, val loss ([\d.]+)", proc.stdout, re.M)
     return {"seconds": seconds, "tokens_per_second": BATCH * BLOCK * len(train) / sum(train),
             "val_loss": float(val[-1])}
-
-
-def run_paratrain(job_file: Path, tmp: Path) -> dict:
-    metrics = tmp / "metrics.json"
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-                           "--workdir", str(tmp / "work"), "--no-progress"], capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"paratrain run failed:\n{proc.stderr[-3000:]}")
-    m = json.loads(metrics.read_text())
-    return {"seconds": seconds, "tokens_per_second": m["tokens_per_second"], "val_loss": m["val_loss"]}
 
 
 def model_step_seconds(work: Path, steps: int) -> dict[str, float]:
@@ -161,15 +148,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         work = prepare_nanogpt(args.nanogpt, tmp)
-        job_file = tmp / "job.yaml"
-        job_file.write_text(yaml.safe_dump(paratrain_job(args.iters)))
         for rep in range(args.repeats):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
             for side in order:
                 where = tmp / f"{rep}-{side.split()[0]}"
                 where.mkdir()
                 got = run_nanogpt(work, args.iters, where) if side.startswith("nanoGPT") else \
-                    run_paratrain(job_file, where)
+                    run_job(paratrain_job(args.iters), where)
                 runs[side].append(got)
                 print(f"repetition {rep + 1}: {side}: {got['seconds']:.1f} s, {got['tokens_per_second']:,.0f} "
                       f"training tokens/s, val loss {got['val_loss']:.4f}", flush=True)

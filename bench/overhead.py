@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 from doc_section import machine, pyplot, save_results, write_section
+from runs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -82,15 +83,6 @@ def plain_loop(job_file: Path, out: Path) -> None:
                                "losses": losses}))
 
 
-def run_paratrain(job_file: Path, tmp: Path) -> dict:
-    metrics = tmp / "metrics.json"
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-                           "--workdir", str(tmp / "work"), "--no-progress"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"paratrain run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(metrics.read_text())
-
-
 def run_plain(job_file: Path, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "plain.json"
@@ -140,8 +132,8 @@ def main() -> None:
             order = ("paratrain", "plain") if rep % 2 == 0 else ("plain", "paratrain")
             got = {}
             for side in order:
-                run = run_paratrain if side == "paratrain" else run_plain
-                got[side] = run(job_file, tmp / f"{side}-{rep}")
+                where = tmp / f"{side}-{rep}"
+                got[side] = run_job(job(args.steps), where) if side == "paratrain" else run_plain(job_file, where)
             pair = {"paratrain": got["paratrain"]["tokens_per_second"], "plain": got["plain"]["tokens_per_second"]}
             pair["ratio"] = pair["paratrain"] / pair["plain"]
             # Same model, data and optimizer: the curves must agree, or the comparison is of different work.

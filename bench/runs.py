@@ -1,16 +1,41 @@
-"""Benchmarks that look inside a step (pipeline_bubble.py, communication.py) run the trainer's own engine in
-processes of their own: `spawn` starts one per rank on a gloo group and collects what each returns, and
-`engine_for` builds the engine a job document describes, exactly as `paratrain train` does."""
+"""How benchmarks run the trainer. Most run it as users do: `run_job` is `paratrain run` of a job document, with
+its metrics. Those that look inside a step (pipeline_bubble.py, communication.py, dp_scaling.py's breakdown) run
+the trainer's own engine in processes of their own: `spawn` starts one per rank on a gloo group and collects what
+each returns, and `engine_for` builds the engine a job document describes, exactly as `paratrain train` does."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
+
+
+def run_job(job: dict, tmp: Path, overrides: Sequence[str] = ()) -> dict:
+    """`paratrain run` of `job` (with `--set` overrides) in `tmp`: its metrics, and the whole command's seconds
+    (start-up included) as "seconds"."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    job_file, metrics = tmp / "job.yaml", tmp / "metrics.json"
+    job_file.write_text(yaml.safe_dump(job))
+    cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
+           "--workdir", str(tmp / "work"), "--no-progress"]
+    for item in overrides:
+        cmd += ["--set", item]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"paratrain run {job['metadata']['name']} {' '.join(overrides)} failed:\n"
+                         f"{proc.stderr[-3000:]}")
+    return {**json.loads(metrics.read_text()), "seconds": seconds}
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
