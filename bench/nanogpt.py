@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from doc_section import machine, pyplot, save_results, write_section
-from runs import run_job
+from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

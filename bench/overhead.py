@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 from doc_section import machine, pyplot, save_results, write_section
-from runs import run_job
+from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

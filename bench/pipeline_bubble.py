@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from doc_section import machine, pyplot, save_results, write_section
-from runs import engine_for, spawn
+from jobs import engine_for, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
