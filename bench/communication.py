@@ -27,14 +27,11 @@ gradients DDP and FSDP2 reduce stay fp32. Writes bench/results/communication.jso
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import engine_for, spawn
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 SHAPE = {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": 64, "dropout": 0.0, "vocabSize": 65}
 BATCH = 8
 # (name, parallelism): every layout of the issue, data-parallel degree 2 wherever data parallel is in it.
@@ -195,9 +192,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=RESULTS / "communication.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
+    parser = arguments(__doc__, "communication")
     args = parser.parse_args()
 
     rows = []

@@ -3,6 +3,7 @@ results as JSON with a plot beside it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -11,6 +12,16 @@ from pathlib import Path
 from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def arguments(doc: str, name: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options every one takes: `--out` (its JSON, default
+    bench/results/NAME.json; the plot goes beside it) and `--no-doc`. `doc` is the script's docstring, its help."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
+    return parser
 
 
 def write_section(name: str, lines: list[str], doc: Path = DOC) -> None:

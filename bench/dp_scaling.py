@@ -26,7 +26,6 @@ Target (issue 17): at least 1.85x at DP=2. Writes bench/results/dp_scaling.json 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,11 +36,10 @@ import time
 from pathlib import Path
 
 import yaml
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import engine_for, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 PER_RANK_BATCH = 12
 SHAPE = {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": 64, "dropout": 0.0}
@@ -158,11 +156,9 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "dp_scaling")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "dp_scaling.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     runs: dict[str, list[float]] = {v: [] for v in VARIANTS}

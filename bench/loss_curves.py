@@ -16,7 +16,6 @@ the single-process run up to each step (log scale). Writes bench/results/loss_cu
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import subprocess
 import sys
@@ -24,11 +23,10 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 
 
@@ -100,10 +98,8 @@ def plot(families: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "loss_curves")
     parser.add_argument("--family", choices=("gpt", "llama", "both"), default="both")
-    parser.add_argument("--out", type=Path, default=RESULTS / "loss_curves.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     families = {f: family_curves(f) for f in (("gpt", "llama") if args.family == "both" else (args.family,))}

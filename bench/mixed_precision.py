@@ -13,16 +13,14 @@ mixed_precision.png, and the `mixed_precision` section of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
 import yaml
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 EXAMPLE = ROOT / "examples" / "shakespeare.yaml"
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -52,10 +50,8 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "mixed_precision")
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--out", type=Path, default=RESULTS / "mixed_precision.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     from paratrain.train.precision import cpu_has_native_fp16

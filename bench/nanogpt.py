@@ -22,7 +22,6 @@ and the `nanogpt` section of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 import shutil
@@ -33,11 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 BATCH, BLOCK, EVAL_INTERVAL, EVAL_ITERS = 12, 64, 250, 20
 NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", f"--eval_iters={EVAL_ITERS}",
@@ -132,12 +130,10 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "nanogpt")
     parser.add_argument("--nanogpt", type=Path, required=True, help="a checkout of github.com/karpathy/nanoGPT")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "nanogpt.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
     if not (args.nanogpt / "train.py").exists():
         raise SystemExit(f"--nanogpt {args.nanogpt}: no train.py there; clone github.com/karpathy/nanoGPT first")

@@ -16,7 +16,6 @@ Writes bench/results/overhead.json and overhead.png, and the `overhead` section 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,11 +26,10 @@ import time
 from pathlib import Path
 
 import yaml
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 TEXT = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 # nanoGPT's config/train_shakespeare_char.py with its README's CPU settings.
 SHAPE = {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": 64, "dropout": 0.0}
@@ -115,11 +113,9 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--plain":
         plain_loop(Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "overhead")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     pairs = []

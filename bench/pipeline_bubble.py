@@ -24,17 +24,14 @@ pipeline_bubble.png, and the `pipeline_bubble` section of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from pathlib import Path
 
-from doc_section import machine, pyplot, save_results, write_section
+from doc_section import arguments, machine, pyplot, save_results, write_section
 from jobs import engine_for, spawn
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 SHAPE = {"layers": 8, "heads": 4, "embedDim": 256, "blockSize": 128, "dropout": 0.0, "vocabSize": 65}
 MICROBATCH_ROWS = 4
 CONFIGS = [(schedule, p, m) for p in (2, 4) for schedule in ("GPipe", "1F1B") for m in (1, 2, 4, 8)
@@ -191,10 +188,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, "pipeline_bubble")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per configuration (median taken)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "pipeline_bubble.json")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     rows = []
