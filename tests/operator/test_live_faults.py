@@ -134,7 +134,7 @@ def test_api_errors_on_creates_and_status_patches_are_retried_and_lose_nothing(c
     assert status["progress"]["step"] == 10 and status["progressText"] == "10/10" and "failure" not in status
     assert condition(status, "Succeeded")["status"] == "True" and condition(status, "Running")["status"] == "False"
     assert status["observedGeneration"] == 1 and status["startTime"] <= status["completionTime"]
-    reasons = cluster.event_reasons(ns, name)
+    reasons = cluster.event_reasons(ns, name, until="Succeeded")
     assert reasons[-1] == "Succeeded" and reasons.count("Succeeded") == 1 and "GangRunning" in reasons
     assert set(reasons) == {"CreatingGang", "GangRunning", "Succeeded"}, reasons
 

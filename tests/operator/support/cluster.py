@@ -188,10 +188,19 @@ class ClusterBase:
     def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
         return [e for e in self.api.objects("v1/events", namespace) if e["involvedObject"]["name"] == name]
 
-    def event_reasons(self, namespace: str, name: str) -> list[str]:
-        """The reasons of the job's Events, oldest first."""
-        events = sorted(self.events(namespace, name), key=lambda e: int(e["metadata"]["resourceVersion"]))
-        return [e["reason"] for e in events]
+    def event_reasons(self, namespace: str, name: str, until: str | None = None, timeout: float = 15) -> list[str]:
+        """The reasons of the job's Events, oldest first; with `until`, once an Event of that reason is there.
+
+        The operator posts a pass's Events after writing its status, so a test that saw the status must wait for
+        the Event reporting it."""
+        def reasons() -> list[str]:
+            events = sorted(self.events(namespace, name), key=lambda e: int(e["metadata"]["resourceVersion"]))
+            return [e["reason"] for e in events]
+        def with_until() -> list[str] | None:
+            seen = reasons()
+            return seen if until in seen else None
+        return reasons() if until is None else wait_for(with_until, timeout, f"a {until} Event on {namespace}/{name}",
+                                                        interval=0.2)
 
     def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
         def reached() -> dict[str, Any] | None:
