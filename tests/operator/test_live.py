@@ -110,8 +110,8 @@ def test_a_killed_pod_restarts_the_whole_gang_once(cluster: Cluster, ns: str):
                                  "message": "pod crash-0-1 exited with code 137 (killed by SIGKILL)"}
     assert cluster.pod_creations(ns) == ["crash-0-0", "crash-0-1", "crash-1-0", "crash-1-1"]  # each once
     assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == ["crash-1-0", "crash-1-1"]
-    assert cluster.event_reasons(ns, "crash", until="Succeeded") == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang",
-                                             "GangRunning", "Succeeded"]
+    assert cluster.event_reasons(ns, "crash", until="Succeeded") == [
+        "CreatingGang", "GangRunning", "RestartingGang", "CreatingGang", "GangRunning", "Succeeded"]
     assert 'paratrain_gang_restarts_total{namespace="%s"} 1.0' % ns in cluster.metrics()
 
 
@@ -189,7 +189,8 @@ def test_suspend_deletes_the_gang_and_resume_starts_a_fresh_one(cluster: Cluster
     cluster.api.patch(jobs, ns, "pause", {"spec": {"runPolicy": {"suspend": False}}})
     status = cluster.wait_phase(ns, "pause", "Succeeded", 60)
     assert status["attempt"] == 1 and status["restarts"] == 0  # a resume is not a failure
-    assert cluster.event_reasons(ns, "pause", until="Succeeded")[-4:] == ["Resumed", "CreatingGang", "GangRunning", "Succeeded"]
+    assert cluster.event_reasons(ns, "pause", until="Succeeded")[-4:] == [
+        "Resumed", "CreatingGang", "GangRunning", "Succeeded"]
 
 
 def test_a_job_created_suspended_waits_without_pods(cluster: Cluster, ns: str):
