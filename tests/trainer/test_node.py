@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from paratrain import contract
+from paratrain.launch import free_port
 from paratrain.node import node_exit_code
 
 from .harness import TINY_JOB
@@ -31,7 +32,7 @@ def _node(tmp_path, spec_overrides: dict) -> subprocess.CompletedProcess:
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(job))
     env = {**os.environ, **contract.node_env(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
-                                             master_port=29731)}
+                                             master_port=free_port())}
     return subprocess.run([sys.executable, "-m", "paratrain.cli", "node", "--spec", str(spec)], env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
