@@ -64,6 +64,11 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[...,
         dist.barrier()  # no rank leaves while another may still talk to it
     finally:
         dist.destroy_process_group()
+    # Past here only interpreter teardown, where a gloo thread still joinable aborts the process now and then
+    # ("terminate called without an active exception"): skipped, as `paratrain train` skips it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def engine_for(job: dict, vocab_size: int):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -48,6 +49,23 @@ def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expec
         assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     data = json.loads(metrics.read_text()) if metrics.exists() else None
     return proc, data
+
+
+def spawn_ranks(fn: Callable[..., None], nprocs: int, *args) -> None:
+    """`fn(rank, *args)` in `nprocs` spawned processes (torch.multiprocessing), each ending without interpreter
+    teardown once `fn` returns: there a gloo thread still joinable aborts the process now and then ("terminate
+    called without an active exception", SIGABRT), which `paratrain train` skips the same way. An exception in
+    `fn` still fails the test with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_then_exit, args=(fn, args), nprocs=nprocs, start_method="spawn")
+
+
+def _rank_then_exit(rank: int, fn: Callable[..., None], args: tuple) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def job_env(extra: dict[str, str]) -> dict[str, str]:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from paratrain.train import checkpoint
 from paratrain.train.checkpoint import MANIFEST, Checkpointer
+
+from .harness import spawn_ranks
 
 LAYOUT = "dp2·tp1·pp1 z0 fp32"
 
@@ -47,7 +48,7 @@ def worker(rank: int, root: str, out: str) -> None:
 def test_every_rank_works_from_rank_0s_listing(tmp_path: Path):
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    mp.spawn(worker, args=(str(root), str(out)), nprocs=2, join=True)
+    spawn_ranks(worker, 2, str(root), str(out))
     step = root / checkpoint.step_dir_name(5)
     manifest = json.loads((step / MANIFEST).read_text())
     assert set(manifest["files"]) == {p.name for p in step.iterdir()} - {MANIFEST}  # every file hashed

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .harness import TINY_JOB
+from .harness import TINY_JOB, spawn_ranks
 
 PART_ELEMENTS = 2000  # the tiny model's parameters load in several parts
 
@@ -78,7 +77,7 @@ def accumulating(rank: int, stage: int, precision: str, out: str) -> None:
 
 @pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "bf16"), (3, "bf16")])
 def test_gradients_accumulate_in_fp32(stage, precision, tmp_path):
-    mp.spawn(accumulating, args=(stage, precision, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(accumulating, 2, stage, precision, str(tmp_path))
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"dtypes": ["torch.float32"],
                                                                           "applied": True}
@@ -137,7 +136,7 @@ def worker(rank: int, stage: int, out: str) -> None:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_deepspeed_save_keeps_each_parameter_on_one_rank_and_a_resume_loads_in_parts(stage, tmp_path):
-    mp.spawn(worker, args=(stage, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(worker, 2, stage, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     kept = [set(report["kept"]) for report in reports]
     assert kept[0].isdisjoint(kept[1]) and kept[0] | kept[1] == set(reports[0]["names"])

@@ -4,13 +4,13 @@ backward. Counted at the dispatcher (every functional collective op issued) on a
 (DTensor's CommDebugMode counts the same, but its module tracking breaks under activation checkpointing.)"""
 
 import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from .harness import spawn_ranks
 
 LAYERS = 3
 
@@ -73,16 +73,13 @@ def count_collectives(rank: int, family: str, store_file: str, out: str, ac: str
         dist.barrier()  # neither rank leaves while the other may still talk to it (gloo aborts on a lost peer)
     finally:
         dist.destroy_process_group()
-    os._exit(0)  # see grad_norm_collectives
 
 
 @pytest.mark.parametrize("family", CONFIGS)
 def test_each_block_all_reduces_once_per_sublayer_in_forward_and_in_backward(family, tmp_path):
     """Llama's MLP has two input projections (gate, up) and attention three (q, k, v): still one each."""
     out = tmp_path / "counts.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(count_collectives, args=(family, str(tmp_path / "store"), str(out)), nprocs=2,
-                       start_method="spawn")
+    spawn_ranks(count_collectives, 2, family, str(tmp_path / "store"), str(out))
     counts = json.loads(out.read_text())
     assert counts == {"forward": {"all_reduce": 2 * LAYERS}, "backward": {"all_reduce": 2 * LAYERS}}, counts
 
@@ -92,9 +89,7 @@ def test_selective_activation_checkpointing_does_not_recompute_the_collectives(t
     """Selective AC keeps the tensor-parallel all-reduces' outputs, as torchtitan's policy does: recomputing them
     in backward would cost a collective each (3 per block instead of 2)."""
     out = tmp_path / "counts.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(count_collectives, args=("llama", str(tmp_path / "store"), str(out), "selective"), nprocs=2,
-                       start_method="spawn")
+    spawn_ranks(count_collectives, 2, "llama", str(tmp_path / "store"), str(out), "selective")
     counts = json.loads(out.read_text())
     assert counts == {"forward": {"all_reduce": 2 * LAYERS}, "backward": {"all_reduce": 2 * LAYERS}}, counts
 
@@ -143,16 +138,11 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
         dist.barrier()  # neither rank leaves while the other may still talk to it (gloo aborts on a lost peer)
     finally:
         dist.destroy_process_group()
-    # Past here only interpreter teardown, where a gloo thread still joinable aborts the process now and then
-    # ("terminate called without an active exception"): skipped, as `paratrain train` skips it.
-    os._exit(0)
 
 
 def test_the_gradient_norm_costs_one_collective_per_mesh_group_and_the_step_uses_foreach(tmp_path):
     out = tmp_path / "norm.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(grad_norm_collectives, args=(str(tmp_path / "store"), str(out)), nprocs=2,
-                       start_method="spawn")
+    spawn_ranks(grad_norm_collectives, 2, str(tmp_path / "store"), str(out))
     result = json.loads(out.read_text())
     assert result["norm"] == pytest.approx(result["expected"], rel=1e-6)
     assert result["sharded_grads"] > 4 and result["collectives"] == 1, result  # the TP-sharded grads: one all-reduce

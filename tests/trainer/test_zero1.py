@@ -5,15 +5,15 @@ checkpoint state that reloads into other buckets. The parallel runs in test_pari
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from paratrain.train.data_parallel import Bucket
+
+from .harness import spawn_ranks
 
 STEPS = 3
 BUCKET_BYTES = 4096  # several buckets for the tiny model, parameters straddling shard boundaries
@@ -129,8 +129,7 @@ def train(rank: int, store_file: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(train, args=(str(tmp / "store"), str(tmp / "report")), nprocs=2, start_method="spawn")
+    spawn_ranks(train, 2, str(tmp / "store"), str(tmp / "report"))
     return [json.loads((tmp / f"report.{rank}").read_text()) for rank in range(2)]
 
 
