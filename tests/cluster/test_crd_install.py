@@ -28,9 +28,7 @@ ELSEWHERE = ("scheduling.volcano.sh/", "scheduling.x-k8s.io/")
 def crd_installed(control_plane):
     proc = control_plane.kubectl("apply", "-f", str(REPO / "manifests" / "crd.yaml"))
     assert proc.returncode == 0, proc.stderr
-    established = control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                                        f"crd/{PLURAL}.paratrain.dev")
-    assert established.returncode == 0, established.stderr
+    control_plane.wait_established(f"{PLURAL}.paratrain.dev")
     return control_plane
 
 

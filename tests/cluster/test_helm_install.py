@@ -169,8 +169,7 @@ def declared(rules, namespace: str | None) -> list[Request]:
 
 
 def test_install_creates_the_crd_account_rbac_deployment_and_metrics_service(installed):
-    crd = installed.plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
-    assert crd.returncode == 0, crd.stderr
+    installed.plane.wait_established(CRD_NAME)
     annotations = read(installed, "apiextensions.k8s.io/v1", "customresourcedefinitions", CRD_NAME,
                        namespaced=False)["metadata"]["annotations"]
     assert annotations["helm.sh/resource-policy"] == "keep"

@@ -118,7 +118,7 @@ def judge(control_plane):
     proc = control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f",
                                  str(REPO / "manifests" / "crd.yaml"))
     assert proc.returncode == 0, proc.stderr
-    assert control_plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.paratrain.dev").returncode == 0
+    control_plane.wait_established(f"{PLURAL}.paratrain.dev")
     if not control_plane.api.get(f"/api/v1/namespaces/{NAMESPACE}").ok:
         control_plane.create_namespace(NAMESPACE)
     return Judge(control_plane)

@@ -176,5 +176,15 @@ class ControlPlane:
                  f"namespace {name}'s default ServiceAccount")
         return name
 
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Until the CRD named `crd` is Established. Not `kubectl wait --for=condition=Established`: on a CRD
+        created a moment ago, before the server has written its conditions, that fails at once ("accessor error:
+        <nil> is of the type <nil>") instead of waiting."""
+        def established() -> bool:
+            got = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
+            conditions = (got.body.get("status") or {}).get("conditions") or [] if got.ok else []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+        wait_for(established, timeout, f"CRD {crd} to be Established")
+
     def close(self) -> None:
         subprocess.run(["bash", str(TEST_CLUSTER), "down", str(self.workdir)], capture_output=True, timeout=60)
