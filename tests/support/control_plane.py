@@ -182,7 +182,9 @@ class ControlPlane:
         <nil> is of the type <nil>") instead of waiting."""
         def established() -> bool:
             got = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
-            conditions = (got.body.get("status") or {}).get("conditions") or [] if got.ok else []
+            if not got.ok:
+                return False
+            conditions = (got.body.get("status") or {}).get("conditions") or []
             return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
         wait_for(established, timeout, f"CRD {crd} to be Established")
 

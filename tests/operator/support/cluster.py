@@ -196,11 +196,10 @@ class ClusterBase:
         def reasons() -> list[str]:
             events = sorted(self.events(namespace, name), key=lambda e: int(e["metadata"]["resourceVersion"]))
             return [e["reason"] for e in events]
-        def with_until() -> list[str] | None:
-            seen = reasons()
-            return seen if until in seen else None
-        return reasons() if until is None else wait_for(with_until, timeout, f"a {until} Event on {namespace}/{name}",
-                                                        interval=0.2)
+        if until is None:
+            return reasons()
+        return wait_for(lambda: until in (seen := reasons()) and seen, timeout,
+                        f"a {until} Event on {namespace}/{name}", interval=0.2)
 
     def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
         def reached() -> dict[str, Any] | None:
