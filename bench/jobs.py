@@ -57,6 +57,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[...,
     import torch
     import torch.distributed as dist
 
+    from paratrain.cli import exit_now
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -64,11 +66,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[...,
         dist.barrier()  # no rank leaves while another may still talk to it
     finally:
         dist.destroy_process_group()
-    # Past here only interpreter teardown, where a gloo thread still joinable aborts the process now and then
-    # ("terminate called without an active exception"): skipped, as `paratrain train` skips it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # as `paratrain train` ends: no interpreter teardown, where gloo threads can abort the process
 
 
 def engine_for(job: dict, vocab_size: int):

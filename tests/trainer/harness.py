@@ -52,20 +52,19 @@ def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expec
 
 
 def spawn_ranks(fn: Callable[..., None], nprocs: int, *args) -> None:
-    """`fn(rank, *args)` in `nprocs` spawned processes (torch.multiprocessing), each ending without interpreter
-    teardown once `fn` returns: there a gloo thread still joinable aborts the process now and then ("terminate
-    called without an active exception", SIGABRT), which `paratrain train` skips the same way. An exception in
-    `fn` still fails the test with its traceback."""
+    """`fn(rank, *args)` in `nprocs` spawned processes (torch.multiprocessing), each ending as `paratrain train`
+    does (`cli.exit_now`: no interpreter teardown, where a gloo thread still joinable aborts the process now and
+    then) once `fn` returns. An exception in `fn` still fails the test with its traceback."""
     import torch.multiprocessing as mp
 
     mp.start_processes(_rank_then_exit, args=(fn, args), nprocs=nprocs, start_method="spawn")
 
 
 def _rank_then_exit(rank: int, fn: Callable[..., None], args: tuple) -> None:
+    from paratrain.cli import exit_now
+
     fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def job_env(extra: dict[str, str]) -> dict[str, str]:

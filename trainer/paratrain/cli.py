@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from .train.entrypoint import train_main
 
-            _exit_now(train_main(args.spec))
+            exit_now(train_main(args.spec))
         if args.command == "prepare":
             return _prepare(args)
         if args.command == "node":
@@ -269,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """End a trainer process with its exit code, skipping interpreter teardown: there, C++ threads of torch's
-    process groups can still be joinable and abort the process (SIGABRT), so a rank that refused a checkpoint
-    as an invalid spec would be reported as crashed. Everything the run writes is closed before it returns."""
+    process groups can still be joinable and abort the process (SIGABRT: "terminate called without an active
+    exception"), so a rank that refused a checkpoint as an invalid spec would be reported as crashed. Everything
+    the run writes is closed before it returns. The tests' and benchmarks' spawned ranks end through it too."""
     import logging
 
     logging.shutdown()
