@@ -1,10 +1,11 @@
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from .harness import layout, run_job
+from .harness import forced_cpu_fp16_env, layout, run_job
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +15,32 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class CpuFp16:
+    """A CPU's answer to "native fp16?", forced for one test: in the test process, and in the jobs it runs with
+    `env`."""
+
+    native: bool
+
+    @property
+    def env(self) -> dict[str, str]:
+        return forced_cpu_fp16_env(self.native)
+
+
+@pytest.fixture(params=[True, False], ids=["native-fp16", "no-native-fp16"])
+def cpu_fp16(request, monkeypatch) -> CpuFp16:
+    """Both branches of a test whose outcome depends on the CPU's native fp16 (AVX512-FP16/AMX-FP16: Intel Sapphire
+    Rapids and newer have it, AMD's Zen 4 EPYCs do not), on every CPU, whatever this one has: the suite must not
+    prove only the branch of the machine it happens to run on. `indirect` parametrization picks one branch."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from paratrain.train import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: request.param)
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: request.param)
+    return CpuFp16(request.param)
 
 
 @pytest.fixture(scope="session")

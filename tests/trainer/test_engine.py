@@ -76,8 +76,15 @@ def test_torch_engine_fp16_growth_step_applies_the_whole_gradient():
     assert_same_update(fp16, second_step_update(*torch_engine("fp32")))
 
 
+# DeepSpeed's fp16 mechanics (its loss scaler: the GPU path) are checked on every CPU: DeepSpeed refuses fp16 on a
+# CPU without native fp16 (and paratrain refuses such a job before launch: test_zero's no-native-fp16 branch), so
+# these tests take the native branch (cpu_fp16 forces both probes), where torch emulates fp16 if it must.
+NATIVE_FP16 = pytest.mark.parametrize("cpu_fp16", [True], ids=["native-fp16"], indirect=True)
+
+
+@NATIVE_FP16
 @pytest.mark.parametrize("stage", [1, 3])
-def test_deepspeed_fp16_growth_step_applies_the_whole_gradient(stage, one_rank_group, monkeypatch):
+def test_deepspeed_fp16_growth_step_applies_the_whole_gradient(stage, cpu_fp16, one_rank_group, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed asserts the worker env torchrun would set
     engine, weights = deepspeed_engine("fp16", stage)
     fp16 = second_step_update(engine, weights)
@@ -85,8 +92,10 @@ def test_deepspeed_fp16_growth_step_applies_the_whole_gradient(stage, one_rank_g
     assert_same_update(fp16, second_step_update(*deepspeed_engine("fp32", stage)))
 
 
+@NATIVE_FP16
 @pytest.mark.parametrize("first,then", [("bf16", "fp16"), ("fp16", "bf16")])
-def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then, one_rank_group, monkeypatch):
+def test_deepspeed_keeps_its_own_loss_scaler_when_precision_changes(first, then, cpu_fp16, one_rank_group,
+                                                                    monkeypatch):
     """bf16's scaler is the constant 1, fp16's a dynamic one: an fp16 run resumed from bf16 must not start at
     scale 1 (its gradients would underflow), a bf16 run resumed from fp16 must not scale at all."""
     monkeypatch.setenv("LOCAL_RANK", "0")

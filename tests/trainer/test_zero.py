@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.train.precision import cpu_has_native_fp16
-
 from .harness import MUTANTS, PRECISION_RTOL, TINY_JOB, assert_close_curves, layout, run_job
 
 SMALL = copy.deepcopy(TINY_JOB)
@@ -107,20 +105,21 @@ def test_bf16_zero2_matches_single_process_bf16(runs):
         assert rank["optimizer"] == pytest.approx(12 * psi / 2, rel=0.1), rank
 
 
-def test_fp16_zero3_skips_an_overflow_step_like_single_process(runs, tmp_path):
+def test_fp16_zero3_skips_an_overflow_step_like_single_process(cpu_fp16, runs, tmp_path):
     """One rank's gradients overflow in step 4 (0-based 3): every rank skips that step and halves the loss scale,
     as the single-process fp16 run does; before and after, the two runs agree. DeepSpeed's fp16 on CPU needs
-    native fp16, measured here as DeepSpeed measures it: without it, the job is refused before launch instead."""
-    if not cpu_has_native_fp16():
-        print("capability: this CPU has no native fp16 (oneDNN): checking that the job is refused before launch")
-        assert_fp16_deepspeed_refused(tmp_path)
+    native fp16: without it the job is refused before launch, while torch-native layouts (autocast emulates fp16)
+    still run fp16."""
+    if not cpu_fp16.native:
+        assert_fp16_deepspeed_refused(tmp_path / "zero3", env=cpu_fp16.env)
+        _, single = run_job(tmp_path / "single", layout() + ["spec.precision=fp16", "spec.training.steps=2"],
+                            job=SMALL, env=cpu_fp16.env)
+        assert len(single["losses"]) == 2
         return
-    print("capability: this CPU has native fp16 (oneDNN): running the fp16 ZeRO-3 job")
-    overflow = {"PYTHONPATH": str(MUTANTS)}
     single_dir, single = runs("single-fp16-overflow", layout() + ["spec.precision=fp16"],
-                              env={**overflow, "PARATRAIN_TEST_MUTANT": "overflow:0:3"})
+                              env={**cpu_fp16.env, "PARATRAIN_TEST_MUTANT": "overflow:0:3"})
     zero_dir, zero = runs("zero3-dp2-fp16-overflow", layout(data=2, zeroStage=3) + ["spec.precision=fp16"],
-                          env={**overflow, "PARATRAIN_TEST_MUTANT": "overflow:1:3"})
+                          env={**cpu_fp16.env, "PARATRAIN_TEST_MUTANT": "overflow:1:3"})
     for run_dir, metrics in ((single_dir, single), (zero_dir, zero)):
         assert metrics["skipped_steps"] == 1
         assert [e["applied"] for e in events(run_dir)] == [True] * 3 + [False] + [True] * 6
@@ -131,7 +130,7 @@ def test_fp16_zero3_skips_an_overflow_step_like_single_process(runs, tmp_path):
     assert_close_curves([zero["grad_norms"][i] for i in finite], [single["grad_norms"][i] for i in finite], norm_rtol)
 
 
-def assert_fp16_deepspeed_refused(tmp_path: Path, env: dict | None = None) -> None:
+def assert_fp16_deepspeed_refused(tmp_path: Path, env: dict) -> None:
     proc, _ = run_job(tmp_path, layout(data=2, zeroStage=3) + ["spec.precision=fp16"], job=SMALL, expect_ok=False,
                       env=env)
     assert proc.returncode == 1, proc.stderr
@@ -139,15 +138,15 @@ def assert_fp16_deepspeed_refused(tmp_path: Path, env: dict | None = None) -> No
     assert not (tmp_path / "work").exists(), "refused before launch: no rank started, no workdir"
 
 
-def test_fp16_deepspeed_is_refused_before_launch_on_a_cpu_without_native_fp16(tmp_path):
-    """The branch CPUs without AVX512-FP16/AMX-FP16 take, run on every CPU: oneDNN's probe is made to answer no in
-    the launcher (and would be in every rank), as it does on such a CPU. Torch-native layouts (autocast emulates
-    fp16) still run fp16 there: the single-process fp16 run is not refused."""
-    no_fp16 = {"PYTHONPATH": str(MUTANTS), "PARATRAIN_TEST_MUTANT": "cpu_without_native_fp16"}
-    assert_fp16_deepspeed_refused(tmp_path / "zero3", env=no_fp16)
-    proc, metrics = run_job(tmp_path / "single", layout() + ["spec.precision=fp16", "spec.training.steps=2"],
-                            job=SMALL, env=no_fp16)
-    assert len(metrics["losses"]) == 2
+def test_zero3_holds_fp32_parameters_whatever_the_cpu_fp16(cpu_fp16, runs):
+    """An fp32 job's ZeRO-3 partitions are fp32 (4 bytes a parameter, 4Ψ/N a rank) on every CPU. DeepSpeed 0.19.8's
+    zero.Init, given an explicit dtype on a CPU without native fp16, built them in bf16 (2Ψ/N) and trained other
+    numerics than the job asked for: deepspeed_engine._build_model lets the config choose the dtype instead."""
+    _, metrics = runs("zero3-dp2-fp32-params", layout(data=2, zeroStage=3) + [
+        "spec.training.steps=2", "spec.training.evalSteps=1"], env=cpu_fp16.env)
+    psi = param_count(SMALL["spec"]["model"])
+    for rank in metrics["model_state_bytes"]:
+        assert rank["params"] == pytest.approx(4 * psi / 2, rel=0.1), rank
 
 
 def test_zero3_resume_is_exact(runs, tmp_path):

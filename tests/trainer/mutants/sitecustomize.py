@@ -3,11 +3,30 @@
 Proves the parity tests can fail: each mutant breaks one gradient reduction the way real bugs do. Two observers
 change nothing: `dump_model:<dir>` saves what each rank holds for tests to compare, `record_deepspeed_handoff:<dir>`
 what each rank holds of the model DeepSpeed is given.
+
+PARATRAIN_TEST_CPU_FP16 (`native` or `none`), independent of the mutant: the CPU's answer to "native fp16?"
+(AVX512-FP16 or AMX-FP16, as oneDNN reports it), forced in both probes that read it: paratrain's
+(`precision.cpu_has_native_fp16`, which refuses fp16 DeepSpeed jobs without it) and DeepSpeed's CPU accelerator's
+(which refuses fp16 without it and, in 0.19.8, chose ZeRO-3's dtype by it). A process then decides as it would on
+such a CPU. torch's kernels are untouched: where fp16 is not native, torch emulates it with the same rounding
+(inputs and output rounded to fp16, fp32 accumulation: measured on an AMD EPYC), so a forced `native` runs the
+native branch's code with its numerics, only slower.
 """
 
 import os
 
+CPU_FP16 = os.environ.get("PARATRAIN_TEST_CPU_FP16")
 MUTANT = os.environ.get("PARATRAIN_TEST_MUTANT")
+
+if CPU_FP16:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the trainer sets it, before DeepSpeed is first imported
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from paratrain.train import precision
+
+    native = {"native": True, "none": False}[CPU_FP16]
+    precision.cpu_has_native_fp16 = lambda: native
+    CPU_Accelerator.is_fp16_supported = lambda self: native
 
 if MUTANT:
     import torch.distributed as dist
@@ -46,12 +65,6 @@ if MUTANT:
     elif MUTANT == "accumulation_sums_micro_steps":
         # Each micro-step's gradient added at full weight: k times the step's gradient.
         engine.loss_weight = lambda accumulation, microbatches: 1.0 / microbatches
-    elif MUTANT == "cpu_without_native_fp16":
-        # A CPU without AVX512-FP16/AMX-FP16 (e.g. an AMD EPYC with avx512_bf16): oneDNN's own probe says no,
-        # so both paratrain's check and DeepSpeed's see what they would see there.
-        import torch
-
-        torch.ops.mkldnn._is_mkldnn_fp16_supported = lambda: False
     elif MUTANT.startswith("absent:"):
         # absent:<rank> — that rank never checks in at the rendezvous: a pod that cannot reach rank 0's address.
         import time

@@ -359,8 +359,8 @@ def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, con
     are split over the dp ranks as soon as its constructor returns), so no rank ever holds the whole model.
     `initialize` then writes each weight through a gather of that one parameter (models.copy_into).
 
-    zero.Init makes the weights `dtype` (bf16/fp16 under DeepSpeed's mixed precision) right away: DeepSpeed
-    casts a model it did not partition itself, but not one built partitioned."""
+    zero.Init makes the weights the config's dtype (bf16/fp16 under DeepSpeed's mixed precision, else fp32) right
+    away: DeepSpeed casts a model it did not partition itself, but not one built partitioned."""
     import deepspeed
 
     if dims.zero_stage < 3:
@@ -368,5 +368,13 @@ def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, con
     # zero.Init reads the world size from deepspeed.comm, which deepspeed.initialize would only set up later (over
     # the torch process group already running), and otherwise takes it for 1.
     deepspeed.init_distributed()
-    with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype, data_parallel_group=dims.group("dp")):
-        return build_model(cfg)
+    # No `dtype=` argument: DeepSpeed 0.19.8's Init._set_dtype reads an explicit dtype as
+    # `(dtype or fp16) if accelerator.is_fp16_supported() else bf16 if ...`, so on a CPU without native fp16
+    # (an AMD EPYC) every dtype asked for, fp32 included, became bf16. Given none, it takes the config's.
+    with deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=dims.group("dp")):
+        model = build_model(cfg)
+    held = {p.ds_tensor.dtype for p in model.parameters()}
+    if held != {dtype}:  # any other DeepSpeed whose zero.Init picks a dtype of its own
+        raise RuntimeError(f"deepspeed.zero.Init built the model in {sorted(map(str, held))}, not {dtype}: this "
+                           f"DeepSpeed ({deepspeed.__version__}) does not hold the job's spec.precision")
+    return model
