@@ -14,5 +14,5 @@ print(",".join(loaded))
 
 
 def test_the_operator_imports_neither_the_trainer_nor_torch():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == ""

@@ -299,7 +299,7 @@ def test_python_tags_in_a_job_file_never_run(tmp_path):
     job.write_text(yaml.safe_dump(BASE) + f"extra: !!python/object/apply:os.system ['touch {marker}']\n")
     for command in ("validate", "render", "run"):
         proc = subprocess.run([sys.executable, "-m", "paratrain.cli", command, str(job)], capture_output=True,
-                              text=True, timeout=60, cwd=tmp_path)
+                              text=True, timeout=300, cwd=tmp_path)
         assert proc.returncode == 1 and f"{job}: not valid YAML" in proc.stderr, proc.stderr
     assert not marker.exists()
     assert not (tmp_path / "runs").exists(), "nothing may start"

@@ -18,7 +18,7 @@ from paratrain.train.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
 from paratrain.train.zero import apply_fsdp
 
-from .harness import MUTANTS, assert_parity, layout, run_job
+from .harness import AUTOCAST_RTOL, MUTANTS, assert_parity, layout, run_job
 from .test_engine import CFG, tiny_gpt
 
 ACCUMULATE = ["spec.training.gradientAccumulation=2"]
@@ -43,10 +43,10 @@ def test_accumulation_matches_one_full_batch(name, reference, job_runs, tmp_path
 
 def test_fp16_accumulation_under_pipeline_matches_fp32(reference, tmp_path):
     """The fp16 loss scale and the 1/(k·microbatches) weight share the pipeline's loss_fn; unscaling once per step
-    must undo only the former (test_parity's fp16 bound)."""
+    must undo only the former (test_parity's fp16 bounds)."""
     _, metrics = run_job(tmp_path, layout(pipeline=2, microbatches=2) + ACCUMULATE + ["spec.precision=fp16"])
     assert metrics["skipped_steps"] == 0
-    assert_parity(metrics, reference, rtol=1e-3)
+    assert_parity(metrics, reference, *AUTOCAST_RTOL["fp16"])
 
 
 @pytest.mark.parametrize("overrides", [layout(), layout(data=2)], ids=["single", "dp2-ddp"])

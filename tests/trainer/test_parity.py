@@ -6,12 +6,13 @@ are compared too because Adam is nearly invariant to gradient scale: a reduction
 barely moves the loss but doubles the norm. bf16/fp16 are compared with the single-process fp32 run: autocast
 rounds matmul inputs to 8 (bf16) or 11 (fp16) mantissa bits, i.e. relative errors of 2^-8 ≈ 4e-3 and 2^-11 ≈ 5e-4
 per element; the loss averages thousands of such terms, so 5e-3 (bf16) and 1e-3 (fp16) bound it with margin
-while still catching a missing or doubled reduction (≥ 1e-2 within a few steps, see the mutant tests).
+while still catching a missing or doubled reduction (≥ 1e-2 within a few steps, see the mutant tests). Their
+gradient norms drift further, by what Adam's learning rate sets rather than the format (harness.AUTOCAST_RTOL).
 """
 
 import pytest
 
-from .harness import MUTANTS, PRECISION_RTOL, assert_close_curves, assert_parity, layout, run_job
+from .harness import AUTOCAST_RTOL, MUTANTS, PRECISION_RTOL, assert_close_curves, assert_parity, layout, run_job
 
 
 LAYOUTS = {
@@ -38,11 +39,11 @@ def test_loss_actually_falls(reference):
     assert reference["losses"][-1] < reference["losses"][0] - 0.2
 
 
-@pytest.mark.parametrize("precision,rtol", [("bf16", 5e-3), ("fp16", 1e-3)])
-def test_mixed_precision_layout_matches_fp32(precision, rtol, reference, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_layout_matches_fp32(precision, reference, tmp_path):
     _, metrics = run_job(tmp_path, layout(data=2, tensor=2) + ["spec.nodes=4", f"spec.precision={precision}"])
     assert metrics["skipped_steps"] == 0
-    assert_parity(metrics, reference, rtol=rtol)
+    assert_parity(metrics, reference, *AUTOCAST_RTOL[precision])
 
 
 def test_bf16_fsdp2_computes_in_bf16_and_matches_fp32(reference, job_runs):

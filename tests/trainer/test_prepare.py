@@ -89,10 +89,10 @@ def test_the_cli_reports_errors_and_summarises(tmp_path, token_inputs):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1]\n")
     refused = subprocess.run([*cli, "--train-bpe", "300", "--out", str(tmp_path / "a"), str(bad)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and f'paratrain prepare: {bad}:1: no "text" field' in refused.stderr
     done = subprocess.run([*cli, "--train-bpe", "300", "--out", str(tmp_path / "b"), *map(str, token_inputs)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "training tokens in 1 shard(s)" in done.stderr, done.stderr
     assert "tokenizing" not in done.stderr, "no progress bar when stderr is not a terminal"
 
