@@ -103,7 +103,7 @@ def fit_batch(job: dict, device_bytes: int) -> dict:
 def _cpu_bf16() -> bool:
     import torch
 
-    from paratrain.train.precision import check_device_supports
+    from paratrain.train.parallel.precision import check_device_supports
 
     try:
         check_device_supports("bf16", torch.device("cpu"), False)

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
 
-    from paratrain.train.precision import cpu_has_native_fp16
+    from paratrain.train.parallel.precision import cpu_has_native_fp16
 
     got = {}
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -88,7 +88,7 @@ def model_step_seconds(work: Path, steps: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from paratrain.train.model import GPT, GPTConfig
+    from paratrain.train.models.gpt import GPT, GPTConfig
 
     found = importlib.util.spec_from_file_location("nanogpt_model", work / "model.py")  # the checkout's model.py
     nanogpt_model = importlib.util.module_from_spec(found)

@@ -13,7 +13,7 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 
 def pytest_report_header(config):
     """Capabilities that choose some tests' assertions (measured, never assumed), shown at the top of every run."""
-    from paratrain.train.precision import cpu_has_native_fp16
+    from paratrain.train.parallel.precision import cpu_has_native_fp16
 
     return [f"cpu native fp16 (oneDNN: AVX512-FP16 or AMX-FP16): {'yes' if cpu_has_native_fp16() else 'no'}"]
 

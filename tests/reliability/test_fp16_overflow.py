@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from paratrain.train.precision import LossScaler
+from paratrain.train.parallel.precision import LossScaler
 
 from ..trainer.harness import layout, run_job
 from .gang import fault_env

@@ -36,7 +36,7 @@ def cpu_fp16(request, monkeypatch) -> CpuFp16:
     prove only the branch of the machine it happens to run on. `indirect` parametrization picks one branch."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from paratrain.train import precision
+    from paratrain.train.parallel import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: request.param)
     monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: request.param)

@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from paratrain.train.data_parallel import OverlappedGradReducer
-from paratrain.train.dims import ParallelDims
+from paratrain.train.parallel.data_parallel import OverlappedGradReducer
+from paratrain.train.parallel.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
-from paratrain.train.zero import apply_fsdp
+from paratrain.train.parallel.zero import apply_fsdp
 
 from .harness import AUTOCAST_RTOL, MUTANTS, assert_parity, layout, run_job
 from .test_engine import CFG, tiny_gpt

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratrain.train.activation_checkpoint import apply_ac
-from paratrain.train.model import GPT, GPTConfig
-from paratrain.train.models import init_weights
+from paratrain.train.parallel.activation_checkpoint import apply_ac
+from paratrain.train.models.gpt import GPT, GPTConfig
+from paratrain.train.models.registry import init_weights
 
 from .harness import assert_close_curves, layout
 from .test_parity import assert_parity

@@ -61,8 +61,8 @@ def spec_of(stage: int, precision: str = "fp32", accumulation: int = 1):
 def accumulating(rank: int, stage: int, precision: str, out: str) -> None:
     init(rank, out)
     try:
-        from paratrain.train.dims import ParallelDims
-        from paratrain.train.parallelize import build_engine
+        from paratrain.train.parallel.dims import ParallelDims
+        from paratrain.train.parallel.parallelize import build_engine
 
         spec = spec_of(stage, precision, accumulation=2)
         engine = build_engine(spec, ParallelDims.from_spec(spec, 2, "cpu"), torch.device("cpu"), spec.model.vocab_size)
@@ -87,8 +87,8 @@ def worker(rank: int, stage: int, out: str) -> None:
     init(rank, out)
     try:
         from paratrain.train import deepspeed_engine
-        from paratrain.train.dims import ParallelDims
-        from paratrain.train.parallelize import build_engine
+        from paratrain.train.parallel.dims import ParallelDims
+        from paratrain.train.parallel.parallelize import build_engine
 
         spec = spec_of(stage)
         dims = ParallelDims.from_spec(spec, 2, "cpu")

@@ -7,11 +7,11 @@ import torch
 
 from paratrain.api.spec import Spec
 from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config, skip_the_shm_op
-from paratrain.train.dims import ParallelDims
+from paratrain.train.parallel.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
-from paratrain.train.model import GPT, GPTConfig
-from paratrain.train.models import init_weights
-from paratrain.train.precision import LossScaler
+from paratrain.train.models.gpt import GPT, GPTConfig
+from paratrain.train.models.registry import init_weights
+from paratrain.train.parallel.precision import LossScaler
 
 CFG = GPTConfig(vocab_size=32, block_size=8, layers=1, heads=2, embed_dim=16)
 

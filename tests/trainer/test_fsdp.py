@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from paratrain.train.model import GPT, GPTConfig
-from paratrain.train.models import init_weights
-from paratrain.train.zero import apply_fsdp
+from paratrain.train.models.gpt import GPT, GPTConfig
+from paratrain.train.models.registry import init_weights
+from paratrain.train.parallel.zero import apply_fsdp
 
 
 def test_every_sharded_module_sums_and_divides_on_gloo(one_rank_group):

@@ -9,9 +9,9 @@ import transformers
 from paratrain.api import parse_job
 from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
 from paratrain.train.engine import cross_entropy
-from paratrain.train.hf import export_hf, load_hf_into
-from paratrain.train.hf_config import init_problem
-from paratrain.train.models import build_model, init_weights, model_config
+from paratrain.train.models.hf import export_hf, load_hf_into
+from paratrain.train.models.hf_config import init_problem
+from paratrain.train.models.registry import build_model, init_weights, model_config
 
 from .harness import TINY_JOB, assert_close_curves, layout, run_job
 

@@ -5,8 +5,8 @@ import torch
 
 from paratrain.api.shapes import parameter_count
 from paratrain.api.spec import Spec
-from paratrain.train.llama import Llama, LlamaConfig
-from paratrain.train.models import build_model, init_weights, model_config
+from paratrain.train.models.llama import Llama, LlamaConfig
+from paratrain.train.models.registry import build_model, init_weights, model_config
 from paratrain.train.perf import model_flops_per_token
 
 SPECS = {

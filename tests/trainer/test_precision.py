@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from paratrain.train.precision import check_device_supports
+from paratrain.train.parallel.precision import check_device_supports
 
 
 def test_bf16_is_refused_on_a_gpu_that_only_emulates_it(monkeypatch):
@@ -18,7 +18,7 @@ def test_paratrain_refuses_fp16_deepspeed_exactly_where_deepspeed_would():
     DeepSpeed's CPU accelerator does (which would refuse it in every rank, after the launch)."""
     from deepspeed.accelerator import get_accelerator
 
-    from paratrain.train.precision import cpu_has_native_fp16
+    from paratrain.train.parallel.precision import cpu_has_native_fp16
 
     assert bool(get_accelerator().is_fp16_supported()) == cpu_has_native_fp16()
 

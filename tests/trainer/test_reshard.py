@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paratrain.train.checkpoint import full_model_state
-from paratrain.train.model import GPT, GPTConfig
+from paratrain.train.models.gpt import GPT, GPTConfig
 
 from .harness import TINY_JOB, assert_close_curves, layout, run_job
 

@@ -5,9 +5,9 @@ import functools
 import pytest
 import torch
 
-from paratrain.train import llama
-from paratrain.train.model import Attention, GPTConfig
-from paratrain.train.tensor_parallel import RNGStream
+from paratrain.train.models import llama
+from paratrain.train.models.gpt import Attention, GPTConfig
+from paratrain.train.parallel.tensor_parallel import RNGStream
 
 CPU = torch.device("cpu")
 FAMILIES = ["gpt", "llama"]

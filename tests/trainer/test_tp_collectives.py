@@ -44,11 +44,11 @@ CONFIGS = {
 def count_collectives(rank: int, family: str, store_file: str, out: str, ac: str = "none") -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paratrain.train.activation_checkpoint import apply_ac
-    from paratrain.train.llama import LlamaConfig
-    from paratrain.train.model import GPTConfig
-    from paratrain.train.models import build_model, init_weights
-    from paratrain.train.tensor_parallel import RNGStream, apply_tp
+    from paratrain.train.parallel.activation_checkpoint import apply_ac
+    from paratrain.train.models.llama import LlamaConfig
+    from paratrain.train.models.gpt import GPTConfig
+    from paratrain.train.models.registry import build_model, init_weights
+    from paratrain.train.parallel.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
@@ -98,11 +98,11 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from paratrain.train.dims import ParallelDims
+    from paratrain.train.parallel.dims import ParallelDims
     from paratrain.train.engine import global_grad_norm
-    from paratrain.train.llama import LlamaConfig
-    from paratrain.train.models import build_model, init_weights
-    from paratrain.train.tensor_parallel import RNGStream, apply_tp
+    from paratrain.train.models.llama import LlamaConfig
+    from paratrain.train.models.registry import build_model, init_weights
+    from paratrain.train.parallel.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)

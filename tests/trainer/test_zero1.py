@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.train.data_parallel import Bucket
+from paratrain.train.parallel.data_parallel import Bucket
 
 from .harness import spawn_ranks
 
@@ -55,11 +55,11 @@ def whole(share: dict) -> dict:
 def train(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from paratrain.train.data_parallel import OverlappedGradReducer
-    from paratrain.train.dims import ParallelDims
+    from paratrain.train.parallel.data_parallel import OverlappedGradReducer
+    from paratrain.train.parallel.dims import ParallelDims
     from paratrain.train.engine import TorchEngine
     from paratrain.train.optim import param_groups
-    from paratrain.train.zero import ZeroOneOptimizer
+    from paratrain.train.parallel.zero import ZeroOneOptimizer
 
     from .test_engine import CFG, tiny_gpt
 

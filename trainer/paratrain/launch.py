@@ -234,7 +234,7 @@ def broken_data(job: ParallelTrainJob, checksums: bool = True) -> list[Problem]:
 def init_problem(job: ParallelTrainJob) -> Problem | None:
     """`spec.model.init` when it is not a Hugging Face directory of this spec's model on this machine (the vocabulary
     is checked where known before the data is read: the synthetic source's)."""
-    from .train.hf_config import init_problem as problem_of
+    from .train.models.hf_config import init_problem as problem_of
 
     model = job.spec.model
     vocab_size = model.vocab_size if job.spec.data.source == "synthetic" else None
@@ -314,8 +314,8 @@ def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
     import torch
 
     from .train.entrypoint import device_type
-    from .train.dims import ParallelDims
-    from .train.precision import check_device_supports
+    from .train.parallel.dims import ParallelDims
+    from .train.parallel.precision import check_device_supports
 
     spec = job.spec
     if spec.entrypoint:  # a program of its own checks what it reads

@@ -55,7 +55,8 @@ if FAULT and "RANK" in os.environ:
     elif kind == "fp16_storm":
         import functools
 
-        from paratrain.train import engine, parallelize, precision
+        from paratrain.train import engine
+        from paratrain.train.parallel import parallelize, precision
 
         storm_rank, first, count, growth = (int(a) for a in args)
         parallelize.LossScaler = functools.partial(precision.LossScaler, growth_interval=growth)

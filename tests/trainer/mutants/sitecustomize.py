@@ -22,7 +22,7 @@ if CPU_FP16:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the trainer sets it, before DeepSpeed is first imported
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from paratrain.train import precision
+    from paratrain.train.parallel import precision
 
     native = {"native": True, "none": False}[CPU_FP16]
     precision.cpu_has_native_fp16 = lambda: native
@@ -31,7 +31,8 @@ if CPU_FP16:
 if MUTANT:
     import torch.distributed as dist
 
-    from paratrain.train import data_parallel, engine, parallelize
+    from paratrain.train.parallel import data_parallel, parallelize
+    from paratrain.train import engine
 
     if MUTANT == "ddp_skips_allreduce":
         parallelize.apply_ddp = lambda model, dp_mesh: model
@@ -173,7 +174,7 @@ if MUTANT:
         import torch
 
         from paratrain.train import loop
-        from paratrain.train.tensors import local
+        from paratrain.train.parallel.tensors import local
 
         dump_dir = MUTANT.split(":", 1)[1]
         original_run = loop.Trainer.run
@@ -194,7 +195,7 @@ if MUTANT:
         import math
 
         from paratrain.train import deepspeed_engine
-        from paratrain.train.models import full_shape_of
+        from paratrain.train.models.registry import full_shape_of
 
         record_dir = MUTANT.split(":", 1)[1]
         original_build_optimizer = deepspeed_engine.build_optimizer

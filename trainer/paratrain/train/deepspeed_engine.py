@@ -43,13 +43,13 @@ import torch
 from torch import nn
 
 from ..api import Spec
-from .activation_checkpoint import apply_ac
+from .parallel.activation_checkpoint import apply_ac
 from .checkpoint import CheckpointError, in_batches, save_owners
-from .dims import ParallelDims
+from .parallel.dims import ParallelDims
 from .engine import Batch, StepResult, cross_entropy
-from .models import ModelConfig, build_model, initialize
+from .models.registry import ModelConfig, build_model, initialize
 from .optim import build_optimizer
-from .precision import DTYPES, LossScaler
+from .parallel.precision import DTYPES, LossScaler
 
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")

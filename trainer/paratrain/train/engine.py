@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from .data_parallel import OverlappedGradReducer
-from .dims import ParallelDims
-from .precision import LossScaler, autocast
-from .tensor_parallel import RNGStream
-from .tensors import local, local_bytes
-from .zero import ZeroOneOptimizer, optimizer_state_bytes
+from .parallel.data_parallel import OverlappedGradReducer
+from .parallel.dims import ParallelDims
+from .parallel.precision import LossScaler, autocast
+from .parallel.tensor_parallel import RNGStream
+from .parallel.tensors import local, local_bytes
+from .parallel.zero import ZeroOneOptimizer, optimizer_state_bytes
 
 
 # Tokens per piece of the loss: its fp32 copy of the logits and log-softmax exist for one piece at a time

@@ -127,13 +127,13 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
 
     from .checkpoint import Checkpointer
     from .data import load_corpus
-    from .dims import ParallelDims
+    from .parallel.dims import ParallelDims
     from .loop import Trainer
-    from .hf_config import init_problem
-    from .models import model_config
-    from .parallelize import build_engine
+    from .models.hf_config import init_problem
+    from .models.registry import model_config
+    from .parallel.parallelize import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
-    from .precision import check_device_supports
+    from .parallel.precision import check_device_supports
     from .preemption import Preempted, StopRequest
     from .preflight import PREFLIGHT_SECONDS, join, prove_fabric
     from .progress import ProgressReporter, TensorBoardWriter, write_json

@@ -15,9 +15,9 @@ from ..api.spec import TrainingSpec
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .preemption import Preempted, StopRequest
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
-from .dims import ParallelDims
+from .parallel.dims import ParallelDims
 from .progress import ProgressReporter
-from .tensor_parallel import reseeded
+from .parallel.tensor_parallel import reseeded
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:

@@ -8,10 +8,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..api.spec import TrainingSpec
-from .data_parallel import OverlappedGradReducer
-from .dims import ParallelDims
-from .models import full_shape_of
-from .zero import ZeroOneOptimizer
+from .parallel.data_parallel import OverlappedGradReducer
+from .parallel.dims import ParallelDims
+from .models.registry import full_shape_of
+from .parallel.zero import ZeroOneOptimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .models import ModelConfig, build_model
+from .models.registry import ModelConfig, build_model
 
 # Dense (not sparse) bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' datasheets, matched as substrings
 # of torch.cuda.get_device_name() in this order (so "H100 PCIe" before "H100", "L40S" before "L4").

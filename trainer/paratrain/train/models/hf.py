@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..api import ParallelTrainJob
+from ...api import ParallelTrainJob
 from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json, weight_shards
-from .models import build_model, copy_into, full_shape_of, model_config
+from .registry import build_model, copy_into, full_shape_of, model_config
 
 # (paratrain name, Hugging Face name) as regular expression and replacement, per family.
 NAMES = {
@@ -173,7 +173,7 @@ def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: st
     """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
     under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
     reads one. Returns the directory, the checkpoint exported and its manifest (step, layout)."""
-    from .checkpoint import MANIFEST, full_model_state, newest_sound
+    from ..checkpoint import MANIFEST, full_model_state, newest_sound
 
     ckpt = newest_sound(checkpoint)
     data = job.spec.data

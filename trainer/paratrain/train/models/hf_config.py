@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..api.spec import ModelSpec
+from ...api.spec import ModelSpec
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: tensor name → the file holding it

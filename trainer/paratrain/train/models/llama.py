@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import attend
+from .gpt import attend
 
 
 @dataclass(frozen=True)

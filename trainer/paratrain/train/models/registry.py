@@ -11,9 +11,9 @@ import math
 import torch
 from torch import nn
 
-from ..api import Spec
+from ...api import Spec
 from .llama import Llama, LlamaConfig
-from .model import GPT, GPTConfig
+from .gpt import GPT, GPTConfig
 
 ModelConfig = GPTConfig | LlamaConfig
 MODELS: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama}

@@ -22,7 +22,7 @@ from functools import cached_property
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..api import Spec
+from ...api import Spec
 
 
 @dataclass

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..api import Spec
-from . import deepspeed_engine
+from ...api import Spec
+from .. import deepspeed_engine
 from .activation_checkpoint import apply_ac
 from .data_parallel import OverlappedGradReducer, apply_ddp
 from .dims import ParallelDims
-from .engine import TorchEngine
-from .models import ModelConfig, build_model, initialize, model_config
-from .optim import build_optimizer
+from ..engine import TorchEngine
+from ..models.registry import ModelConfig, build_model, initialize, model_config
+from ..optim import build_optimizer
 from .pipeline import build_schedule, split_stage
 from .precision import LossScaler
 from .tensor_parallel import HEADS_SEED_OFFSET, RNGStream, apply_tp

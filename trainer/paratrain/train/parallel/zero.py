@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import save_owners
+from ..checkpoint import save_owners
 from .data_parallel import OverlappedGradReducer
 from .precision import DTYPES
 from .tensors import local, local_bytes
