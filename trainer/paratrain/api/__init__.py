@@ -1,6 +1,7 @@
 """The ParallelTrainJob API: typed spec, loading with field-path errors, CRD schema. Imports no torch, no kopf."""
 
-from .load import Problem, SpecError, apply_overrides, load_job, parse_job, read_yaml, require_cluster_ready
+from .load import Problem, SpecError, apply_overrides, load_job, parse_job, read_yaml
+from .platform import require_cluster_ready
 from .spec import (API_GROUP, API_GROUP_VERSION, API_VERSION, KIND, PLURAL, SHORT_NAME, ParallelTrainJob, Spec,
                    describe_checkpoints, layout_label)
 

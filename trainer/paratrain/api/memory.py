@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .shapes import parameter_count
+
 FP32 = 4
 CE_CHUNK_TOKENS = 4096  # engine.CE_CHUNK_TOKENS: the loss's fp32 pieces
 DDP_BUCKET_BYTES = 25 * 2**20  # torch's default bucket_cap_mb; the buckets together hold every gradient once
@@ -252,7 +254,5 @@ def stop_save_seconds(spec, vocab_size: int, bytes_per_second: int) -> tuple[flo
     """(seconds, bytes per node) a stopped gang is estimated to need to save its step: the checkpoint is spread
     over the nodes (DCP writes each tensor once and balances replicated ones over the ranks), each node writing
     and then hashing its share at `bytes_per_second`."""
-    from .shapes import parameter_count
-
     per_node = CHECKPOINT_BYTES_PER_PARAMETER * parameter_count(spec.model, vocab_size) / spec.nodes
     return SAVE_FIXED_SECONDS + per_node / bytes_per_second, per_node

@@ -16,10 +16,12 @@ import yaml
 from pydantic import Field, ValidationError
 
 from .. import contract
+from .kueue import kueue_problems
+from .load import Problem, SpecError, parse_job
 from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
 from .spec import (
     BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
-    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model,
+    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model, cluster_problems,
 )
 
 # The operator's pods as the Helm chart labels them (release `paratrain`, chart name `paratrain`).
@@ -81,8 +83,6 @@ class Platform(_Model):
 def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
     """The job with the platform's jobDefaults merged in (validated again, cross-field rules included), and the
     fields they filled (e.g. `spec.image`). Raises SpecError where the merged job is invalid."""
-    from .load import Problem, SpecError, parse_job
-
     spec, filled = _merged_spec(job.spec, platform.job_defaults)
     if not filled:
         return job, []
@@ -96,11 +96,19 @@ def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[Parall
 
 def as_the_operator_takes_it(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
     """The job the operator renders (jobDefaults merged in) and the fields the defaults filled; SpecError for what
-    the operator refuses (load.require_cluster_ready)."""
-    from .load import require_cluster_ready
-
+    the operator refuses (require_cluster_ready)."""
     merged, filled = with_job_defaults(job, platform)
     return require_cluster_ready(merged, platform), filled
+
+
+def require_cluster_ready(job: ParallelTrainJob, platform: Platform | None = None) -> ParallelTrainJob:
+    """Raise SpecError for what a valid job cannot do in pods (e.g. a relative checkpoint path), or may not do on
+    this platform (host access it does not allow; default: the restricted profile's answer), or Kueue cannot admit."""
+    checks = cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform()) + kueue_problems(job)
+    problems = [Problem(path, msg) for path, msg in checks]
+    if problems:
+        raise SpecError(problems)
+    return job
 
 
 def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], list[str]]:
@@ -141,8 +149,6 @@ def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], lis
 
 def load_platform(path: str | Path) -> Platform:
     """The platform file, or SpecError naming what is wrong with it."""
-    from .load import Problem, SpecError
-
     try:
         doc = yaml.safe_load(Path(path).read_text()) or {}
         return Platform.model_validate(doc)

@@ -9,10 +9,19 @@ validated, so after validation every shape field is a plain value; the CRD's CEL
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .spec import ModelSpec
+
+class ModelShape(Protocol):
+    """What the counts here read of a validated `spec.model` (spec.ModelSpec has these attributes)."""
+
+    family: str
+    layers: int
+    heads: int
+    kv_heads: int
+    embed_dim: int
+    ffn_dim: int
+    block_size: int
 
 FAMILIES = ("gpt", "llama")
 DEFAULT_FAMILY = "gpt"
@@ -93,14 +102,14 @@ def resolve(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def derive(model: ModelSpec) -> dict[str, Any]:
+def derive(model: ModelShape) -> dict[str, Any]:
     """The DERIVED fields `resolve` left None, from the validated others, by ModelSpec attribute name."""
     shape = {"heads": model.heads, "embedDim": model.embed_dim}
     return {SHAPE_FIELDS[f]: family_default(model.family, f, shape) for f in DERIVED
             if getattr(model, SHAPE_FIELDS[f]) is None}
 
 
-def parameter_count(model: ModelSpec, vocab_size: int) -> int:
+def parameter_count(model: ModelShape, vocab_size: int) -> int:
     """Parameters of the model paratrain builds for a validated `spec.model` (embedding and head untied)."""
     c, f, layers = model.embed_dim, model.ffn_dim, model.layers
     if model.family == "gpt":

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from .memory import memory_problem
 from .shapes import PRESETS, derive, resolve
 
 API_GROUP = "paratrain.dev"
@@ -493,8 +494,6 @@ def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
                         "local runs"))
     vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
     if spec.resources.gpu_memory and vocab:  # else only the data knows its vocabulary: the ranks check
-        from .memory import memory_problem
-
         if problem := memory_problem(spec, vocab):
             out.append(("spec.resources.gpuMemory", problem))
     return out
