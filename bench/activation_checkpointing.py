@@ -25,7 +25,7 @@ from doc_section import write_section
 
 from paratrain.train.parallel.activation_checkpoint import MODES, apply_ac
 from paratrain.train.models.gpt import GPT, GPTConfig
-from paratrain.train.models.registry import init_weights
+from paratrain.train.models.weights import init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(vocab_size=256, block_size=256, layers=4, heads=4, embed_dim=256, dropout=0.1)

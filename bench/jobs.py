@@ -76,7 +76,7 @@ def engine_for(job: dict, vocab_size: int):
 
     from paratrain.api.load import parse_job
     from paratrain.train.parallel.dims import ParallelDims
-    from paratrain.train.parallel.parallelize import build_engine
+    from paratrain.train.build import build_engine
 
     spec = parse_job(job).spec
     dims = ParallelDims.from_spec(spec, dist.get_world_size(), "cpu")

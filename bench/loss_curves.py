@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/loss_curves.py [--family gpt|llama|both] [--out bench/results/loss_curves.json]
 
-The parity tests (tests/trainer/test_parity.py and test_parity_llama.py) check each layout against one process
+The parity tests (tests/trainer/parallel/test_parity.py and test_parity_llama.py) check each layout against one process
 over 10 steps of a tiny model. This runs the same layouts on the examples at their own length through `paratrain
 run`: examples/shakespeare.yaml (the GPT family, 600 steps, character-level) and examples/llama-tokens.yaml (the
 Llama family, 200 steps on byte-level BPE tokens, prepared here first by `paratrain prepare --train-bpe 2048`, as
@@ -34,8 +34,8 @@ def parity_layouts(family: str) -> dict[str, list[str]]:
     """The parity tests' own layouts (their --set overrides), with the single process first."""
     sys.path.insert(0, str(ROOT))
     from tests.trainer.harness import layout
-    from tests.trainer.test_parity import LAYOUTS as GPT
-    from tests.trainer.test_parity_llama import LAYOUTS as LLAMA
+    from tests.trainer.parallel.test_parity import LAYOUTS as GPT
+    from tests.trainer.parallel.test_parity_llama import LAYOUTS as LLAMA
 
     return {"single process": layout(), **(GPT if family == "gpt" else LLAMA)}
 

@@ -52,7 +52,8 @@ def plain_loop(job_file: Path, out: Path) -> None:
     from paratrain.api import load_job
     from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
     from paratrain.train.loop import lr_at
-    from paratrain.train.models.registry import build_model, initialize, model_config
+    from paratrain.train.models.registry import build_model, model_config
+    from paratrain.train.models.weights import initialize
     from paratrain.train.optim import param_groups
 
     spec = load_job(job_file).spec

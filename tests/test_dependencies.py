@@ -39,5 +39,5 @@ def test_a_dropped_declaration_fails_naming_the_module(tmp_path: Path) -> None:
     out = deptry(".", config=tmp_path / "pyproject.toml")
     # DEP003 where another package pulled safetensors in (transformers does), DEP001 where nothing did.
     assert out.returncode == 1
-    named = r"trainer/paratrain/train/hf\.py:\d+:\d+: DEP00[13] 'safetensors' imported"
+    named = r"trainer/paratrain/train/models/hf\.py:\d+:\d+: DEP00[13] 'safetensors' imported"
     assert re.search(named, out.stderr), out.stderr

@@ -62,7 +62,7 @@ def accumulating(rank: int, stage: int, precision: str, out: str) -> None:
     init(rank, out)
     try:
         from paratrain.train.parallel.dims import ParallelDims
-        from paratrain.train.parallel.parallelize import build_engine
+        from paratrain.train.build import build_engine
 
         spec = spec_of(stage, precision, accumulation=2)
         engine = build_engine(spec, ParallelDims.from_spec(spec, 2, "cpu"), torch.device("cpu"), spec.model.vocab_size)
@@ -88,7 +88,7 @@ def worker(rank: int, stage: int, out: str) -> None:
     try:
         from paratrain.train import deepspeed_engine
         from paratrain.train.parallel.dims import ParallelDims
-        from paratrain.train.parallel.parallelize import build_engine
+        from paratrain.train.build import build_engine
 
         spec = spec_of(stage)
         dims = ParallelDims.from_spec(spec, 2, "cpu")

@@ -10,7 +10,7 @@ from paratrain.train.deepspeed_engine import DeepSpeedEngine, deepspeed_config, 
 from paratrain.train.parallel.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
 from paratrain.train.models.gpt import GPT, GPTConfig
-from paratrain.train.models.registry import init_weights
+from paratrain.train.models.weights import init_weights
 from paratrain.train.parallel.precision import LossScaler
 
 CFG = GPTConfig(vocab_size=32, block_size=8, layers=1, heads=2, embed_dim=16)

@@ -284,7 +284,7 @@ def exit_now(code: int) -> None:
 
 def _export(job, args: argparse.Namespace) -> int:
     from .launch import map_volumes
-    from .train.models.hf import export_checkpoint
+    from .train.export import export_checkpoint
 
     checkpoint = args.checkpoint
     if checkpoint is None:

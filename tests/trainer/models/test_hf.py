@@ -11,9 +11,10 @@ from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
 from paratrain.train.engine import cross_entropy
 from paratrain.train.models.hf import export_hf, load_hf_into
 from paratrain.train.models.hf_config import init_problem
-from paratrain.train.models.registry import build_model, init_weights, model_config
+from paratrain.train.models.registry import build_model, model_config
+from paratrain.train.models.weights import init_weights
 
-from .harness import TINY_JOB, assert_close_curves, layout, run_job
+from ..harness import TINY_JOB, assert_close_curves, layout, run_job
 
 VOCAB = 64
 MODELS = {

@@ -6,7 +6,8 @@ import torch
 from paratrain.api.shapes import parameter_count
 from paratrain.api.spec import Spec
 from paratrain.train.models.llama import Llama, LlamaConfig
-from paratrain.train.models.registry import build_model, init_weights, model_config
+from paratrain.train.models.registry import build_model, model_config
+from paratrain.train.models.weights import init_weights
 from paratrain.train.perf import model_flops_per_token
 
 SPECS = {

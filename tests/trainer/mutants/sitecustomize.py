@@ -195,7 +195,7 @@ if MUTANT:
         import math
 
         from paratrain.train import deepspeed_engine
-        from paratrain.train.models.registry import full_shape_of
+        from paratrain.train.parallel.tensors import full_shape_of
 
         record_dir = MUTANT.split(":", 1)[1]
         original_build_optimizer = deepspeed_engine.build_optimizer

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 
 from paratrain.train.parallel.activation_checkpoint import apply_ac
 from paratrain.train.models.gpt import GPT, GPTConfig
-from paratrain.train.models.registry import init_weights
+from paratrain.train.models.weights import init_weights
 
-from .harness import assert_close_curves, layout
-from .test_parity import assert_parity
+from ..harness import assert_close_curves, assert_parity, layout
 
 CFG = GPTConfig(vocab_size=64, block_size=32, layers=2, heads=4, embed_dim=32, dropout=0.1)
 TOKENS = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1), generator=torch.Generator().manual_seed(0))

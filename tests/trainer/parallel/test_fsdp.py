@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from paratrain.train.models.gpt import GPT, GPTConfig
-from paratrain.train.models.registry import init_weights
+from paratrain.train.models.weights import init_weights
 from paratrain.train.parallel.zero import apply_fsdp
 
 

@@ -12,7 +12,7 @@ gradient norms drift further, by what Adam's learning rate sets rather than the 
 
 import pytest
 
-from .harness import AUTOCAST_RTOL, MUTANTS, PRECISION_RTOL, assert_close_curves, assert_parity, layout, run_job
+from ..harness import AUTOCAST_RTOL, MUTANTS, PRECISION_RTOL, assert_close_curves, assert_parity, layout, run_job
 
 
 LAYOUTS = {

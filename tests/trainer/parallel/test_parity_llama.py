@@ -6,7 +6,7 @@ or pipeline parallel through FSDP2 or ZeroOneOptimizer: both kinds are here."""
 
 import pytest
 
-from .harness import assert_parity, layout
+from ..harness import assert_parity, layout
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .harness import spawn_ranks
+from ..harness import spawn_ranks
 
 LAYERS = 3
 
@@ -47,7 +47,8 @@ def count_collectives(rank: int, family: str, store_file: str, out: str, ac: str
     from paratrain.train.parallel.activation_checkpoint import apply_ac
     from paratrain.train.models.llama import LlamaConfig
     from paratrain.train.models.gpt import GPTConfig
-    from paratrain.train.models.registry import build_model, init_weights
+    from paratrain.train.models.registry import build_model
+    from paratrain.train.models.weights import init_weights
     from paratrain.train.parallel.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)
@@ -101,7 +102,8 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
     from paratrain.train.parallel.dims import ParallelDims
     from paratrain.train.engine import global_grad_norm
     from paratrain.train.models.llama import LlamaConfig
-    from paratrain.train.models.registry import build_model, init_weights
+    from paratrain.train.models.registry import build_model
+    from paratrain.train.models.weights import init_weights
     from paratrain.train.parallel.tensor_parallel import RNGStream, apply_tp
 
     torch.set_num_threads(1)

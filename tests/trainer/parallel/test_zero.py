@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import MUTANTS, PRECISION_RTOL, TINY_JOB, assert_close_curves, layout, run_job
+from ..harness import MUTANTS, PRECISION_RTOL, TINY_JOB, assert_close_curves, layout, run_job
 
 SMALL = copy.deepcopy(TINY_JOB)
 SMALL["spec"]["model"]["embedDim"] = 64

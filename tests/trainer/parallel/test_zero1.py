@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from paratrain.train.parallel.data_parallel import Bucket
 
-from .harness import spawn_ranks
+from ..harness import spawn_ranks
 
 STEPS = 3
 BUCKET_BYTES = 4096  # several buckets for the tiny model, parameters straddling shard boundaries
@@ -61,7 +61,7 @@ def train(rank: int, store_file: str, out: str) -> None:
     from paratrain.train.optim import param_groups
     from paratrain.train.parallel.zero import ZeroOneOptimizer
 
-    from .test_engine import CFG, tiny_gpt
+    from ..test_engine import CFG, tiny_gpt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)

@@ -69,33 +69,6 @@ def sharding(layout: str) -> str:
     return layout.rpartition(" ")[0]
 
 
-def save_owners(sizes: list[int], ranks: int) -> list[int]:
-    """Which of `ranks` ranks keeps each of the tensors of `sizes` elements that they gather together for a save:
-    the least loaded so far, in order, the same answer on every rank. Each rank then holds about 1/ranks of the
-    gathered state in host memory while DCP writes it, and DCP writes every tensor once, from its keeper."""
-    held = [0] * ranks
-    owners = []
-    for size in sizes:
-        owner = min(range(ranks), key=held.__getitem__)
-        owners.append(owner)
-        held[owner] += size
-    return owners
-
-
-def in_batches(sizes: list[int], budget: int) -> list[range]:
-    """Consecutive index ranges of `sizes` each summing to at most `budget` (or holding one larger item): a load in
-    parts, each a collective every rank makes for the same items."""
-    ranges, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and total + size > budget:
-            ranges.append(range(start, i))
-            start, total = i, 0
-        total += size
-    if start < len(sizes):
-        ranges.append(range(start, len(sizes)))
-    return ranges
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

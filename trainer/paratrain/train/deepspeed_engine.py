@@ -3,7 +3,7 @@
 The model is initialised exactly as for every other layout (`initialize`), then handed to `deepspeed.initialize`
 with torch's AdamW over `param_groups` (optim.build_optimizer). Under ZeRO-3 it is built already partitioned
 (`deepspeed.zero.Init`), so no rank ever holds it whole, and initialised one gathered parameter at a time
-(models.copy_into). DeepSpeed then owns the
+(parallel/tensors.copy_into). DeepSpeed then owns the
 step: it averages gradients over the data-parallel ranks (ZeRO-1/2: bucketed reduce to each partition's owner;
 ZeRO-3: reduce-scatter), clips at the *global* norm with torch's `clip_grad_norm_` coefficient
 (max_norm / (norm + 1e-6), at most 1), steps its partition and all-gathers the parameters.
@@ -43,13 +43,15 @@ import torch
 from torch import nn
 
 from ..api import Spec
-from .parallel.activation_checkpoint import apply_ac
-from .checkpoint import CheckpointError, in_batches, save_owners
-from .parallel.dims import ParallelDims
+from .checkpoint import CheckpointError
 from .engine import Batch, StepResult, cross_entropy
-from .models.registry import ModelConfig, build_model, initialize
+from .models.registry import ModelConfig, build_model
+from .models.weights import initialize
 from .optim import build_optimizer
+from .parallel.activation_checkpoint import apply_ac
+from .parallel.dims import ParallelDims
 from .parallel.precision import DTYPES, LossScaler
+from .parallel.tensors import in_batches, save_owners
 
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -69,7 +71,8 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
     zero = {
         "stage": p.zero_stage,
         # DeepSpeed's defaults, pinned: 0.19 is reported to skip the gradient all-reduce on CPU tensors with both
-        # off (not reproduced with 0.19.8 on gloo; tests/trainer/test_zero.py fails if a reduction goes missing).
+        # off (not reproduced with 0.19.8 on gloo; tests/trainer/parallel/test_zero.py fails if a reduction goes
+        # missing).
         "contiguous_gradients": True,
         "reduce_scatter": True,
         "reduce_bucket_size": bucket,
@@ -170,7 +173,7 @@ class DeepSpeedEngine:
     def state_dict(self) -> dict:
         """This rank's share of TorchEngine's checkpoint format (checkpoint.py), gathered from the ZeRO partitions
         (collective over dp): whole fp32 tensors keyed by parameter name — the master weights, Adam's moments and
-        step count — of the parameters `checkpoint.save_owners` gives this rank. DCP writes each from its keeper.
+        step count — of the parameters `tensors.save_owners` gives this rank. DCP writes each from its keeper.
 
         Each tensor is gathered alone and moved to host memory at once (or dropped by the ranks that do not keep
         it), so a device holds its partitions plus one gathered tensor, and a host 16Ψ/N bytes: never the whole
@@ -357,7 +360,7 @@ def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, con
                  dtype: torch.dtype) -> nn.Module:
     """The model on `device`; under ZeRO-3 partitioned as it is built (deepspeed.zero.Init: each module's weights
     are split over the dp ranks as soon as its constructor returns), so no rank ever holds the whole model.
-    `initialize` then writes each weight through a gather of that one parameter (models.copy_into).
+    `initialize` then writes each weight through a gather of that one parameter (parallel/tensors.copy_into).
 
     zero.Init makes the weights the config's dtype (bf16/fp16 under DeepSpeed's mixed precision, else fp32) right
     away: DeepSpeed casts a model it did not partition itself, but not one built partitioned."""

@@ -131,7 +131,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .loop import Trainer
     from .models.hf_config import init_problem
     from .models.registry import model_config
-    from .parallel.parallelize import build_engine
+    from .build import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
     from .parallel.precision import check_device_supports
     from .preemption import Preempted, StopRequest

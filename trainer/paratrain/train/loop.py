@@ -13,11 +13,11 @@ import torch.distributed as dist
 from ..api import Spec
 from ..api.spec import TrainingSpec
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
-from .preemption import Preempted, StopRequest
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .parallel.dims import ParallelDims
-from .progress import ProgressReporter
 from .parallel.tensor_parallel import reseeded
+from .preemption import Preempted, StopRequest
+from .progress import ProgressReporter
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from ..api.spec import TrainingSpec
 from .parallel.data_parallel import OverlappedGradReducer
 from .parallel.dims import ParallelDims
-from .models.registry import full_shape_of
+from .parallel.tensors import full_shape_of
 from .parallel.zero import ZeroOneOptimizer
 
 

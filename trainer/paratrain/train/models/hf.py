@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from ...api import ParallelTrainJob
+from ..parallel.tensors import copy_into, full_shape_of
 from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json, weight_shards
-from .registry import build_model, copy_into, full_shape_of, model_config
+from .registry import build_model, model_config
 
 # (paratrain name, Hugging Face name) as regular expression and replacement, per family.
 NAMES = {
@@ -166,17 +167,3 @@ def _usual_modes(out: Path) -> None:
     for path in out.iterdir():
         if path.is_file():
             path.chmod(0o666 & ~umask)
-
-
-
-def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, Path, dict]:
-    """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
-    under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
-    reads one. Returns the directory, the checkpoint exported and its manifest (step, layout)."""
-    from ..checkpoint import MANIFEST, full_model_state, newest_sound
-
-    ckpt = newest_sound(checkpoint)
-    data = job.spec.data
-    tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    out = export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None)
-    return out, ckpt, json.loads((ckpt / MANIFEST).read_text())

@@ -22,10 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import save_owners
 from .data_parallel import OverlappedGradReducer
 from .precision import DTYPES
-from .tensors import local, local_bytes
+from .tensors import local, local_bytes, save_owners
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
