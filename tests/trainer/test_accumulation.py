@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from paratrain.train.parallel.data_parallel import OverlappedGradReducer
 from paratrain.train.parallel.dims import ParallelDims
 from paratrain.train.engine import TorchEngine
-from paratrain.train.parallel.zero import apply_fsdp
+from paratrain.train.parallel.fsdp import apply_fsdp
 
 from .harness import AUTOCAST_RTOL, MUTANTS, assert_parity, layout, run_job
 from .test_engine import CFG, tiny_gpt

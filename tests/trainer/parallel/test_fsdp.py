@@ -1,4 +1,4 @@
-"""FSDP2 (ZeRO-2/3 for composed layouts) as zero.apply_fsdp configures it, in the test process (one rank)."""
+"""FSDP2 (ZeRO-2/3 for composed layouts) as fsdp.apply_fsdp configures it, in the test process (one rank)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from paratrain.train.models.gpt import GPT, GPTConfig
 from paratrain.train.models.weights import init_weights
-from paratrain.train.parallel.zero import apply_fsdp
+from paratrain.train.parallel.fsdp import apply_fsdp
 
 
 def test_every_sharded_module_sums_and_divides_on_gloo(one_rank_group):

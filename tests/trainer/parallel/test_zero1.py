@@ -1,4 +1,4 @@
-"""Composed ZeRO-1 (zero.ZeroOneOptimizer over the reducer's reduce-scatter mode) on a real 2-rank gloo dp group:
+"""Composed ZeRO-1 (zero1.ZeroOneOptimizer over the reducer's reduce-scatter mode) on a real 2-rank gloo dp group:
 per optimizer step one reduce-scatter and one all-gather per gradient bucket and no broadcasts; the same training as
 a plain AdamW on the whole batch; half the optimizer state and gradients per rank; name-keyed whole-parameter
 checkpoint state that reloads into other buckets. The parallel runs in test_parity cover TP/PP and DCP."""
@@ -59,7 +59,7 @@ def train(rank: int, store_file: str, out: str) -> None:
     from paratrain.train.parallel.dims import ParallelDims
     from paratrain.train.engine import TorchEngine
     from paratrain.train.optim import param_groups
-    from paratrain.train.parallel.zero import ZeroOneOptimizer
+    from paratrain.train.parallel.zero1 import ZeroOneOptimizer
 
     from ..test_engine import CFG, tiny_gpt
 

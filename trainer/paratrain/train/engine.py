@@ -31,7 +31,7 @@ from .parallel.dims import ParallelDims
 from .parallel.precision import LossScaler, autocast
 from .parallel.tensor_parallel import RNGStream
 from .parallel.tensors import local, local_bytes
-from .parallel.zero import ZeroOneOptimizer, optimizer_state_bytes
+from .parallel.zero1 import ZeroOneOptimizer, optimizer_state_bytes
 
 
 # Tokens per piece of the loss: its fp32 copy of the logits and log-softmax exist for one piece at a time
@@ -120,7 +120,7 @@ class StepResult:
 class TorchEngine:
     model: nn.Module  # what forward runs: the stage module, possibly wrapped by DDP
     module: nn.Module  # the unwrapped (stage) module: parameters and checkpoint state
-    optimizer: object  # torch.optim.Optimizer or zero.ZeroOneOptimizer
+    optimizer: object  # torch.optim.Optimizer or zero1.ZeroOneOptimizer
     dims: ParallelDims
     precision: str
     grad_clip: float
@@ -226,7 +226,7 @@ class TorchEngine:
     def state_dict(self) -> dict:
         """Keyed by the full model's parameter names; tensors plain (replicated) or DTensors (this rank's shard):
         what DCP needs to store each piece once and to reshard it into another layout. ZeRO-1's optimizer gives
-        the same format (zero.ZeroOneOptimizer.state_dict). The optimizer's param_groups are not saved: the spec
+        the same format (zero1.ZeroOneOptimizer.state_dict). The optimizer's param_groups are not saved: the spec
         sets them (the LR every step)."""
         if isinstance(self.optimizer, ZeroOneOptimizer):
             optim = self.optimizer.state_dict(self.module)

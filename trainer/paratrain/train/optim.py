@@ -11,7 +11,7 @@ from ..api.spec import TrainingSpec
 from .parallel.data_parallel import OverlappedGradReducer
 from .parallel.dims import ParallelDims
 from .parallel.tensors import full_shape_of
-from .parallel.zero import ZeroOneOptimizer
+from .parallel.zero1 import ZeroOneOptimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -66,7 +66,7 @@ class OverlappedGradReducer:
     gradient is final — while backward goes on computing the next ones. `finish` waits for them and averages.
 
     A bucket's reduction is an all-reduce that writes the average back into every gradient, or with `shard` (ZeRO-1,
-    zero.ZeroOneOptimizer) a reduce-scatter: this rank keeps only its shard of the bucket's average
+    zero1.ZeroOneOptimizer) a reduce-scatter: this rank keeps only its shard of the bucket's average
     (`grad_shards[i]`, its Bucket.pieces) and drops the parameters' whole gradients as soon as they are sent.
 
     Gradients are final in the optimizer step's last micro-step only (`expect(passes)`: the backward passes each

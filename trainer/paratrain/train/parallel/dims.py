@@ -11,7 +11,7 @@ Which implementation shards what, by layout (ZeRO stage z over the dp ranks):
     data parallel only, z = 1..3     DeepSpeed ZeRO-z (deepspeed_engine.py)      uses_deepspeed
     with TP and/or PP,  z = 0        OverlappedGradReducer                       composed_dp
     with TP and/or PP,  z = 1        OverlappedGradReducer + ZeroOneOptimizer    composed_dp, zero1_enabled
-    with TP and/or PP,  z = 2, 3     FSDP2 (zero.apply_fsdp)                     fsdp_enabled
+    with TP and/or PP,  z = 2, 3     FSDP2 (fsdp.apply_fsdp)                     fsdp_enabled
 """
 
 from __future__ import annotations

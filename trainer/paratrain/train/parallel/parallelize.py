@@ -16,7 +16,7 @@ from .activation_checkpoint import apply_ac
 from .data_parallel import OverlappedGradReducer, apply_ddp
 from .dims import ParallelDims
 from .tensor_parallel import RNGStream, apply_tp
-from .zero import apply_fsdp
+from .fsdp import apply_fsdp
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, device: torch.device, heads_rng: RNGStream | None,

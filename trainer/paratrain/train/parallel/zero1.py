@@ -1,13 +1,7 @@
-"""ZeRO for composed layouts (tensor or pipeline parallel), torch-native. Data-parallel-only layouts use DeepSpeed
-(see deepspeed_engine.py); both give the same stage semantics:
-
-- stage 1: each dp rank keeps optimizer state for its shard of the parameters only, and receives only that shard
-  of the gradients (ZeroOneOptimizer: reduce-scatter, step the shard, all-gather);
-- stage 2: also gradients sharded — FSDP2 without resharding after forward (parameters whole during fwd/bwd);
-- stage 3: also parameters sharded — FSDP2 resharding after forward.
-
-Under pipeline parallel the stage module is sharded; torch's PipelineStage drives FSDP2 so that gradients are
-reduce-scattered once, after the last microbatch's backward, not once per microbatch.
+"""ZeRO-1 for composed layouts (tensor or pipeline parallel), torch-native: each dp rank keeps optimizer state for
+its shard of the parameters only, and receives only that shard of the gradients (ZeroOneOptimizer: reduce-scatter,
+step the shard, all-gather). Stages 2 and 3 are FSDP2 (fsdp.py); data-parallel-only layouts use DeepSpeed
+(deepspeed_engine.py) with the same stage semantics.
 """
 
 from __future__ import annotations
@@ -18,39 +12,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .data_parallel import OverlappedGradReducer
-from .precision import DTYPES
 from .tensors import local, local_bytes, save_owners
-
-
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """Under bf16/fp16, parameters are all-gathered and computed in the 16-bit type (half the traffic and memory of
-    fp32) over the fp32 shards the optimizer steps; gradients are reduce-scattered in fp32, because summing many
-    ranks' 16-bit gradients loses the small ones (torchtitan's default too)."""
-    if precision == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-
-
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str) -> None:
-    """Shard each block, then the root (embeddings, final norm, head), over the dp mesh."""
-    reshard = zero_stage == 3
-    policy = mixed_precision_policy(precision)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    if dp_mesh.device_type == "cpu":
-        # gloo's AVG reduce-scatter returned summed gradients in some torch versions (torch#162338; 2.13 averages).
-        # Sum explicitly and divide once ourselves, so the result is the mean on every backend. Each sharded module
-        # reduce-scatters its own parameters' gradients under its own settings: set them on every one.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-                module.set_gradient_divide_factor(float(dp_mesh.size()))
 
 
 class ZeroOneOptimizer:
