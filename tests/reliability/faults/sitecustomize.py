@@ -55,11 +55,11 @@ if FAULT and "RANK" in os.environ:
     elif kind == "fp16_storm":
         import functools
 
-        from paratrain.train import engine
-        from paratrain.train.parallel import parallelize, precision
+        from paratrain.train import build, engine
+        from paratrain.train.parallel import precision
 
         storm_rank, first, count, growth = (int(a) for a in args)
-        parallelize.LossScaler = functools.partial(precision.LossScaler, growth_interval=growth)
+        build.LossScaler = functools.partial(precision.LossScaler, growth_interval=growth)
         original_fb, original_step = engine.TorchEngine.forward_backward, engine.TorchEngine.optimizer_step
         calls = {"fb": 0, "step": 0}
 
