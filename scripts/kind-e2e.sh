@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End to end on a throwaway kind cluster: build both images, install the chart, run a 2-pod CPU gang (gloo) to
 # Succeeded, then lose a worker pod mid-training in a second job and see the whole gang restart from its
-# checkpoint and succeed. Needs docker (with a running daemon), kind, kubectl and helm; takes ~10-20 minutes.
+# checkpoint and succeed. Needs kind, kubectl and helm; Docker is started if none answers (scripts/docker.sh).
 #
 #   bash scripts/kind-e2e.sh                    # create, test, delete the cluster
 #   KEEP_CLUSTER=1 bash scripts/kind-e2e.sh     # leave the cluster up to poke at it afterwards
@@ -33,13 +33,22 @@ if [ "${1:-}" = "--print-doc" ]; then
   exit 0
 fi
 
-for tool in docker kind kubectl helm; do
+for tool in kind kubectl helm; do
   command -v "$tool" >/dev/null || { echo "kind-e2e: $tool not found on PATH" >&2; exit 2; }
 done
-docker info >/dev/null 2>&1 || { echo "kind-e2e: the docker daemon does not answer" >&2; exit 2; }
+# A Docker daemon that answers: the one running, else one started here (scripts/docker.sh), and stopped again at
+# the end only if it was started here.
+docker_before="$(bash scripts/docker.sh status)"
+bash scripts/docker.sh start
+stop_our_docker() {
+  [ "$docker_before" != none ] || bash scripts/docker.sh stop
+}
 
 if [ "${1:-}" = "--doc" ]; then  # with the reader's kubeconfig and the project's .venv (paratrain export)
-  PATH="$PWD/.venv/bin:$PATH" exec bash -euo pipefail -c "$(doc_script)"
+  rc=0
+  PATH="$PWD/.venv/bin:$PATH" bash -euo pipefail -c "$(doc_script)" || rc=$?
+  stop_our_docker
+  exit "$rc"
 fi
 
 # A kubeconfig of our own: the user's kubeconfig and current context are never touched.
@@ -66,6 +75,7 @@ teardown() {
   else
     kind delete cluster --name "$CLUSTER" || true
     rm -f "$KUBECONFIG"
+    stop_our_docker
   fi
   exit "$rc"
 }
