@@ -140,7 +140,9 @@ def test_cpu_trainer_uses_the_tested_torch() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     version = re.search(r"torch==([\d.]+)", setup).group(1)
     text = run_commands(DOCKERFILES["trainer-cpu"])
-    assert f'"torch=={version}"' in text and "download.pytorch.org/whl/cpu" in text
+    assert f'"torch=={version}"' in text and '--index-url "${TORCH_INDEX_URL}"' in text
+    # the CPU wheel index by default; PyPI's CUDA torch only when asked for
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in DOCKERFILES["trainer-cpu"].read_text()
 
 
 def test_gpu_trainer_base_is_cuda_pytorch() -> None:
