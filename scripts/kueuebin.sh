@@ -7,7 +7,8 @@
 #   scripts/kueuebin.sh --path   print the folder only (exit 1 if it is incomplete)
 #
 # The cache lives beside the control plane's ($PARATRAIN_TESTBIN_CACHE, default ~/.cache/paratrain/testbin), so a
-# fresh clone reuses it. Needs Go >= 1.26 and the Go module proxy.
+# fresh clone reuses it. Needs Go >= 1.26 and the Go module proxy. Two builds at once (CI and a developer's shell)
+# take turns on a lock: two unlocked builds once raced on one temporary file and one of them failed.
 set -euo pipefail
 
 KUEUE_VERSION="v0.17.0"
@@ -32,6 +33,14 @@ fi
 if ! command -v go >/dev/null; then
   echo "kueuebin: Go 1.26 or newer is needed to build Kueue (https://go.dev/doc/install)" >&2
   exit 2
+fi
+
+mkdir -p "$DIR"
+exec 9>"$DIR.lock"
+flock 9  # a concurrent build finishes first; what it built is then reused
+if complete; then
+  echo "$DIR"
+  exit 0
 fi
 
 echo "kueuebin: building Kueue $KUEUE_VERSION into $DIR (first time only)" >&2

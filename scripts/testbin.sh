@@ -6,10 +6,12 @@
 #
 #   scripts/testbin.sh          build what the cache lacks, then print the bin folder
 #   scripts/testbin.sh --path   print the bin folder only (exit 1 if it is incomplete)
+#   scripts/testbin.sh --node   the same, plus a node's binaries from the same module graph (kubelet, kubeadm,
+#                               kube-proxy: the kind node image, scripts/kindbin.sh); Kueue is left out
 #
 # The cache lives outside the repository (a fresh clone reuses it): $PARATRAIN_TESTBIN_CACHE, default
 # ~/.cache/paratrain/testbin, one folder per Kubernetes version and build recipe. Needs Go >= 1.26 and the Go
-# module proxy.
+# module proxy. Two builds at once (CI and a developer's shell) take turns on a lock; the second reuses the first's.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
@@ -19,21 +21,27 @@ RECIPE=2
 CACHE="${PARATRAIN_TESTBIN_CACHE:-$HOME/.cache/paratrain/testbin}"
 BIN="$CACHE/k8s-$K8S_VERSION-r$RECIPE/bin"
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd)
+NODE_BINARIES=(kubelet kubeadm kube-proxy)
 
-complete() {
+has() {  # has BINARY...: every one is built
   local b
-  for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
+  for b in "$@"; do [[ -x "$BIN/$b" ]] || return 1; done
 }
+complete() { has "${BINARIES[@]}"; }
 
-if [[ "${1:-}" == "--path" ]]; then
+mode="${1:-}"
+if [[ "$mode" == "--path" ]]; then
   complete && echo "$BIN" && exit 0
   exit 1
 fi
-if complete; then
-  bash "$HERE/kueuebin.sh" >&2
+wanted=("${BINARIES[@]}")
+[[ "$mode" != "--node" ]] || wanted+=("${NODE_BINARIES[@]}")
+finish() {
+  [[ "$mode" == "--node" ]] || bash "$HERE/kueuebin.sh" >&2
   echo "$BIN"
   exit 0
-fi
+}
+has "${wanted[@]}" && finish
 
 if ! command -v go >/dev/null; then
   cat >&2 <<'EOF'
@@ -44,10 +52,14 @@ EOF
   exit 2
 fi
 
-echo "testbin: building Kubernetes $K8S_VERSION control plane into $BIN (first time only)" >&2
+mkdir -p "$BIN"
+exec 9>"$BIN.lock"
+flock 9  # a concurrent build of this version finishes first; what it built is then reused
+has "${wanted[@]}" && finish
+
 start=$SECONDS
 work="$CACHE/k8s-$K8S_VERSION-r$RECIPE/module"
-mkdir -p "$work" "$BIN"
+mkdir -p "$work" "$BIN/.tmp"
 cd "$work"
 export GOFLAGS="-mod=mod" GOTOOLCHAIN=local CGO_ENABLED=0
 
@@ -81,15 +93,25 @@ for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
   stamp+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
 done
 
-# -trimpath and no debug info: smaller, reproducible binaries; the tests never debug them.
-go build -trimpath -ldflags "-s -w$stamp" -o "$BIN/" \
-  k8s.io/kubernetes/cmd/kube-apiserver \
-  k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler \
-  k8s.io/kubernetes/cmd/kubectl
-go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
-echo "$K8S_VERSION etcd $etcd_version" > "$BIN/VERSION"
+# -trimpath and no debug info: smaller, reproducible binaries; the tests never debug them. Each is built under
+# .tmp/ and moved in whole, so an interrupted build never leaves a binary that looks complete.
+build() {  # build PACKAGE...
+  local pkg
+  go build -trimpath -ldflags "-s -w$stamp" -o "$BIN/.tmp/" "$@"
+  for pkg in "$@"; do mv "$BIN/.tmp/${pkg##*/}" "$BIN/${pkg##*/}"; done
+}
+if ! complete; then
+  echo "testbin: building Kubernetes $K8S_VERSION control plane into $BIN (first time only)" >&2
+  build k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+  go build -trimpath -ldflags "-s -w" -o "$BIN/.tmp/etcd" go.etcd.io/etcd/server/v3
+  mv "$BIN/.tmp/etcd" "$BIN/etcd"
+  echo "$K8S_VERSION etcd $etcd_version" > "$BIN/VERSION"
+fi
+if ! has "${wanted[@]}"; then
+  echo "testbin: building Kubernetes $K8S_VERSION node binaries (${NODE_BINARIES[*]}) into $BIN" >&2
+  build k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm k8s.io/kubernetes/cmd/kube-proxy
+fi
 echo "testbin: built in $((SECONDS - start)) s" >&2
-complete
-bash "$HERE/kueuebin.sh" >&2
-echo "$BIN"
+has "${wanted[@]}"
+finish

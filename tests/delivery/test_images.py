@@ -214,7 +214,7 @@ def test_the_kind_walkthrough_is_what_the_script_runs_and_passes_shellcheck() ->
     images = {yaml.safe_load((ROOT / "examples" / "shakespeare.yaml").read_text())["spec"]["image"]}
     assert images <= set(re.findall(r"-t (\S+) \.", script)), "the examples' CPU image is the one built"
     for step in ("kind create cluster", "kind load docker-image", "helm install paratrain charts/paratrain",
-                 "apply -f examples/cluster/checkpoints-pvc.yaml", "apply -f examples/shakespeare.yaml",
+                 "examples/cluster/checkpoints-pvc.yaml", "apply -f examples/shakespeare.yaml",
                  "delete pod shakespeare-0-1", "grep resume", "paratrain export", "kind delete cluster"):
         assert step in script, step
 
@@ -233,11 +233,17 @@ def test_kind_script_references_real_files_and_images() -> None:
             assert f"tests/e2e/jobs/{path.name}" in script and doc["metadata"]["name"] in script
 
 
-def test_kind_config_pins_the_node_image() -> None:
+def test_kind_config_names_the_node_image_built_here() -> None:
+    """kind-config.yaml's nodes run the node image scripts/kindbin.sh builds (no image can be pulled), a control plane
+    and two workers, with the kubelet told to accept a cgroup v1 host."""
     config = yaml.safe_load((ROOT / "kind-config.yaml").read_text())
     assert config["kind"] == "Cluster" and config["apiVersion"] == "kind.x-k8s.io/v1alpha4"
-    images = [node["image"] for node in config["nodes"]]
-    assert images and all(re.fullmatch(r"kindest/node:v\d+\.\d+\.\d+(@sha256:[0-9a-f]{64})?", i) for i in images)
+    built = subprocess.run(["bash", str(ROOT / "scripts" / "kindbin.sh"), "--image"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert [node["image"] for node in config["nodes"]] == [built] * 3
+    assert [node["role"] for node in config["nodes"]] == ["control-plane", "worker", "worker"]
+    patches = [yaml.safe_load(p) for p in config["kubeadmConfigPatches"]]
+    assert {"kind": "KubeletConfiguration", "failCgroupV1": False} in patches
 
 
 @pytest.mark.parametrize("path", [p for p in E2E_JOBS if "ParallelTrainJob" in p.read_text()], ids=lambda p: p.name)
