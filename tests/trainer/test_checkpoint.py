@@ -1,6 +1,7 @@
 """Checkpoint loading, in the test process (one rank)."""
 
 import hashlib
+import io
 import json
 import pickle
 
@@ -95,6 +96,34 @@ def test_metadata_that_would_run_code_is_refused_before_it_runs(saved, tmp_path)
     with pytest.raises(CheckpointError, match="global builtins.exec is not DCP metadata"):
         full_model_state(ckpt)
     assert not marker.exists()
+
+
+ENUM_BY_NAME = (  # an enum member pickled by name, as Debian bookworm's Python 3.11.2 writes DCP's _MEM_FORMAT_ENCODING
+    b"\x80\x04\x8c\x08builtins\x8c\x07getattr\x93\x8c%torch.distributed.checkpoint.metadata"
+    b"\x8c\x14_MEM_FORMAT_ENCODING\x93\x8c\x17TORCH_CONTIGUOUS_FORMAT\x86R.")
+
+
+def test_metadata_enum_members_pickled_by_name_are_read():
+    """A checkpoint written by the trainer image's Python was refused on resume (found by the kind e2e)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from paratrain.train.checkpoint import _MetadataUnpickler
+
+    assert _MetadataUnpickler(io.BytesIO(ENUM_BY_NAME)).load() is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+
+
+@pytest.mark.parametrize(("owner", "name"), [(b"\x8c\x07pathlib\x8c\tPosixPath", b"write_text"),
+                                             (b"\x8c%torch.distributed.checkpoint.metadata\x8c\x14_MEM_FORMAT_ENCODING",
+                                              b"__init_subclass__")], ids=["path-method", "enum-dunder"])
+def test_metadata_getattr_reaches_nothing_but_enum_members(owner, name):
+    """getattr in a pickle could fetch any attribute of an admitted class (a path's write_text, then called by the
+    pickle): only members of an enum are given out."""
+    from paratrain.train.checkpoint import _MetadataUnpickler
+
+    payload = (b"\x80\x04\x8c\x08builtins\x8c\x07getattr\x93" + owner + b"\x93" + bytes([0x8c, len(name)]) + name
+               + b"\x86R.")
+    with pytest.raises(pickle.UnpicklingError, match="is not an enum member of DCP metadata"):
+        _MetadataUnpickler(io.BytesIO(payload)).load()
 
 
 def tamper_metadata(ckpt, change) -> None:

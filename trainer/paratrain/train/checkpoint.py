@@ -23,6 +23,7 @@ file is kept for inspection). Another layout is not refused: it is resharded on 
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -101,9 +102,22 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in self.ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Some Pythons pickle an enum member by name, as getattr(Enum, "NAME") (Debian bookworm's 3.11.2, in the
+            # trainer image, writes _MEM_FORMAT_ENCODING so); anything but a member of an admitted enum is refused.
+            return _enum_member
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+
+def _enum_member(owner: Any, name: Any) -> enum.Enum:
+    """getattr for `_MetadataUnpickler`, narrowed to an enum's member: the owner is itself a global the unpickler
+    admitted, and no method or attribute of it (a path's write_text, say) can be reached this way."""
+    if isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str) and name in owner.__members__:
+        return owner[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r}) is not an "
+                                 "enum member of DCP metadata")
 
 
 class SafeReader(dcp.FileSystemReader):
