@@ -55,6 +55,17 @@ def test_exported_model_gives_paratrains_logits_in_transformers(family, tmp_path
         torch.testing.assert_close(hf_logits(tmp_path), model(tokens()), rtol=1e-4, atol=1e-5)  # logits ~0.4; observed ~1e-7
 
 
+@pytest.mark.parametrize("family", MODELS)
+def test_exported_special_token_ids_lie_in_the_vocabulary(family, tmp_path):
+    """GPT-2's defaults name token 50256, which a character vocabulary lacks (transformers warned at every load of the
+    kind walkthrough's Shakespeare model)."""
+    j = job(family)
+    export_hf(j, paratrain_model(j).state_dict(), tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    for token in (config.bos_token_id, config.eos_token_id):
+        assert token is None or 0 <= token < VOCAB
+
+
 def hf_random_model(family: str, directory):
     """A transformers model of MODELS[family]'s shape with its own random init, saved as a model directory."""
     m = MODELS[family]

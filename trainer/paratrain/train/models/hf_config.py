@@ -30,8 +30,12 @@ def config_json(model: ModelSpec, vocab_size: int) -> dict[str, Any]:
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
         }
+    # GPT-2's own end-of-text token (50256, transformers' default for both ids) only where the vocabulary has it: a
+    # character or small BPE vocabulary has no such token, and transformers warns at every load of one that names it.
+    special = 50256 if vocab_size > 50256 else None
     return {
         "architectures": [ARCHITECTURES["gpt"]], "model_type": "gpt2", "vocab_size": vocab_size,
+        "bos_token_id": special, "eos_token_id": special,
         "n_embd": m.embed_dim, "n_inner": m.ffn_dim, "n_layer": m.layers, "n_head": m.heads,
         "n_positions": m.block_size, "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu",
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
