@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# End to end on a throwaway kind cluster: build both images, install the chart, run a 2-pod CPU gang (gloo) to
-# Succeeded, then lose a worker pod mid-training in a second job and see the whole gang restart from its
-# checkpoint and succeed. Needs kind, kubectl and helm; Docker is started if none answers (scripts/docker.sh).
+# End to end on a throwaway kind cluster (a control plane and two workers, Kubernetes v1.37.2, every image built
+# here): build both images, install the chart (two operator replicas), and check what only a real kubelet shows:
+#   - job 1, a 2-pod gloo gang, runs to Succeeded on a worker with its checkpoints on a local-path PVC; its pods'
+#     securityContext as the runtime applied it (uid, no new privileges, no capabilities), the downward-API env,
+#     the per-gang NetworkPolicy as the CNI enforces it, and the exit code and termination message the operator reads;
+#   - job 2: a worker pod deleted mid-training (SIGTERM, its grace period): the gang saves the step in flight,
+#     restarts and resumes; then the acting operator pod deleted: the standby takes over and the job still succeeds;
+#   - job 2's checkpoint copied off the PVC, exported by `paratrain export`, loaded by transformers.
+# Tools (kind, helm, kubectl, the node image) come from scripts/kindbin.sh; Docker is started where none answers
+# (scripts/docker.sh) and stopped again if it was started here.
 #
 #   bash scripts/kind-e2e.sh                    # create, test, delete the cluster
 #   KEEP_CLUSTER=1 bash scripts/kind-e2e.sh     # leave the cluster up to poke at it afterwards
@@ -21,7 +28,7 @@ OPERATOR_NS="paratrain-system"
 JOB_NS="paratrain-e2e"
 JOB_TIMEOUT_S="${JOB_TIMEOUT_S:-900}"
 
-log() { printf '\n==> %s\n' "$*"; }
+log() { printf '\n==> %s (%s s)\n' "$*" "$SECONDS"; }
 fail() { printf 'kind-e2e: FAILED: %s\n' "$*" >&2; exit 1; }
 
 # docs/kind.md's bash blocks, in order, as one script: the walkthrough cannot drift from what this runs.
@@ -33,34 +40,37 @@ if [ "${1:-}" = "--print-doc" ]; then
   exit 0
 fi
 
-for tool in kind kubectl helm; do
-  command -v "$tool" >/dev/null || { echo "kind-e2e: $tool not found on PATH" >&2; exit 2; }
-done
 # A Docker daemon that answers: the one running, else one started here (scripts/docker.sh), and stopped again at
 # the end only if it was started here.
 docker_before="$(bash scripts/docker.sh status)"
-bash scripts/docker.sh start
 stop_our_docker() {
   [ "$docker_before" != none ] || bash scripts/docker.sh stop
 }
 
-if [ "${1:-}" = "--doc" ]; then  # with the reader's kubeconfig and the project's .venv (paratrain export)
+if [ "${1:-}" = "--doc" ]; then  # as a reader runs it: the page sets up its own tools and PATH
   rc=0
-  PATH="$PWD/.venv/bin:$PATH" bash -euo pipefail -c "$(doc_script)" || rc=$?
+  bash -euo pipefail -c "$(doc_script)" || rc=$?
+  kind_bin="$(bash scripts/kindbin.sh --path 2>/dev/null || true)"
+  [ "$rc" -eq 0 ] || [ -z "$kind_bin" ] || "$kind_bin/kind" delete cluster --name paratrain || true
   stop_our_docker
   exit "$rc"
 fi
 
+bash scripts/docker.sh start
+PATH="$(bash scripts/kindbin.sh):$PATH"
 # A kubeconfig of our own: the user's kubeconfig and current context are never touched.
 KUBECONFIG="$(mktemp -t paratrain-kind-kubeconfig.XXXXXX)"
 export KUBECONFIG
+WORK="$(mktemp -d -t paratrain-kind-e2e.XXXXXX)"
 
 diagnose() {
   echo "---- diagnostics ----" >&2
-  kubectl get ptj,pods,svc,pvc -A -o wide >&2 || true
+  kubectl get nodes -o wide >&2 || true
+  kubectl get ptj,pods,svc,pvc,lease -A -o wide >&2 || true
   kubectl -n "$JOB_NS" describe ptj >&2 || true
-  kubectl -n "$JOB_NS" get events --sort-by=.lastTimestamp >&2 || true
-  kubectl -n "$OPERATOR_NS" logs deployment/paratrain --tail=200 >&2 || true
+  kubectl -n "$JOB_NS" describe pods >&2 || true
+  kubectl get events -A --sort-by=.lastTimestamp >&2 || true
+  kubectl -n "$OPERATOR_NS" logs -l app.kubernetes.io/name=paratrain --tail=100 --prefix >&2 || true
   for pod in $(kubectl -n "$JOB_NS" get pods -o name 2>/dev/null); do
     echo "---- logs $pod ----" >&2
     kubectl -n "$JOB_NS" logs "$pod" --tail=50 >&2 || true
@@ -74,7 +84,7 @@ teardown() {
     echo "kind-e2e: cluster $CLUSTER kept; KUBECONFIG=$KUBECONFIG"
   else
     kind delete cluster --name "$CLUSTER" || true
-    rm -f "$KUBECONFIG"
+    rm -rf "$KUBECONFIG" "$WORK"
     stop_our_docker
   fi
   exit "$rc"
@@ -97,19 +107,43 @@ wait_succeeded() {  # wait_succeeded JOB: until phase Succeeded; fails at once o
   kubectl -n "$JOB_NS" get "ptj/$job"
 }
 
-log "create kind cluster $CLUSTER"
-create_args=(--name "$CLUSTER" --config kind-config.yaml --kubeconfig "$KUBECONFIG" --wait 180s)
-[ -z "${KIND_NODE_IMAGE:-}" ] || create_args+=(--image "$KIND_NODE_IMAGE")
-kind create cluster "${create_args[@]}"
+wait_step() {  # wait_step JOB STEP: until the job's reported step reaches STEP
+  local job=$1 want=$2 deadline=$((SECONDS + JOB_TIMEOUT_S)) phase
+  until [ "$(ptj "$job" '{.status.progress.step}')" -ge "$want" ] 2>/dev/null; do
+    phase="$(ptj "$job" '{.status.phase}')"
+    case "$phase" in Succeeded|Failed) fail "$job reached $phase before step $want" ;; esac
+    [ "$SECONDS" -lt "$deadline" ] || fail "$job did not reach step $want in ${JOB_TIMEOUT_S}s"
+    sleep 3
+  done
+}
 
-log "build images (operator; CPU trainer)"
-docker build -f operator/Dockerfile -t "$OPERATOR_IMAGE" .
-docker build -f trainer/Dockerfile.cpu -t "$TRAINER_IMAGE" .
+running_pod() {  # running_pod JOB NODE_RANK: the name of that running pod of the job
+  kubectl -n "$JOB_NS" get pods -l "paratrain.dev/job-name=$1,paratrain.dev/node-rank=$2" \
+    --field-selector=status.phase=Running -o 'jsonpath={.items[0].metadata.name}'
+}
+
+log "images (operator; CPU trainer)"
+base=python:3.11.11-slim-bookworm torch_index=https://download.pytorch.org/whl/cpu
+if ! docker image inspect "$base" >/dev/null 2>&1 && ! docker pull -q "$base" >/dev/null 2>&1; then
+  base="$(bash scripts/base-image.sh)"
+fi
+curl -sfI --max-time 10 "$torch_index/" >/dev/null || torch_index=https://pypi.org/simple
+docker build -q -f operator/Dockerfile --build-arg PYTHON_IMAGE="$base" -t "$OPERATOR_IMAGE" .
+docker build -q -f trainer/Dockerfile.cpu --build-arg PYTHON_IMAGE="$base" --build-arg TORCH_INDEX_URL="$torch_index" \
+  -t "$TRAINER_IMAGE" .
 # The operator image must not carry torch: it is the small, API-facing half.
 if docker run --rm --entrypoint python "$OPERATOR_IMAGE" -c "import torch" 2>/dev/null; then
   fail "the operator image contains torch"
 fi
-kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE" "$TRAINER_IMAGE"
+
+log "create kind cluster $CLUSTER"
+create_args=(--name "$CLUSTER" --config kind-config.yaml --kubeconfig "$KUBECONFIG" --wait 300s)
+[ -z "${KIND_NODE_IMAGE:-}" ] || create_args+=(--image "$KIND_NODE_IMAGE")
+kind create cluster "${create_args[@]}"
+kubectl wait nodes --all --for=condition=Ready --timeout=120s
+[ "$(kubectl get nodes --no-headers | wc -l)" -eq 3 ] || fail "want 3 nodes (kind-config.yaml)"
+kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE"
+kind load docker-image --name "$CLUSTER" --nodes "$CLUSTER-worker,$CLUSTER-worker2" "$TRAINER_IMAGE"
 
 log "namespaces enforcing the restricted Pod Security Standard"
 for ns in "$OPERATOR_NS" "$JOB_NS"; do
@@ -117,44 +151,127 @@ for ns in "$OPERATOR_NS" "$JOB_NS"; do
   kubectl label namespace "$ns" pod-security.kubernetes.io/enforce=restricted \
     pod-security.kubernetes.io/enforce-version=latest
 done
+# The admission plugin itself refuses a pod that breaks the profile.
+if out="$(kubectl -n "$JOB_NS" run privileged --image="$TRAINER_IMAGE" --restart=Never \
+  --overrides='{"spec": {"containers": [{"name": "privileged", "image": "'"$TRAINER_IMAGE"'",
+  "securityContext": {"privileged": true}}]}}' 2>&1)"; then
+  fail "a privileged pod was admitted into a restricted namespace"
+fi
+grep -q 'violates PodSecurity "restricted' <<<"$out" || fail "unexpected refusal: $out"
 
-log "install the chart (CRD included)"
+log "install the chart (CRD included; two replicas, one acting)"
 helm install paratrain charts/paratrain --namespace "$OPERATOR_NS" \
   --set image.repository=paratrain-operator --set image.tag=e2e --set image.pullPolicy=Never \
-  --wait --timeout 180s
+  --wait --timeout 300s
 kubectl wait crd/paralleltrainjobs.paratrain.dev --for=condition=Established --timeout=60s
-kubectl -n "$OPERATOR_NS" rollout status deployment/paratrain --timeout=120s
+kubectl -n "$OPERATOR_NS" rollout status deployment/paratrain --timeout=180s
+leader() { kubectl -n "$OPERATOR_NS" get lease -o 'jsonpath={.items[0].spec.holderIdentity}'; }
+deadline=$((SECONDS + 120))
+until [ -n "$(leader)" ]; do [ "$SECONDS" -lt "$deadline" ] || fail "no operator replica took the lease"; sleep 2; done
+echo "acting operator: $(leader)"
 
-log "job 1: 2-pod gloo gang to Succeeded"
+log "job 1: 2-pod gloo gang to Succeeded, its checkpoints on a local-path PVC"
 kubectl -n "$JOB_NS" apply -f tests/e2e/jobs/checkpoints-pvc.yaml
 kubectl -n "$JOB_NS" apply -f tests/e2e/jobs/gloo-ddp.yaml
 wait_succeeded e2e-gloo-ddp
+# Rank 0's final progress, read by the operator from its termination message.
+message="$(kubectl -n "$JOB_NS" get pods -l paratrain.dev/job-name=e2e-gloo-ddp,paratrain.dev/node-rank=0 \
+  -o 'jsonpath={.items[0].status.containerStatuses[0].state.terminated.message}')"
+grep -q '"step"' <<<"$message" || fail "rank 0's termination message holds no progress: '$message'"
 step="$(ptj e2e-gloo-ddp '{.status.progress.step}')"
 total="$(ptj e2e-gloo-ddp '{.status.progress.totalSteps}')"
 [ -n "$total" ] && [ "$step" = "$total" ] || fail "e2e-gloo-ddp Succeeded at step '$step' of '$total'"
+[ "$(kubectl -n "$JOB_NS" get pvc e2e-checkpoints -o 'jsonpath={.status.phase}')" = Bound ] || fail "PVC not Bound"
+for p in $(kubectl -n "$JOB_NS" get pods -l paratrain.dev/job-name=e2e-gloo-ddp -o name); do
+  node="$(kubectl -n "$JOB_NS" get "$p" -o 'jsonpath={.spec.nodeName}')"
+  case "$node" in "$CLUSTER"-worker*) ;; *) fail "$p ran on $node, not a worker" ;; esac
+  code="$(kubectl -n "$JOB_NS" get "$p" -o 'jsonpath={.status.containerStatuses[0].state.terminated.exitCode}')"
+  [ "$code" = 0 ] || fail "$p exited with '$code' (want 0, as the runtime reports it)"
+done
 
-log "job 2: delete a worker pod mid-training; the gang saves the step in flight, restarts and succeeds"
+log "job 2: delete a worker pod mid-training; the gang saves the step in flight, restarts and resumes"
 kubectl -n "$JOB_NS" apply -f tests/e2e/jobs/gloo-restart.yaml
-# Past the first checkpoint (interval 50), so the restarted gang has something to resume from.
+wait_step e2e-gloo-restart 100  # past the first checkpoint (interval 50), so the new gang has one to resume from
+pod="$(running_pod e2e-gloo-restart 1)"
+[ -n "$pod" ] || fail "no running rank-1 pod of e2e-gloo-restart"
+# The securityContext as the container runtime applied it, and the downward-API env.
+# shellcheck disable=SC2016  # expanded in the pod
+status="$(kubectl -n "$JOB_NS" exec "$pod" -- sh -c 'id -u; grep -E "^(NoNewPrivs|CapEff|Seccomp):" /proc/1/status;
+  printf "%s %s\n" "$POD_NAME" "$POD_IP"')"
+echo "$status"
+[ "$(sed -n 1p <<<"$status")" != 0 ] || fail "the trainer runs as root"
+grep -qE '^NoNewPrivs:\s+1$' <<<"$status" || fail "privilege escalation is not blocked"
+grep -qE '^CapEff:\s+0+$' <<<"$status" || fail "the trainer holds capabilities"
+grep -qE '^Seccomp:\s+2$' <<<"$status" || fail "no seccomp filter (RuntimeDefault)"
+pod_ip="$(kubectl -n "$JOB_NS" get pod "$pod" -o 'jsonpath={.status.podIP}')"
+grep -qx "$pod $pod_ip" <<<"$status" || fail "downward-API env: want '$pod $pod_ip'"
+# The gang's NetworkPolicy as the CNI enforces it (kube-network-policies): a gang pod reaches rank 0's rendezvous
+# port, a pod outside the gang in the same namespace does not. kube-network-policies judges packets through
+# nf_tables' queue expression; a kernel without it (nft_queue) cannot enforce NetworkPolicy this way.
+# shellcheck disable=SC2016  # expanded in the node
+queue_probe='nft add table inet paratrain_probe && nft add chain inet paratrain_probe c &&
+  nft add rule inet paratrain_probe c queue num 1 bypass; rc=$?; nft delete table inet paratrain_probe; exit $rc'
+if docker exec "$CLUSTER-worker" sh -c "$queue_probe" >/dev/null 2>&1; then
+  rank0_ip="$(kubectl -n "$JOB_NS" get pod "$(running_pod e2e-gloo-restart 0)" -o 'jsonpath={.status.podIP}')"
+  # connect_ex: 0 when connected, ECONNREFUSED when nothing listens, a timeout when a policy drops the packets
+  connect="import socket, sys; s = socket.socket(); s.settimeout(5); print(s.connect_ex((sys.argv[1], 29500)))"
+  gang_sees() { kubectl -n "$JOB_NS" exec "$pod" -- python -c "$connect" "$rank0_ip"; }
+  [ "$(gang_sees)" = 0 ] || fail "a gang pod cannot reach rank 0's rendezvous port"
+  outsider="$(kubectl -n "$JOB_NS" run outsider --image="$TRAINER_IMAGE" --restart=Never --rm -i --quiet --overrides='{"spec":
+    {"securityContext": {"runAsNonRoot": true, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+    "containers": [{"name": "outsider", "image": "'"$TRAINER_IMAGE"'", "stdin": true,
+    "command": ["python", "-c", "'"$connect"'", "'"$rank0_ip"'"],
+    "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}}}]}}')"
+  [ "$outsider" != 0 ] || fail "a pod outside the gang reached rank 0's rendezvous port (NetworkPolicy not enforced)"
+  [ "$(gang_sees)" = 0 ] || fail "rank 0's rendezvous port closed while the outsider probed it"
+  echo "NetworkPolicy holds (outsider: errno $outsider): the gang reaches $rank0_ip:29500, an outsider does not"
+else
+  echo "NetworkPolicy NOT checked: this kernel's nf_tables has no queue expression (nft_queue), which" \
+    "kube-network-policies needs to enforce it; the gang's policy is in place but unenforced here"
+fi
+victim="$(running_pod e2e-gloo-restart 1)"
+[ -n "$victim" ] || fail "no running rank-1 pod of e2e-gloo-restart to delete"
+deleted_at="$(ptj e2e-gloo-restart '{.status.progress.step}')"
+echo "deleting worker pod $victim at step $deleted_at"
+kubectl -n "$JOB_NS" delete pod "$victim" --wait=false
 deadline=$((SECONDS + JOB_TIMEOUT_S))
-until [ "$(ptj e2e-gloo-restart '{.status.progress.step}')" -ge 100 ] 2>/dev/null; do
-  phase="$(ptj e2e-gloo-restart '{.status.phase}')"
-  case "$phase" in Succeeded|Failed) fail "e2e-gloo-restart reached $phase before a worker could be killed" ;; esac
-  [ "$SECONDS" -lt "$deadline" ] || fail "e2e-gloo-restart made no progress in ${JOB_TIMEOUT_S}s"
+until [ "$(ptj e2e-gloo-restart '{.status.attempt}')" -ge 1 ] 2>/dev/null; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "e2e-gloo-restart did not restart its gang"
   sleep 3
 done
-victim="$(kubectl -n "$JOB_NS" get pods \
-  -l paratrain.dev/job-name=e2e-gloo-restart,paratrain.dev/node-rank=1 \
-  --field-selector=status.phase=Running -o 'jsonpath={.items[0].metadata.name}')"
-[ -n "$victim" ] || fail "no running rank-1 pod of e2e-gloo-restart to kill"
-echo "deleting worker pod $victim at step $(ptj e2e-gloo-restart '{.status.progress.step}')"
-kubectl -n "$JOB_NS" delete pod "$victim" --wait=false
+
+log "the acting operator pod deleted: the standby takes over"
+old_leader="$(leader)"
+kubectl -n "$OPERATOR_NS" delete pod "${old_leader%_*}" --wait=false  # the identity is <pod name>_<random>
+deadline=$((SECONDS + 180))
+until [ -n "$(leader)" ] && [ "$(leader)" != "$old_leader" ]; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "no standby took the lease from $old_leader"
+  sleep 2
+done
+echo "acting operator now: $(leader)"
 wait_succeeded e2e-gloo-restart
 attempt="$(ptj e2e-gloo-restart '{.status.attempt}')"
 restarts="$(ptj e2e-gloo-restart '{.status.restarts}')"
-# A deleted pod is a stop, not a failure: the gang restarted (attempt 1) without spending backoffLimit.
-[ "${attempt:-0}" -ge 1 ] || fail "e2e-gloo-restart Succeeded with attempt='$attempt' (want >= 1)"
 [ "${restarts:-0}" -eq 0 ] || fail "e2e-gloo-restart counted the stop as a failure (restarts='$restarts')"
 kubectl -n "$JOB_NS" get pods -l paratrain.dev/job-name=e2e-gloo-restart -L paratrain.dev/attempt
+# The new gang resumed from the step the stopped one saved (at or after the step seen when the pod was deleted),
+# not from an older periodic checkpoint.
+resumed="$(kubectl -n "$JOB_NS" logs "e2e-gloo-restart-$attempt-0" | grep -m1 -oE 'resume step=[0-9]+' || true)"
+echo "new gang: ${resumed:-no resume}"
+[ -n "$resumed" ] && [ "${resumed#resume step=}" -ge "$deleted_at" ] \
+  || fail "the restarted gang did not resume from the step in flight (${resumed:-none}; deleted at $deleted_at)"
+
+log "export job 2's checkpoint from the PVC and load it with transformers"
+kubectl -n "$JOB_NS" run copy --image="$TRAINER_IMAGE" --restart=Never --overrides='{"spec":
+  {"securityContext": {"runAsNonRoot": true, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+  "containers": [{"name": "copy", "image": "'"$TRAINER_IMAGE"'", "command": ["sleep", "600"],
+  "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+  "volumeMounts": [{"name": "c", "mountPath": "/checkpoints"}]}],
+  "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": "e2e-checkpoints"}}]}}'
+kubectl -n "$JOB_NS" wait pod/copy --for=condition=Ready --timeout=120s
+kubectl -n "$JOB_NS" cp copy:/checkpoints/e2e-gloo-restart "$WORK/checkpoints"
+.venv/bin/paratrain export tests/e2e/jobs/gloo-restart.yaml --checkpoint "$WORK/checkpoints" --out "$WORK/hf"
+.venv/bin/python -c "import sys, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]);
+print('exported model:', type(m).__name__, m.num_parameters(), 'parameters')" "$WORK/hf"
 
 log "kind e2e passed"
