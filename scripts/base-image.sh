@@ -5,6 +5,10 @@
 #
 #   bash scripts/base-image.sh          # builds paratrain-base:bookworm unless the daemon has it; prints its name
 #   bash scripts/base-image.sh --force  # builds it again
+#   bash scripts/base-image.sh --torch  # and on it paratrain-torch:2.13.0: a virtualenv with PyPI's torch (the CUDA
+#                                       # build with its NVIDIA libraries), the GPU trainer image's base where
+#                                       # pytorch/pytorch cannot be pulled:
+#     docker build -f trainer/Dockerfile --build-arg PYTORCH_IMAGE="$(bash scripts/base-image.sh --torch)" .
 #
 # Needs a Docker daemon (scripts/docker.sh start) and root (debootstrap); installs debootstrap if missing.
 # Mirror: $DEBIAN_MIRROR, else the first Debian mirror in this machine's apt sources, else deb.debian.org.
@@ -14,7 +18,21 @@ PACKAGES="python3,python3-venv,ca-certificates"
 
 log() { printf 'base-image: %s\n' "$*" >&2; }
 
+TORCH_IMAGE="paratrain-torch:2.13.0"
+
+torch_image() {  # the GPU trainer's base: pip on PATH is the virtualenv's, so trainer/Dockerfile installs into it
+  if ! docker image inspect "$TORCH_IMAGE" >/dev/null 2>&1; then
+    log "building $TORCH_IMAGE on $IMAGE (PyPI's torch==2.13.0, several GB)"
+    # shellcheck disable=SC2016  # $PATH expands in the image, not here
+    printf '%s\n' "FROM $IMAGE" 'ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1' \
+      'RUN python3 -m venv /opt/venv && pip install "torch==2.13.0" && python -c "import torch"' \
+      | docker build -q -t "$TORCH_IMAGE" - >/dev/null
+  fi
+  echo "$TORCH_IMAGE"
+}
+
 if [[ "${1:-}" != "--force" ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  [[ "${1:-}" == "--torch" ]] && { torch_image; exit 0; }
   echo "$IMAGE"
   exit 0
 fi
@@ -47,4 +65,5 @@ tar -C "$root" -c . | docker import --change 'ENV LANG=C.UTF-8' --change "ENV PI
   --change "ENV REQUESTS_CA_BUNDLE=$bundle" --change "ENV SSL_CERT_FILE=$bundle" --change 'CMD ["/bin/bash"]' \
   - "$IMAGE" >/dev/null
 log "built $IMAGE in $((SECONDS - start)) s ($(docker image inspect -f '{{.Size}}' "$IMAGE") bytes)"
+[[ "${1:-}" == "--torch" ]] && { torch_image; exit 0; }
 echo "$IMAGE"
