@@ -19,25 +19,35 @@ NODE = ROOT / "scripts" / "kind-node"
 
 
 def stand_in_go(tmp_path: Path) -> Path:
-    """A `go` that answers the calls kueuebin.sh makes, and fails if two builds overlap: each `go build` holds a
-    marker file for a second and refuses to start while another's marker exists."""
+    """A `go` that answers the calls testbin.sh and kueuebin.sh make, and fails if two builds overlap: each `go build`
+    holds a marker file for a second and refuses to start while another's marker exists. A build writes a file per
+    package (`-o DIR/`) or the one file named (`-o FILE`) and logs the packages to `builds`."""
     module = tmp_path / "module-src"
-    (module / "config" / "default").mkdir(parents=True)
+    (module / "config" / "default").mkdir(parents=True, exist_ok=True)
     (module / "config" / "default" / "kustomization.yaml").write_text("resources: []\n")
+    (module / "go.mod").write_text("module k8s.io/kubernetes\n\ngo 1.26\n\nrequire go.etcd.io/etcd/server/v3 v3.7.0\n")
     bin_dir = tmp_path / "gobin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     go = bin_dir / "go"
     go.write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
         set -euo pipefail
         case "$1" in
           get) exit 0 ;;
-          mod) echo '{{"Dir": "{module}"}}' ;;
+          mod) echo '{{"Dir": "{module}", "GoMod": "{module}/go.mod"}}' ;;
           build)
             marker="{tmp_path}/building"
             [[ ! -e "$marker" ]] || {{ echo "two builds at once" >&2; exit 1; }}
-            touch "$marker"; echo build >> "{tmp_path}/builds"; sleep 1
-            while (($#)); do [[ $1 == -o ]] && {{ echo binary > "$2"; chmod +x "$2"; }}; shift; done
+            touch "$marker"; sleep 1
+            shift; out=""; pkgs=()
+            while (($#)); do
+              case "$1" in -o) out=$2; shift ;; -ldflags|-tags) shift ;; -*) ;; *) pkgs+=("$1") ;; esac
+              shift
+            done
+            echo "${{pkgs[*]}}" >> "{tmp_path}/builds"
+            if [[ $out == */ ]]; then for p in "${{pkgs[@]}}"; do echo binary > "$out${{p##*/}}"; done
+            else echo binary > "$out"; fi
+            chmod +x "$out"* 2>/dev/null || true
             rm "$marker" ;;
         esac
         """))
@@ -45,18 +55,38 @@ def stand_in_go(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def test_two_kueue_builds_at_once_take_turns_and_build_once(tmp_path):
-    """Two unlocked builds once raced on one temporary file (`mv: cannot stat '…/kueue.tmp'`) and failed a CI run."""
+def run_at_once(script: Path, tmp_path: Path, *args: str, runs: int = 2) -> list[tuple[int, str, str]]:
     env = {**os.environ, "PATH": f"{stand_in_go(tmp_path)}:{os.environ['PATH']}",
            "PARATRAIN_TESTBIN_CACHE": str(tmp_path / "cache")}
-    script = ROOT / "scripts" / "kueuebin.sh"
-    runs = [subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
-    results = [(run.wait(timeout=60), *run.communicate()) for run in runs]
+    procs = [subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(runs)]
+    return [(proc.wait(timeout=120), *proc.communicate()) for proc in procs]
+
+
+def test_two_kueue_builds_at_once_take_turns_and_build_once(tmp_path):
+    """Two unlocked builds once raced on one temporary file (`mv: cannot stat '…/kueue.tmp'`) and failed a CI run."""
+    results = run_at_once(ROOT / "scripts" / "kueuebin.sh", tmp_path)
     assert [rc for rc, _, _ in results] == [0, 0], results
-    assert (tmp_path / "builds").read_text().count("build") == 1, "the second run reuses the first's build"
+    assert len((tmp_path / "builds").read_text().splitlines()) == 1, "the second run reuses the first's build"
     folder = {out.strip() for _, out, _ in results}
     assert len(folder) == 1 and Path(folder.pop(), "bin", "kueue").is_file()
+
+
+def test_two_cold_testbin_builds_at_once_build_the_control_plane_once_then_the_node_binaries(tmp_path):
+    """The cold path CI takes on a fresh machine (the real build takes about 13 minutes): every binary lands whole,
+    once; `--node` then adds the kubelet, kubeadm and kube-proxy from the same module without rebuilding the rest."""
+    results = run_at_once(ROOT / "scripts" / "testbin.sh", tmp_path)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    bin_dir = Path({out.strip().splitlines()[-1] for _, out, _ in results}.pop())
+    control_plane = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd"]
+    assert all((bin_dir / b).is_file() for b in control_plane) and (bin_dir / "VERSION").is_file()
+    builds = (tmp_path / "builds").read_text().splitlines()
+    assert sum("kube-apiserver" in b for b in builds) == 1 and sum("etcd" in b for b in builds) == 1, builds
+    [(rc, out, err)] = run_at_once(ROOT / "scripts" / "testbin.sh", tmp_path, "--node", runs=1)
+    assert rc == 0, err
+    assert all((bin_dir / b).is_file() for b in ("kubelet", "kubeadm", "kube-proxy"))
+    builds = (tmp_path / "builds").read_text().splitlines()
+    assert sum("kube-apiserver" in b for b in builds) == 1 and sum("kubelet" in b for b in builds) == 1, builds
 
 
 def test_node_scripts_pass_shellcheck():
