@@ -90,7 +90,16 @@ go_build() {
     chmod -R u+w "$src.tmp"
     mv "$src.tmp" "$src"
   fi
-  (cd "$src" && go build -trimpath "${flags[@]}" -o "$out" "${pkgs[@]}")
+  # Built under .tmp/ and moved in whole, so an interrupted build never leaves a binary `built` would trust.
+  local tmp="$DIR/.tmp"
+  rm -rf "$tmp" && mkdir -p "$tmp"
+  if [[ "$out" == */ ]]; then
+    (cd "$src" && go build -trimpath "${flags[@]}" -o "$tmp/" "${pkgs[@]}")
+    mv "$tmp"/* "$out"
+  else
+    (cd "$src" && go build -trimpath "${flags[@]}" -o "$tmp/${out##*/}" "${pkgs[@]}")
+    mv "$tmp/${out##*/}" "$out"
+  fi
 }
 
 built() {  # built FILE...: every file exists (a step's outputs), so the step is skipped
@@ -101,12 +110,12 @@ built() {  # built FILE...: every file exists (a step's outputs), so the step is
 # --- tools on the user's side: kind, helm, kubectl -------------------------------------------------------------
 if ! built "$BIN/kind"; then
   log "kind $KIND_VERSION"
-  go_build sigs.k8s.io/kind "$KIND_VERSION" "$BIN/kind.tmp" . -- -ldflags "-s -w" && mv "$BIN/kind.tmp" "$BIN/kind"
+  go_build sigs.k8s.io/kind "$KIND_VERSION" "$BIN/kind" . -- -ldflags "-s -w"
 fi
 if ! built "$BIN/helm"; then
   log "helm $HELM_VERSION"
-  go_build helm.sh/helm/v3 "$HELM_VERSION" "$BIN/helm.tmp" ./cmd/helm -- \
-    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" && mv "$BIN/helm.tmp" "$BIN/helm"
+  go_build helm.sh/helm/v3 "$HELM_VERSION" "$BIN/helm" ./cmd/helm -- \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 fi
 
 # --- the node's runtime ----------------------------------------------------------------------------------------
