@@ -165,3 +165,87 @@ def test_metadata_declaring_more_than_the_files_hold_is_refused_before_allocatin
     tamper_metadata(ckpt, inflate)
     with pytest.raises(CheckpointError, match=r"declares 40,000,000,0[\d,]+ bytes of tensors; the checkpoint.s files"):
         full_model_state(ckpt)
+
+
+# ---- a checkpoint volume others can write: symlinks and compressed entries (issue 31) ------------------------------
+
+def test_a_data_file_that_is_a_symlink_is_refused_even_when_its_target_matches(saved, tmp_path):
+    """A writer to the volume swaps a file for a link to a file elsewhere (same bytes, so the checksum matches):
+    the link is never read through by the hashing or the loader."""
+    ckpt = tmp_path / "step-00000003"
+    elsewhere = tmp_path / "elsewhere.distcp"
+    (ckpt / "__0_0.distcp").rename(elsewhere)
+    (ckpt / "__0_0.distcp").symlink_to(elsewhere)
+    checkpointer, _ = saved
+    assert checkpointer.latest() is None  # skipped, with the reason logged
+    with pytest.raises(CheckpointError, match="__0_0.distcp is a symbolic link"):
+        full_model_state(ckpt)
+
+
+def test_a_step_directory_that_is_a_symlink_is_not_a_candidate(saved, tmp_path):
+    from paratrain.train.checkpoint import candidates, newest_sound
+
+    (tmp_path / "step-00000009").symlink_to(tmp_path / "step-00000003")
+    assert [p.name for p in candidates(tmp_path)] == ["step-00000003"]
+    assert newest_sound(tmp_path).name == "step-00000003"
+
+
+def test_the_hash_never_reads_through_a_link(tmp_path):
+    from paratrain.token_shards import sha256_file
+
+    (tmp_path / "file").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    assert sha256_file(tmp_path / "link") == sha256_file(tmp_path / "file")  # token shards may be links
+    with pytest.raises(OSError):
+        sha256_file(tmp_path / "link", follow_symlinks=False)
+
+
+def rewrite_tensor_archives(ckpt, compression: int) -> None:
+    """Re-zip every tensor archive of the checkpoint's data file with `compression` (torch stores them
+    uncompressed; torch's reader inflates a deflated entry all the same), vouching for it in the manifest."""
+    import zipfile
+
+    from paratrain.train.checkpoint import SafeReader
+
+    meta = SafeReader(ckpt).read_metadata()
+    data = (ckpt / "__0_0.distcp").read_bytes()
+    out = io.BytesIO()
+    for info in sorted(meta.storage_data.values(), key=lambda i: i.offset):
+        archive = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length])) as src, \
+                zipfile.ZipFile(archive, "w", compression) as dst:
+            for entry in src.infolist():
+                dst.writestr(entry.filename, src.read(entry.filename))
+        info.offset, info.length = out.tell(), len(archive.getvalue())
+        out.write(archive.getvalue())
+    (ckpt / "__0_0.distcp").write_bytes(out.getvalue())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in ("__0_0.distcp", ".metadata"):
+        manifest["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_tensor_archive_with_compressed_entries_is_refused_before_torch_inflates_it(saved, tmp_path):
+    import zipfile
+
+    ckpt = tmp_path / "step-00000003"
+    rewrite_tensor_archives(ckpt, zipfile.ZIP_STORED)  # the same re-zip, stored: still loads
+    assert torch.equal(full_model_state(ckpt)["w"], torch.arange(4.0))
+    rewrite_tensor_archives(ckpt, zipfile.ZIP_DEFLATED)
+    with pytest.raises(CheckpointError, match="holds compressed entries"):
+        full_model_state(ckpt)
+    checkpointer, _ = saved
+    with pytest.raises(CheckpointError, match="holds compressed entries"):
+        checkpointer.load(ckpt, {"engine": RecordingEngine(torch.zeros(4)).state_dict()})
+
+
+def test_metadata_asking_for_a_load_transform_is_refused(saved, tmp_path):
+    ckpt = tmp_path / "step-00000003"
+
+    def transform(meta) -> None:
+        for info in meta.storage_data.values():
+            info.transform_descriptors = ["zstandard"]
+    tamper_metadata(ckpt, transform)
+    with pytest.raises(CheckpointError, match="asks for transforms"):
+        full_model_state(ckpt)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -100,9 +101,12 @@ class TokenDirError(ValueError):
         self.problems = problems
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, follow_symlinks: bool = True) -> str:
+    """The file's SHA-256. follow_symlinks=False: a symbolic link raises OSError (ELOOP) instead of being read
+    through, checked by the open itself (O_NOFOLLOW), so no swap between a check and the read can slip one in."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with open(os.open(path, flags), "rb") as f:
         while block := f.read(1 << 22):
             h.update(block)
     return h.hexdigest()

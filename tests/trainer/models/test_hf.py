@@ -2,6 +2,8 @@
 exported (paratrain → HF) and loaded (HF → paratrain, spec.model.init), for Llama and GPT-2; and a tensor-parallel
 run started from HF weights begins at the single-process run's loss."""
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -214,3 +216,18 @@ def test_a_sharded_index_naming_a_file_elsewhere_is_refused(tmp_path):
     index.write_text(index.read_text().replace('"model-00001', '"../model-00001'))
     problem = init_problem(job("llama", init=str(tmp_path / "sharded")).spec.model, VOCAB)
     assert "not a file in" in problem and "../model-00001" in problem
+
+
+def test_export_replaces_a_link_in_its_output_never_writes_or_chmods_through_it(tmp_path):
+    """A link planted where the export writes (config.json → a file of someone else's) is replaced, and the file it
+    pointed at is neither written nor given the export's mode."""
+    victim = tmp_path / "victim"
+    victim.write_text("theirs")
+    victim.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").symlink_to(victim)
+    (out / "notes").symlink_to(victim)  # a link the export does not write: left alone, target untouched
+    export_hf(job("llama"), paratrain_model(job("llama")).state_dict(), out)
+    assert victim.read_text() == "theirs" and victim.stat().st_mode & 0o777 == 0o600
+    assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text())

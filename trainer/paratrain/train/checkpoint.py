@@ -24,6 +24,7 @@ file is kept for inspection). Another layout is not refused: it is resharded on 
 from __future__ import annotations
 
 import enum
+import io
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ import os
 import pickle
 import shutil
 import warnings
+import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,10 +145,69 @@ class SafeReader(dcp.FileSystemReader):
         if declared > stored:
             raise pickle.UnpicklingError(f"{DCP_METADATA} declares {declared:,} bytes of tensors; the checkpoint's "
                                          f"files hold {stored:,}")
+        for info in (meta.storage_data or {}).values():
+            if getattr(info, "transform_descriptors", None):  # e.g. a decompression DCP would apply: never written here
+                raise pickle.UnpicklingError(f"{DCP_METADATA} asks for transforms {info.transform_descriptors!r} on "
+                                             f"{info.relative_path}; this trainer writes plain tensors")
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = metadata.StorageMeta()
         meta.storage_meta.load_id = self.load_id
         return meta
+
+
+    def _slice_file(self, file, sinfo):
+        """Each tensor is one torch.save zip archive, which torch writes uncompressed. One with a compressed entry
+        (torch's reader inflates it: a 98 KB entry became a 100 MB tensor) or entries larger than its slice is
+        refused before torch.load sees it; only the archive's central directory is read for this."""
+        refuse_compressed(_Window(file, sinfo.offset, sinfo.length), f"{sinfo.relative_path}@{sinfo.offset}")
+        return super()._slice_file(file, sinfo)
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of a seekable file, as a file of their own (standard seek semantics)."""
+
+    def __init__(self, file: Any, offset: int, length: int):
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(0, base + pos), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        size = max(0, min(len(buffer), self._length - self._pos))
+        self._file.seek(self._offset + self._pos)
+        data = self._file.read(size)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def refuse_compressed(archive: Any, what: str) -> None:
+    """UnpicklingError unless `archive` (a seekable file) is a zip whose entries are all stored uncompressed and
+    add up to no more than the archive itself."""
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            entries = zipped.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise pickle.UnpicklingError(f"{what} is not a tensor archive ({exc})") from None
+    compressed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise pickle.UnpicklingError(f"{what} holds compressed entries ({', '.join(compressed[:3])}); torch writes "
+                                     "tensors uncompressed, and a compressed entry can inflate far past its size")
+    size = archive.seek(0, io.SEEK_END)
+    if sum(e.file_size for e in entries) > size:
+        raise pickle.UnpicklingError(f"{what} declares entries larger than the archive")
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -166,19 +227,34 @@ def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None) ->
     files = manifest.get("files", {})
     if DCP_METADATA not in files:
         return f"manifest lists no {DCP_METADATA}"
+    if ckpt.is_symlink() or (ckpt / MANIFEST).is_symlink():
+        return f"{ckpt.name if ckpt.is_symlink() else MANIFEST} is a symbolic link (a checkpoint holds plain files only)"
     for name in sorted(files) if names is None else names:
         path = ckpt / name
+        if Path(name).name != name or name in (".", ".."):
+            return f"the manifest names {name!r}, not a file of the checkpoint's own directory"
+        if path.is_symlink():
+            return f"{name} is a symbolic link (a checkpoint holds plain files only)"
         if not path.is_file():
             return f"{name} missing"
-        if sha256_file(path) != files[name]:
+        try:
+            digest = sha256_file(path, follow_symlinks=False)
+        except OSError as exc:  # swapped for a link since the check above, or unreadable
+            return f"{name} cannot be read as a plain file ({exc.strerror or exc})"
+        if digest != files[name]:
             return f"{name} is corrupt or truncated (checksum mismatch)"
     return None
 
 
-def _dcp_failure(exc: BaseException) -> str:
+def _first_failure(exc: BaseException) -> BaseException:
     """DCP's CheckpointException wraps each failing rank's (exception, traceback); the first says what went wrong."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc, _ = next(iter(exc.failures.values()))
+    return exc
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    exc = _first_failure(exc)
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
@@ -313,6 +389,9 @@ class Checkpointer:
             reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
         except CheckpointException as exc:  # not a peer's failure: that stays retryable
+            if isinstance(_first_failure(exc), pickle.UnpicklingError):  # a tensor archive refused while reading
+                raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move "
+                                      "it away to resume from an earlier checkpoint.") from None
             # DCP's plan failed: names or shapes differ. Earlier checkpoints of the same directory were written by
             # the same model, so they would not fit either.
             raise CheckpointError(
@@ -328,7 +407,7 @@ def candidates(root: Path) -> list[Path]:
     """Directories under `root` that look like finished checkpoints, newest first (not yet verified)."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
+    return sorted((p for p in root.glob("step-*") if (p / MANIFEST).is_file() and not p.is_symlink()), reverse=True)
 
 
 def newest_sound(path: str | os.PathLike) -> Path:
@@ -364,7 +443,10 @@ def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
              if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
     with warnings.catch_warnings():  # that no_dist means one process is what we ask for
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except (pickle.UnpicklingError, CheckpointException) as exc:
+            raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}") from None
     return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
 
 

@@ -150,6 +150,9 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
                          f"(differs at {', '.join(wrong[:5])}): export needs every parameter, unsharded")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):  # replace a link, never write through one
+        if (out / name).is_symlink():
+            (out / name).unlink()
     (out / CONFIG_FILE).write_text(json.dumps(config_json(spec.model, vocab_size), indent=2) + "\n")
     tensors = {k: v.detach().to("cpu", torch.float32) for k, v in to_hf(spec.model.family, model_state).items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -165,5 +168,5 @@ def _usual_modes(out: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for path in out.iterdir():
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():  # a link's target is not ours to change
             path.chmod(0o666 & ~umask)
