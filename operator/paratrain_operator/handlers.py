@@ -64,6 +64,15 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
                 RESYNC_SECONDS, QPS, BURST, METRICS_PORT or "off")
 
 
+@kopf.on.probe(id="pods")
+def pods_informer(**_: Any) -> dict[str, int]:
+    """Liveness (kopf answers 500 when a probe fails): the pod cache every pass reads must be kept up to date."""
+    problem = reconcile.pods.problem() if reconcile.pods is not None else "the pods informer has not started"
+    if problem:
+        raise kopf.PermanentError(problem)
+    return {"cachedPods": len(reconcile.pods)}
+
+
 async def _keep_lease(elector: leader.Elector, logger: logging.Logger) -> None:
     try:
         await elector.keep()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -25,6 +27,9 @@ MAX_RETRY_AFTER = 10.0
 BEARER_TOKEN_KEY = "BearerToken"
 DEFAULT_QPS, DEFAULT_BURST = 100.0, 200
 MAX_CONNECTIONS = 64  # requests in flight at once (aiohttp's pool); more wait for a connection
+# One watch event at most: etcd stores objects of up to 1.5 MiB, and JSON can escape each byte as six (\u003c).
+MAX_EVENT_BYTES = 10 << 20
+log = logging.getLogger("paratrain.operator")
 
 
 class RateLimiter:
@@ -160,11 +165,13 @@ class Kube:
 
     async def watch(self, path: str, params: Mapping[str, str], silence: float) -> AsyncIterator[dict[str, Any]]:
         """The events of one watch request (`watch=true` is added), until the server ends it or `silence`
-        seconds pass without a line (a silent stream is cut, and its client resumes). Raises ApiError."""
+        seconds pass without data (a silent stream is cut, and its client resumes). The stream is read in chunks
+        and split into lines here, so no event can overflow a line buffer (aiohttp's raises LineTooLong past
+        2 MiB, which is not a ClientError): an event over MAX_EVENT_BYTES, or one that is not a JSON object, is
+        skipped with a warning naming its object. Raises ApiError."""
         if self._watch_session is None:
             self._watch_session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=silence),
-                read_bufsize=1 << 20)  # one event is one line: a pod with a large spec is one long line
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=silence))
         url = self._config.host.rstrip("/") + path
         try:
             async with self._watch_session.get(url, params={**params, "watch": "true"}, ssl=self._ssl(),
@@ -174,11 +181,64 @@ class Kube:
                     data = data if isinstance(data, Mapping) else {}
                     raise ApiError(response.status, str(data.get("reason") or response.reason),
                                    str(data.get("message") or ""))
-                async for line in response.content:
-                    if line.strip():
-                        yield json.loads(line)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                async for line in lines(response.content.iter_any(), MAX_EVENT_BYTES, path):
+                    event = parse_event(line, path)
+                    if event is not None:
+                        yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ApiError(0, type(exc).__name__, f"watch {path}: {exc}") from None
+
+
+def describe_object(head: bytes) -> str:
+    """`namespace/name` of the object an event's first bytes name, as far as they tell (for a warning)."""
+    meta = head.partition(b'"metadata":')[2]
+    found = [re.search(rb'"%s":"([^"\\]{1,253})"' % key, meta) for key in (b"namespace", b"name")]
+    return "/".join(m.group(1).decode("ascii", "replace") if m else "?" for m in found)
+
+
+async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIterator[bytes]:
+    """The non-blank newline-terminated lines of a byte stream (and a last unterminated one). A line longer than
+    `limit` bytes is dropped as it streams (never held whole) with a warning naming its object."""
+    buffer, skipped = bytearray(), 0  # skipped: bytes of an oversized line dropped so far (0: none)
+    head = b""
+    async for chunk in chunks:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if skipped:
+                skipped += len(piece)
+            else:
+                buffer += piece
+                if len(buffer) > limit:
+                    head, skipped = bytes(buffer[:4096]), len(buffer)
+                    buffer.clear()
+            if end < 0:
+                break
+            if skipped:
+                log.warning("%s: skipped a watch event of %d bytes (over %d) for %s", what, skipped, limit,
+                            describe_object(head))
+                skipped = 0
+            elif buffer.strip():
+                yield bytes(buffer)
+            buffer.clear()
+            start = end + 1
+    if buffer.strip() and not skipped:
+        yield bytes(buffer)
+
+
+def parse_event(line: bytes, what: str) -> dict[str, Any] | None:
+    """One watch event's JSON, or None (with a warning naming its object) where it is not a JSON object."""
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        log.warning("%s: skipped a watch event that is not JSON (%s) for %s", what, type(exc).__name__,
+                    describe_object(line[:4096]))
+        return None
+    if not isinstance(event, dict):
+        log.warning("%s: skipped a watch event that is not an object", what)
+        return None
+    return event
 
 
 _client: Kube | None = None

@@ -37,9 +37,15 @@ log = logging.getLogger("paratrain.operator")
 # A pods watch that says nothing (not even a bookmark) for this long is cut and resumed: a resumed watch costs
 # little, and the API server redelivers what a silent stream held back.
 SILENCE_SECONDS = 60.0
+# A scope whose list or watch keeps failing this long makes the liveness probe fail: the pod restarts and lists
+# afresh, and the failure shows as restarts, not as jobs quietly waiting on a cache that no longer moves.
+UNHEALTHY_AFTER = 300.0
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
+PROGRESS_MIN_INTERVAL = 1.0  # seconds between two reads of one host
+PROGRESS_HOSTS_KEPT = 4096
 _progress_session: aiohttp.ClientSession | None = None
+_progress_read_at: dict[tuple[str, int], float] = {}  # (host, port) → when its last read started
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class PodCache:
         self._job_of: dict[tuple[str, str], str] = {}  # (namespace, pod) → its job
         self._synced: set[str | None] = set()
         self.ready = asyncio.Event()  # every scope listed once
+        self._failing_since: dict[str | None, float] = {}  # scope → when its list or watch began to fail
+        self._last_error = ""
+        self.stopped = False
 
     def pods(self, namespace: str, job: str, job_uid: str | None = None) -> list[PodView]:
         """The job's pods of any attempt; with `job_uid`, only those that job owns."""
@@ -146,7 +155,23 @@ class PodCache:
 
     async def run(self) -> None:
         """Keep every scope's informer going (until cancelled)."""
-        await asyncio.gather(*(self._inform(scope) for scope in self.scopes))
+        try:
+            await asyncio.gather(*(self._inform(scope) for scope in self.scopes))
+        finally:
+            self.stopped = True
+
+    def problem(self, now: float | None = None) -> str | None:
+        """Why the cache cannot be trusted, for the liveness probe (a restart lists afresh), or None: its informer
+        ended, or a scope has failed to list or watch for UNHEALTHY_AFTER seconds."""
+        now = time.monotonic() if now is None else now
+        if self.stopped:
+            return "the pods informer has stopped"
+        failing = sorted((since, scope or "all namespaces") for scope, since in self._failing_since.items()
+                         if now - since >= UNHEALTHY_AFTER)
+        if failing:
+            since, scope = failing[0]
+            return f"pods in {scope}: no list or watch has succeeded for {now - since:.0f} s: {self._last_error}"
+        return None
 
     async def _inform(self, scope: str | None) -> None:
         path, selector = api_path("v1", "pods", scope), {"labelSelector": contract.LABEL_JOB}
@@ -158,19 +183,46 @@ class PodCache:
                     listed = await client().request("GET", path, params=selector)
                     version = listed["metadata"]["resourceVersion"]
                     self._replace(scope, listed.get("items") or [])
+                    self._failing_since.pop(scope, None)
                 async for event in client().watch(path, {**selector, "resourceVersion": version,
                                                          "allowWatchBookmarks": "true",
                                                          "timeoutSeconds": str(int(self.watch_seconds))},
                                                   silence=min(self.watch_seconds, SILENCE_SECONDS) + 5):
-                    version = self._apply(event) or version
+                    version = self._apply_event(event) or version
+                    self._failing_since.pop(scope, None)
                 failures = 0
             except ApiError as exc:
                 if exc.status == 410:
                     version = None  # resuming is refused: list again
                     continue
-                failures += 1
+                failures = self._failed(scope, failures, exc)
                 log.warning("pods watch (%s): %s; retrying", scope or "all namespaces", exc)
                 await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
+            except Exception as exc:  # noqa: BLE001 (a malformed list, a bug: never end quietly, list again)
+                failures = self._failed(scope, failures, exc)
+                log.exception("pods informer (%s): %s; listing again", scope or "all namespaces", exc)
+                version = None
+                await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
+
+    def _failed(self, scope: str | None, failures: int, exc: Exception) -> int:
+        self._failing_since.setdefault(scope, time.monotonic())
+        self._last_error = f"{type(exc).__name__}: {exc}"[:300]
+        return failures + 1
+
+    def _apply_event(self, event: Mapping[str, Any]) -> str | None:
+        """`_apply`, with an event it cannot read skipped (with a warning naming the pod) instead of ending the
+        watch: one tenant's odd object must not stop the cache for every job."""
+        try:
+            return self._apply(event)
+        except ApiError:
+            raise  # an ERROR event: the watch ends and the informer lists again
+        except Exception as exc:  # noqa: BLE001
+            obj = event.get("object")
+            meta = (obj.get("metadata") if isinstance(obj, Mapping) else None) or {}
+            where = f"{meta.get('namespace', '?')}/{meta.get('name', '?')}" if isinstance(meta, Mapping) else "?"
+            log.warning("pods watch: skipped an event it cannot read for %s: %s: %s", where, type(exc).__name__,
+                        exc)
+            return None
 
     def _apply(self, event: Mapping[str, Any]) -> str | None:
         """One watch event into the cache; returns the resourceVersion it moves the watch to."""
@@ -312,22 +364,33 @@ async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any:
-    """Rank 0's `GET /progress` JSON, or None when it does not answer (starting, hung, gone) or answers more than
-    PROGRESS_MAX_BYTES (the pod runs user code): pods need no API credentials to report progress. One HTTP session
+    """Rank 0's `GET /progress` JSON, or None when it does not answer (starting, hung, gone) or answers anything but
+    a JSON body of at most PROGRESS_MAX_BYTES from that address: the pod runs user code, so a redirect is never
+    followed (the operator would fetch any URL a tenant names, from its own network position) and nothing but
+    JSON is parsed. One read of a host at a time, and at most one a PROGRESS_MIN_INTERVAL: one host cannot take the
+    operator's attention from the others. Pods need no API credentials to report progress; one HTTP session
     serves every job's reads."""
     global _progress_session
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip  # IPv6 pod IPs
-    url = f"http://{host}:{port}/progress"
+    now = time.monotonic()
+    if now - _progress_read_at.get((host, port), -PROGRESS_MIN_INTERVAL) < PROGRESS_MIN_INTERVAL:
+        return None
+    _progress_read_at[(host, port)] = now
+    if len(_progress_read_at) > 4 * PROGRESS_HOSTS_KEPT:  # forget hosts not read lately (pods come and go)
+        for key in [k for k, at in _progress_read_at.items() if now - at >= PROGRESS_MIN_INTERVAL]:
+            del _progress_read_at[key]
     if _progress_session is None or _progress_session.closed:
         _progress_session = aiohttp.ClientSession(timeout=PROGRESS_TIMEOUT)
     try:
-        async with _progress_session.get(url) as response:
+        async with _progress_session.get(f"http://{host}:{port}/progress", allow_redirects=False) as response:
+            if response.status != 200 or response.content_type != "application/json":
+                return None
             body = await response.content.read(PROGRESS_MAX_BYTES + 1)
-            if response.status != 200 or len(body) > PROGRESS_MAX_BYTES:
+            if len(body) > PROGRESS_MAX_BYTES:
                 return None
             return json.loads(body)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError):
+        return None  # RecursionError: JSON nested deeper than the parser's stack
 
 
 async def close() -> None:

@@ -55,7 +55,7 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
     if isinstance(raw, (str, bytes)):
         try:
             raw = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             return None
     if not isinstance(raw, Mapping):
         return None

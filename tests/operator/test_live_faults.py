@@ -303,3 +303,17 @@ def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: RealCl
     assert status["failure"]["pod"] == "deaf-0-0"
     cluster.proxy.drop_watches()  # reconnects get unmuted streams
     cluster.wait_phase(ns, "deaf", "Succeeded", 60)
+
+
+def test_a_tenants_oversized_pod_does_not_stop_pod_tracking(cluster: RealCluster, ns: str):
+    """A plain pod carrying the job label, whose argument holds 400 KB of '<' (escaped by the API server as
+    \\u003c: a 2.4 MB watch event). aiohttp's line reader raised LineTooLong past 2 MiB, the informer task ended
+    silently, and from then on no job's pods were tracked: this job, submitted after it, stayed Pending."""
+    cluster.api.create("v1/pods", {
+        "metadata": {"name": "oversized", "labels": {"paratrain.dev/job-name": "not-a-job"}},
+        "spec": {"nodeSelector": {"paratrain.dev/nowhere": "true"},  # never scheduled, never run
+                 "containers": [{"name": "c", "image": "busybox", "args": ["<" * 400_000]}]}}, ns)
+    cluster.api.patch("v1/pods", ns, "oversized", {"metadata": {"annotations": {"touched": "1"}}})  # a MODIFIED
+    cluster.submit(ns, "tracked", fake_job(steps=20))
+    cluster.wait_phase(ns, "tracked", "Succeeded", 60)
+    assert "pods informer" not in cluster.operator_log.read_text(errors="replace")  # no error, nothing skipped
