@@ -1,64 +1,65 @@
 #!/usr/bin/env bash
 # End to end on a throwaway kind cluster (a control plane and two workers, Kubernetes v1.37.2, every image built
-# here): build both images, install the chart (two operator replicas), and check what only a real kubelet shows:
+# here). It first runs docs/kind.md as a reader does (its bash blocks, in order, with nothing put on PATH for them:
+# tools, both images, the cluster, the chart with two operator replicas, the Shakespeare job stopped and resumed,
+# the model exported), then checks on that same cluster what only a real kubelet shows, and last runs the page's
+# clean-up block:
+#   - the restricted Pod Security Standard refusing a privileged pod; two operator replicas, one holding the Lease;
 #   - job 1, a 2-pod gloo gang, runs to Succeeded on a worker with its checkpoints on a local-path PVC; its pods'
-#     securityContext as the runtime applied it (uid, no new privileges, no capabilities), the downward-API env,
-#     the per-gang NetworkPolicy as the CNI enforces it, and the exit code and termination message the operator reads;
-#   - job 2: a worker pod deleted mid-training (SIGTERM, its grace period): the gang saves the step in flight,
-#     restarts and resumes; then the acting operator pod deleted: the standby takes over and the job still succeeds;
+#     exit codes as the runtime reports them and the termination message the operator reads;
+#   - job 2: its pods' securityContext as the runtime applied it (uid, no new privileges, no capabilities, seccomp),
+#     the downward-API env, the per-gang NetworkPolicy as the CNI enforces it; a worker pod deleted mid-training
+#     (SIGTERM, its grace period): the gang saves the step in flight, restarts and resumes; then the acting
+#     operator pod deleted: the standby takes over and the job still succeeds;
 #   - job 2's checkpoint copied off the PVC, exported by `paratrain export`, loaded by transformers.
-# Tools (kind, helm, kubectl, the node image) come from scripts/kindbin.sh; Docker is started where none answers
-# (scripts/docker.sh) and stopped again if it was started here.
+# One cluster and one `kind load` of the 5.3 GB trainer image serve both halves.
 #
-#   bash scripts/kind-e2e.sh                    # create, test, delete the cluster
+#   bash scripts/kind-e2e.sh                    # the page, the checks, then the page's clean-up
 #   KEEP_CLUSTER=1 bash scripts/kind-e2e.sh     # leave the cluster up to poke at it afterwards
-#   bash scripts/kind-e2e.sh --doc              # run docs/kind.md's bash blocks, in order, as a reader would
-#   bash scripts/kind-e2e.sh --print-doc        # print that script (no tools needed)
+#   bash scripts/kind-e2e.sh --doc              # docs/kind.md alone, clean-up included
+#   bash scripts/kind-e2e.sh --print-doc        # print the page's script (no tools needed)
 #
-# Env: KIND_CLUSTER_NAME (paratrain-e2e), KIND_NODE_IMAGE (kind-config.yaml's), JOB_TIMEOUT_S (900).
-# Namespaces enforce the restricted Pod Security Standard, so the API server itself checks that the operator
-# and the trainer pods run non-root, without privilege escalation, with all capabilities dropped.
+# Docker is started where none answers (scripts/docker.sh) and stopped again at the end if it was started here;
+# where none can be started the script exits 3, saying why. Both halves use a kubeconfig of their own (the user's
+# ~/.kube/config is never touched). Env: JOB_TIMEOUT_S (900).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CLUSTER="${KIND_CLUSTER_NAME:-paratrain-e2e}"
-OPERATOR_IMAGE="paratrain-operator:e2e"
-TRAINER_IMAGE="paratrain-trainer-cpu:e2e"  # the image the jobs in tests/e2e/jobs/ name
-OPERATOR_NS="paratrain-system"
-JOB_NS="paratrain-e2e"
+CLUSTER=paratrain                               # the page's cluster, images and namespaces
+OPERATOR_IMAGE=paratrain-operator:dev
+TRAINER_IMAGE=ghcr.io/paratrain/trainer-cpu:0.1.0  # the tag the CPU examples and tests/e2e/jobs/ name
+OPERATOR_NS=paratrain-system
+JOB_NS=paratrain-e2e
 JOB_TIMEOUT_S="${JOB_TIMEOUT_S:-900}"
 
 log() { printf '\n==> %s (%s s)\n' "$*" "$SECONDS"; }
 fail() { printf 'kind-e2e: FAILED: %s\n' "$*" >&2; exit 1; }
 
 # docs/kind.md's bash blocks, in order, as one script: the walkthrough cannot drift from what this runs.
+# doc_script all | walkthrough (every section before "Clean up") | cleanup (that section on)
 doc_script() {
-  awk '/^```bash$/ {on = 1; next} /^```$/ {on = 0} on' docs/kind.md
+  awk -v want="$1" '/^## / {cleanup = cleanup || /Clean up/}
+    /^```bash$/ {on = 1; next} /^```$/ {on = 0}
+    on && (want == "all" || (want == "cleanup") == cleanup)' docs/kind.md
 }
-if [ "${1:-}" = "--print-doc" ]; then
-  doc_script
-  exit 0
-fi
+run_doc() {  # run_doc PART: that part of the page, as a reader runs it (a shell of its own; nothing added to PATH)
+  bash -euo pipefail -c "$(doc_script "$1")"
+}
+
+mode="${1:-}"
+case "$mode" in
+  --print-doc) doc_script all; exit 0 ;;
+  --doc | "") ;;
+  *) echo "usage: $0 [--doc | --print-doc]" >&2; exit 2 ;;
+esac
 
 # A Docker daemon that answers: the one running, else one started here (scripts/docker.sh), and stopped again at
 # the end only if it was started here.
 docker_before="$(bash scripts/docker.sh status)"
-stop_our_docker() {
-  [ "$docker_before" != none ] || bash scripts/docker.sh stop
-}
-
-if [ "${1:-}" = "--doc" ]; then  # as a reader runs it: the page sets up its own tools and PATH
-  rc=0
-  bash -euo pipefail -c "$(doc_script)" || rc=$?
-  kind_bin="$(bash scripts/kindbin.sh --path 2>/dev/null || true)"
-  [ "$rc" -eq 0 ] || [ -z "$kind_bin" ] || "$kind_bin/kind" delete cluster --name paratrain || true
-  stop_our_docker
-  exit "$rc"
+if ! bash scripts/docker.sh start; then
+  echo "kind-e2e: no Docker daemon answers here and none could be started (scripts/docker.sh start, above)" >&2
+  exit 3
 fi
-
-bash scripts/docker.sh start
-PATH="$(bash scripts/kindbin.sh):$PATH"
-# A kubeconfig of our own: the user's kubeconfig and current context are never touched.
 KUBECONFIG="$(mktemp -t paratrain-kind-kubeconfig.XXXXXX)"
 export KUBECONFIG
 WORK="$(mktemp -d -t paratrain-kind-e2e.XXXXXX)"
@@ -67,29 +68,42 @@ diagnose() {
   echo "---- diagnostics ----" >&2
   kubectl get nodes -o wide >&2 || true
   kubectl get ptj,pods,svc,pvc,lease -A -o wide >&2 || true
-  kubectl -n "$JOB_NS" describe ptj >&2 || true
+  kubectl describe ptj -A >&2 || true
   kubectl -n "$JOB_NS" describe pods >&2 || true
   kubectl get events -A --sort-by=.lastTimestamp >&2 || true
   kubectl -n "$OPERATOR_NS" logs -l app.kubernetes.io/name=paratrain --tail=100 --prefix >&2 || true
-  for pod in $(kubectl -n "$JOB_NS" get pods -o name 2>/dev/null); do
+  for pod in $(kubectl get pods -A -l paratrain.dev/job-name -o 'jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {end}' 2>/dev/null); do
     echo "---- logs $pod ----" >&2
-    kubectl -n "$JOB_NS" logs "$pod" --tail=50 >&2 || true
+    kubectl -n "${pod%/*}" logs "${pod#*/}" --tail=50 >&2 || true
   done
 }
 
 teardown() {
-  local rc=$?
-  [ "$rc" -eq 0 ] || diagnose
+  local rc=$? kind_bin
+  kind_bin="$(bash scripts/kindbin.sh --path 2>/dev/null || true)"
+  [ -z "$kind_bin" ] || PATH="$kind_bin:$PATH"
+  [ "$rc" -eq 0 ] || [ -z "$kind_bin" ] || diagnose
   if [ "${KEEP_CLUSTER:-0}" = 1 ]; then
     echo "kind-e2e: cluster $CLUSTER kept; KUBECONFIG=$KUBECONFIG"
   else
-    kind delete cluster --name "$CLUSTER" || true
+    [ -z "$kind_bin" ] || run_doc cleanup || kind delete cluster --name "$CLUSTER" || true
     rm -rf "$KUBECONFIG" "$WORK"
-    stop_our_docker
+    [ "$docker_before" != none ] || bash scripts/docker.sh stop
   fi
   exit "$rc"
 }
 trap teardown EXIT
+
+if [ "$mode" = --doc ]; then
+  log "docs/kind.md, as a reader runs it"
+  run_doc walkthrough
+  log "docs/kind.md passed"
+  exit 0
+fi
+
+log "docs/kind.md up to its clean-up, as a reader runs it"
+run_doc walkthrough
+PATH="$(bash scripts/kindbin.sh):$PATH"  # the same tools the page built (cached)
 
 ptj() {  # ptj JOB JSONPATH: one field of a ParallelTrainJob
   kubectl -n "$JOB_NS" get "ptj/$1" -o "jsonpath=$2"
@@ -122,28 +136,13 @@ running_pod() {  # running_pod JOB NODE_RANK: the name of that running pod of th
     --field-selector=status.phase=Running -o 'jsonpath={.items[0].metadata.name}'
 }
 
-log "images (operator; CPU trainer)"
-base=python:3.11.11-slim-bookworm torch_index=https://download.pytorch.org/whl/cpu
-if ! docker image inspect "$base" >/dev/null 2>&1 && ! docker pull -q "$base" >/dev/null 2>&1; then
-  base="$(bash scripts/base-image.sh)"
-fi
-curl -sfI --max-time 10 "$torch_index/" >/dev/null || torch_index=https://pypi.org/simple
-docker build -q -f operator/Dockerfile --build-arg PYTHON_IMAGE="$base" -t "$OPERATOR_IMAGE" .
-docker build -q -f trainer/Dockerfile.cpu --build-arg PYTHON_IMAGE="$base" --build-arg TORCH_INDEX_URL="$torch_index" \
-  -t "$TRAINER_IMAGE" .
+log "the page's cluster and images"
+[ "$(kubectl get nodes --no-headers | wc -l)" -eq 3 ] || fail "want 3 nodes (kind-config.yaml)"
+kubectl wait nodes --all --for=condition=Ready --timeout=120s
 # The operator image must not carry torch: it is the small, API-facing half.
 if docker run --rm --entrypoint python "$OPERATOR_IMAGE" -c "import torch" 2>/dev/null; then
   fail "the operator image contains torch"
 fi
-
-log "create kind cluster $CLUSTER"
-create_args=(--name "$CLUSTER" --config kind-config.yaml --kubeconfig "$KUBECONFIG" --wait 300s)
-[ -z "${KIND_NODE_IMAGE:-}" ] || create_args+=(--image "$KIND_NODE_IMAGE")
-kind create cluster "${create_args[@]}"
-kubectl wait nodes --all --for=condition=Ready --timeout=120s
-[ "$(kubectl get nodes --no-headers | wc -l)" -eq 3 ] || fail "want 3 nodes (kind-config.yaml)"
-kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE"
-kind load docker-image --name "$CLUSTER" --nodes "$CLUSTER-worker,$CLUSTER-worker2" "$TRAINER_IMAGE"
 
 log "namespaces enforcing the restricted Pod Security Standard"
 for ns in "$OPERATOR_NS" "$JOB_NS"; do
@@ -159,12 +158,10 @@ if out="$(kubectl -n "$JOB_NS" run privileged --image="$TRAINER_IMAGE" --restart
 fi
 grep -q 'violates PodSecurity "restricted' <<<"$out" || fail "unexpected refusal: $out"
 
-log "install the chart (CRD included; two replicas, one acting)"
-helm install paratrain charts/paratrain --namespace "$OPERATOR_NS" \
-  --set image.repository=paratrain-operator --set image.tag=e2e --set image.pullPolicy=Never \
-  --wait --timeout 300s
-kubectl wait crd/paralleltrainjobs.paratrain.dev --for=condition=Established --timeout=60s
+log "the page's chart: two operator replicas, one holding the Lease"
 kubectl -n "$OPERATOR_NS" rollout status deployment/paratrain --timeout=180s
+[ "$(kubectl -n "$OPERATOR_NS" get deployment paratrain -o 'jsonpath={.status.readyReplicas}')" = 2 ] \
+  || fail "want two ready operator replicas"
 leader() { kubectl -n "$OPERATOR_NS" get lease -o 'jsonpath={.items[0].spec.holderIdentity}'; }
 deadline=$((SECONDS + 120))
 until [ -n "$(leader)" ]; do [ "$SECONDS" -lt "$deadline" ] || fail "no operator replica took the lease"; sleep 2; done

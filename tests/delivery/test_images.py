@@ -199,7 +199,7 @@ def test_kind_script_is_valid_bash_and_passes_shellcheck() -> None:
 def test_the_kind_walkthrough_is_what_the_script_runs_and_passes_shellcheck() -> None:
     """docs/kind.md's bash blocks, extracted by `kind-e2e.sh --print-doc` (what `--doc` runs where Docker is): valid
     bash that shellcheck passes, naming files that exist, the image tag the CPU examples use, and the walkthrough's
-    steps. Running it needs Docker and kind, which this machine lacks (tests/e2e/test_kind.py says so)."""
+    steps. tests/e2e/test_kind.py runs it."""
     doc = (ROOT / "docs" / "kind.md").read_text()
     script = subprocess.run(["bash", str(KIND_SCRIPT), "--print-doc"], capture_output=True, text=True,
                             check=True).stdout
@@ -219,18 +219,38 @@ def test_the_kind_walkthrough_is_what_the_script_runs_and_passes_shellcheck() ->
         assert step in script, step
 
 
-def test_kind_script_references_real_files_and_images() -> None:
+def test_kind_script_references_real_files_and_the_pages_images() -> None:
+    """The e2e's checks run on the page's cluster with the page's images: the jobs in tests/e2e/jobs/ name the CPU
+    image the page builds and loads, and the operator image checked is the one the page installs."""
     script = KIND_SCRIPT.read_text()
-    referenced = set(re.findall(r"(?<![\w/.-])((?:tests|operator|trainer|charts)/[\w./-]+|kind-config\.yaml)", script))
-    assert {"kind-config.yaml", "operator/Dockerfile", "trainer/Dockerfile.cpu", "charts/paratrain"} <= referenced
+    referenced = set(re.findall(r"(?<![\w/.-])((?:tests|operator|trainer|charts|docs)/[\w./-]+)", script))
+    assert "docs/kind.md" in referenced
     for path in referenced:
         assert (ROOT / path).exists(), path
-    trainer_image = re.search(r'TRAINER_IMAGE="([^"]+)"', script).group(1)
+    page = subprocess.run(["bash", str(KIND_SCRIPT), "--print-doc"], capture_output=True, text=True,
+                          check=True).stdout
+    built = set(re.findall(r"-t (\S+) \.", page))
+    trainer_image = re.search(r"^TRAINER_IMAGE=(\S+)", script, re.M).group(1)
+    operator_image = re.search(r"^OPERATOR_IMAGE=(\S+)", script, re.M).group(1)
+    assert {trainer_image, operator_image} <= built
+    cluster = re.search(r"^CLUSTER=(\S+)", script, re.M).group(1)
+    assert f"--name {cluster} " in page
     for path in E2E_JOBS:
         doc = yaml.safe_load(path.read_text())
         if doc["kind"] == "ParallelTrainJob":
             assert doc["spec"]["image"] == trainer_image, path.name
             assert f"tests/e2e/jobs/{path.name}" in script and doc["metadata"]["name"] in script
+
+
+def test_kind_script_splits_the_page_at_its_clean_up() -> None:
+    """The e2e runs the page up to its clean-up, its own checks, then the clean-up: the two parts are the page."""
+    parts = {}
+    for part in ("walkthrough", "cleanup", "all"):
+        parts[part] = subprocess.run(["bash", "-c", f'source <(sed -n "/^doc_script()/,/^}}/p" {KIND_SCRIPT}); '
+                                     f'cd {ROOT} && doc_script {part}'], capture_output=True, text=True,
+                                     check=True).stdout
+    assert parts["walkthrough"] + parts["cleanup"] == parts["all"]
+    assert parts["cleanup"].strip() == "kind delete cluster --name paratrain"
 
 
 def test_kind_config_names_the_node_image_built_here() -> None:
