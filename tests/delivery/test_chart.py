@@ -69,7 +69,7 @@ def test_default_render(rendered) -> None:
     objects = rendered["default"]
     assert sorted(o["kind"] for o in objects) == sorted(
         ["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-         "Role", "RoleBinding", "ConfigMap", "ClusterRole", "ClusterRole"])
+         "Role", "RoleBinding", "ConfigMap", "ClusterRole", "ClusterRole", "NetworkPolicy", "PodDisruptionBudget"])
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] in {"ServiceAccount", "Service",
                                                                                "Deployment"}} == {RELEASE_NS}
     deployment = only(objects, "Deployment")
@@ -107,6 +107,25 @@ PLATFORM_ARGS = ["--platform", "/etc/paratrain-operator/platform.yaml"]
 RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps", "100", "--burst", "200",
              "--write-concurrency", "64"]
 
+
+
+def test_the_operators_pods_admit_only_metrics_scrapes_and_keep_a_replica_through_drains(render) -> None:
+    """Issue 31: the operator's metrics (whose namespace label lists every tenant) and health ports were open to
+    every pod, and a drain could evict both replicas at once."""
+    objects = render()
+    selector = only(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+    policy = only(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}],
+                                          "from": [{"podSelector": {}}]}]  # the release's namespace only
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    policy = only(render({"networkPolicy": {"enabled": True, "metricsFrom": monitoring}}), "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["from"] == monitoring
+    assert not [o for o in render({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"]
+    budget = only(objects, "PodDisruptionBudget")
+    assert budget["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    single = render({"replicas": 1, "leaderElection": {"enabled": False}})
+    assert not [o for o in single if o["kind"] == "PodDisruptionBudget"]  # one replica: a budget would block drains
 
 def test_namespaced_install_uses_role_and_passes_namespace(rendered, render) -> None:
     objects = rendered["namespaced"]
