@@ -91,3 +91,32 @@ def test_the_operator_refuses_the_short_grace_period_naming_the_field():
     with pytest.raises(SpecError) as info:
         require_cluster_ready(parse_job(llama(1, grace=20)))
     assert [p.path for p in info.value.problems] == ["spec.pod.terminationGracePeriodSeconds"]
+
+
+def host_job(namespace: str | None, **pod) -> dict:
+    doc = job(image="x/y:1", nodes=1, pod=pod)
+    if namespace:
+        doc["metadata"]["namespace"] = namespace
+    return doc
+
+
+@pytest.mark.parametrize("field, rule", [("hostNetwork", "allowHostNetwork"), ("ipcLock", "allowIpcLock")])
+def test_host_access_is_allowed_per_namespace(field, rule):
+    """Issue 31: host access was one cluster-wide switch. A list names the namespaces (or glob patterns) whose jobs
+    may use it; elsewhere the job is refused naming its namespace and what the platform allows."""
+    platform = Platform.model_validate({rule: ["team-rdma", "lab-*"]})
+    for namespace in ("team-rdma", "lab-7"):
+        require_cluster_ready(parse_job(host_job(namespace, **{field: True})), platform)
+    for namespace in ("team-a", None):  # no namespace: kubectl's default
+        with pytest.raises(SpecError, match=rf"spec\.pod\.{field}: the platform does not allow .* in namespace "
+                                            rf"'{namespace or 'default'}' \(it allows team-rdma, lab-\*\)"):
+            require_cluster_ready(parse_job(host_job(namespace, **{field: True})), platform)
+    require_cluster_ready(parse_job(host_job("team-a", **{field: True})), Platform.model_validate({rule: True}))
+    with pytest.raises(SpecError, match=rf"spec\.pod\.{field}: the platform does not allow [^(]*\(the operator"):
+        require_cluster_ready(parse_job(host_job("team-rdma", **{field: True})), Platform())
+    require_cluster_ready(parse_job(host_job("team-a")), platform)  # a job that asks for nothing
+
+
+def test_a_namespace_rule_that_is_not_a_namespace_pattern_is_refused():
+    with pytest.raises(ValueError):
+        Platform.model_validate({"allowHostNetwork": ["Team A"]})

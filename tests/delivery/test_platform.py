@@ -92,6 +92,8 @@ def test_platform_values_reach_the_operator_and_turn_the_policy_off(render) -> N
     assert platform.allow_ipc_lock and platform.allow_host_network and not platform.network_policy.enabled
     assert platform.job_defaults.dump() == {**defaults, "env": [], "tolerations": [], "resources": {"extra": {}}}
     assert "NetworkPolicy" not in [o["kind"] for o in render_job(parse_job(JOB), "team-a", 0, platform)]
+    listed = platform_of(render({"platform": {"allowHostNetwork": ["team-rdma", "lab-*"], "allowIpcLock": ["lab-*"]}}))
+    assert (listed.allow_host_network, listed.allow_ipc_lock) == (["team-rdma", "lab-*"], ["lab-*"])
     default = platform_of(render())
     assert not default.allow_ipc_lock and not default.allow_host_network
     assert default.model_dump() == Platform(network_policy=default.network_policy).model_dump(), \

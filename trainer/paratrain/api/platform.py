@@ -8,6 +8,7 @@ the restricted Pod Security profile's answer (no host access) and a NetworkPolic
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -67,11 +68,21 @@ class JobDefaults(_Model):
     scheduling: DefaultScheduling = Field(default_factory=DefaultScheduling)
 
 
+# A namespace name, or a glob pattern of them (team-rdma-*).
+NamespacePattern = Annotated[str, Field(pattern=r"^[a-z0-9*?\[\]-]{1,63}$")]
+HostAccess = bool | Annotated[list[NamespacePattern], Field(max_length=256)]
+HOST_ACCESS_MEANING = ("false: no job; true: jobs in every namespace; a list: jobs in these namespaces only "
+                       "(names or glob patterns such as team-rdma-*).")
+
+
 class Platform(_Model):
-    allow_ipc_lock: bool = Field(False, description=(
-        "Jobs may add the IPC_LOCK capability (spec.pod.ipcLock), which GPUDirect RDMA needs to pin memory."))
-    allow_host_network: bool = Field(False, description=(
-        "Jobs may use the node's network namespace (spec.pod.hostNetwork), for RDMA fabrics without a CNI."))
+    allow_ipc_lock: HostAccess = Field(False, description=(
+        "Jobs may add the IPC_LOCK capability (spec.pod.ipcLock), which GPUDirect RDMA needs to pin memory. "
+        + HOST_ACCESS_MEANING))
+    allow_host_network: HostAccess = Field(False, description=(
+        "Jobs may use the node's network namespace (spec.pod.hostNetwork), for RDMA fabrics without a CNI; "
+        "NetworkPolicy does not apply to such pods, so their rendezvous, progress and NCCL/gloo ports are open to "
+        "whatever reaches the node. " + HOST_ACCESS_MEANING))
     network_policy: GangNetworkPolicy = Field(default_factory=GangNetworkPolicy)
     job_defaults: JobDefaults = Field(default_factory=JobDefaults)
     checkpoint_bandwidth: str = Field("512Mi", pattern=BYTES, max_length=32, description=(
@@ -104,7 +115,8 @@ def as_the_operator_takes_it(job: ParallelTrainJob, platform: Platform) -> tuple
 def require_cluster_ready(job: ParallelTrainJob, platform: Platform | None = None) -> ParallelTrainJob:
     """Raise SpecError for what a valid job cannot do in pods (e.g. a relative checkpoint path), or may not do on
     this platform (host access it does not allow; default: the restricted profile's answer), or Kueue cannot admit."""
-    checks = cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform()) + kueue_problems(job)
+    checks = (cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform(), job.metadata.namespace)
+              + kueue_problems(job))
     problems = [Problem(path, msg) for path, msg in checks]
     if problems:
         raise SpecError(problems)
@@ -158,18 +170,28 @@ def load_platform(path: str | Path) -> Platform:
         raise SpecError([Problem(f"{path}: " + ".".join(map(str, e["loc"])), e["msg"]) for e in exc.errors()]) from None
 
 
-def platform_problems(spec: Spec, platform: Platform) -> list[tuple[str, str]]:
-    """Host access the job asks for and the platform does not allow, and a grace period too short for a stopped
-    gang to save its step on the platform's storage, as (field path, message)."""
+def allowed_in(rule: bool | list[str], namespace: str) -> bool:
+    """Whether a host-access rule of the platform (see HOST_ACCESS_MEANING) admits a job of `namespace`."""
+    return rule if isinstance(rule, bool) else any(fnmatch.fnmatchcase(namespace, p) for p in rule)
+
+
+def platform_problems(spec: Spec, platform: Platform, namespace: str | None = None) -> list[tuple[str, str]]:
+    """Host access the job asks for and the platform does not allow in its namespace (none given: `default`, where
+    kubectl would create it), and a grace period too short for a stopped gang to save its step on the platform's
+    storage, as (field path, message)."""
     out = []
+    namespace = namespace or "default"
     if problem := grace_problem(spec, platform):
         out.append(("spec.pod.terminationGracePeriodSeconds", problem))
-    if spec.pod.ipc_lock and not platform.allow_ipc_lock:
-        out.append(("spec.pod.ipcLock", "the platform does not allow the IPC_LOCK capability (the operator's "
-                    "platform.allowIpcLock, a Helm value)"))
-    if spec.pod.host_network and not platform.allow_host_network:
-        out.append(("spec.pod.hostNetwork", "the platform does not allow host networking (the operator's "
-                    "platform.allowHostNetwork, a Helm value)"))
+    for asked, rule, path, what, value in (
+            (spec.pod.ipc_lock, platform.allow_ipc_lock, "spec.pod.ipcLock", "the IPC_LOCK capability",
+             "allowIpcLock"),
+            (spec.pod.host_network, platform.allow_host_network, "spec.pod.hostNetwork", "host networking",
+             "allowHostNetwork")):
+        if asked and not allowed_in(rule, namespace):
+            where = "" if isinstance(rule, bool) else f" in namespace {namespace!r} (it allows {', '.join(rule)})"
+            out.append((path, f"the platform does not allow {what}{where} (the operator's platform.{value}, a "
+                              "Helm value)"))
     return out
 
 
