@@ -251,6 +251,46 @@ def test_a_namespaced_install_without_the_crd_acts_in_its_namespace_only(namespa
     assert granted(namespaced, [control, *elsewhere]) == [control]
 
 
+def test_the_admission_policy_keeps_the_operator_to_opted_in_namespaces_and_gang_objects(installed):
+    """admissionPolicy.enabled: the API server itself refuses the operator's ServiceAccount a pod in a namespace
+    that did not opt in (its RBAC alone would allow it anywhere, kube-system included) and a pod no
+    ParallelTrainJob owns; a gang's pod in an opted-in namespace passes, and nobody else is affected. Server-side
+    dry runs: admission runs, nothing is stored."""
+    plane = installed.plane
+    closed, opened = plane.create_namespace("vap-closed"), plane.create_namespace("vap-open")
+    assert plane.kubectl("label", "namespace", opened, "paratrain.dev/jobs=enabled").returncode == 0
+    owner = {"apiVersion": API_GROUP_VERSION, "kind": "ParallelTrainJob", "name": "j",
+             "uid": "00000000-0000-0000-0000-000000000000"}
+
+    def create(namespace: str, owned: bool, user: str | None = None):
+        meta = {"name": "probe", **({"ownerReferences": [owner]} if owned else {})}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+               "spec": {"containers": [{"name": "c", "image": "registry.example.com/x:1"}]}}
+        return plane.kubectl("create", "--dry-run=server", f"--as={user or installed.account}", "-n", namespace,
+                             "-f", "-", input=json.dumps(pod))
+
+    installed.upgrade({**installed.values, "admissionPolicy": {"enabled": True}})
+    try:
+        # The API server compiles and loads a new policy within seconds.
+        refused = wait_for(lambda: (p := create(closed, owned=True)).returncode != 0 and p, 30,
+                           "the policy to be enforced")
+        assert "acts only in namespaces labelled paratrain.dev/jobs=enabled" in refused.stderr
+        unowned = create(opened, owned=False)
+        assert unowned.returncode != 0 and "only objects owned by a ParallelTrainJob" in unowned.stderr
+        assert create(opened, owned=True).returncode == 0
+        admin = plane.kubectl("create", "--dry-run=server", "-n", "kube-system", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+             "spec": {"containers": [{"name": "c", "image": "registry.example.com/x:1"}]}}))
+        assert admin.returncode == 0, admin.stderr  # people and other controllers are not held by it
+        kube_system = plane.kubectl("create", "--dry-run=server", f"--as={installed.account}", "-n", "kube-system",
+                                    "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "ConfigMap",
+                                                                 "metadata": {"name": "probe",
+                                                                              "ownerReferences": [owner]}}))
+        assert kube_system.returncode != 0 and "acts only in namespaces labelled" in kube_system.stderr
+    finally:
+        installed.upgrade(installed.values)
+
+
 def test_upgrade_changes_the_deployment_and_uninstall_keeps_the_crd_and_the_jobs(installed):
     api = installed.plane.api
     jobs = collection_path(API_GROUP_VERSION, PLURAL, installed.namespace)

@@ -109,6 +109,19 @@ RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps",
 
 
 
+def test_the_optional_admission_policy_names_the_operators_account_and_the_opt_in_label(render) -> None:
+    """Off by default; on, it matches the operator's ServiceAccount only (tests/cluster/test_helm_install.py has the
+    API server enforce it)."""
+    assert not [o for o in render() if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    objects = render({"admissionPolicy": {"enabled": True, "namespaceLabel": {"key": "example.com/ml", "value": "yes"}}})
+    policy, binding = only(objects, "ValidatingAdmissionPolicy"), only(objects, "ValidatingAdmissionPolicyBinding")
+    account = only(objects, "ServiceAccount")["metadata"]
+    assert policy["spec"]["matchConditions"][0]["expression"] == (
+        f'request.userInfo.username == "system:serviceaccount:{account["namespace"]}:{account["name"]}"')
+    assert '"example.com/ml"' in policy["spec"]["validations"][0]["expression"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
 def test_the_operators_pods_admit_only_metrics_scrapes_and_keep_a_replica_through_drains(render) -> None:
     """Issue 31: the operator's metrics (whose namespace label lists every tenant) and health ports were open to
     every pod, and a drain could evict both replicas at once."""
