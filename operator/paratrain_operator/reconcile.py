@@ -174,7 +174,10 @@ async def _pass(body: dict[str, Any]) -> str | None:
         decision = gang.decide(gang.Policy.from_job(job), state, views, now)
         if decision.create_ranks:
             try:
-                objects = render_job(job, namespace, decision.state.attempt, PLATFORM)
+                # Off the event loop: thousands of pods take seconds of CPU, during which the Lease, the liveness
+                # probe and every other job's pass would otherwise wait.
+                objects = await asyncio.to_thread(render_job, job, namespace, decision.state.attempt, PLATFORM,
+                                                  decision.create_ranks)
                 replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)

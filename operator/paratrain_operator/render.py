@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 import jinja2
@@ -210,9 +211,10 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
 
 
 def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,
-               platform: Platform | None = None) -> list[dict[str, Any]]:
+               platform: Platform | None = None, ranks: Collection[int] | None = None) -> list[dict[str, Any]]:
     """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, NetworkPolicy (unless the
-    platform turns it off), Workload and PodGroup (per the gang scheduler), Pods."""
+    platform turns it off), Workload and PodGroup (per the gang scheduler), Pods (only those of `ranks`, if given:
+    a pass that replaces one pod builds one, not the whole gang)."""
     platform = platform or Platform()
     plan = plan_gang(job, namespace, attempt)
     objects = [config_map(plan, job), service(plan)]
@@ -222,7 +224,7 @@ def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,
         objects.append(workload(plan, job.spec))
     if plan.pod_group:
         objects.append(pod_group(plan, job.spec))
-    return objects + [pod(plan, node, job.spec) for node in plan.nodes]
+    return objects + [pod(plan, node, job.spec) for node in plan.nodes if ranks is None or node.rank in ranks]
 
 
 def native_pod_group(job: ParallelTrainJob, namespace: str, attempt: int) -> dict[str, Any] | None:

@@ -50,6 +50,15 @@ def test_one_headless_service_and_one_pod_per_node() -> None:
         assert pod["spec"]["subdomain"] == svc["metadata"]["name"]
 
 
+def test_only_the_ranks_asked_for_are_built_beside_the_shared_objects() -> None:
+    """A pass that creates one missing pod builds that pod, not the whole gang (4,096 pods took 4.9 s of CPU on
+    the operator's event loop; issue 31)."""
+    whole = render(job_doc())
+    some = render_job(parse_job(job_doc()), "ns", 0, ranks=(2,))
+    assert [o["kind"] for o in some] == ["ConfigMap", "Service", "NetworkPolicy", "Pod"]
+    assert some[-1] == pods(whole)[2] and some[:3] == whole[:3]
+
+
 def test_names_per_attempt_and_stable_hostnames() -> None:
     first, later = pods(render(job_doc(), attempt=0)), pods(render(job_doc(), attempt=4))
     assert [p["metadata"]["name"] for p in first] == ["j-0-0", "j-0-1", "j-0-2"]
