@@ -9,6 +9,7 @@ the restricted Pod Security profile's answer (no host access) and a NetworkPolic
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -85,6 +86,12 @@ class Platform(_Model):
         "whatever reaches the node. " + HOST_ACCESS_MEANING))
     network_policy: GangNetworkPolicy = Field(default_factory=GangNetworkPolicy)
     job_defaults: JobDefaults = Field(default_factory=JobDefaults)
+    max_nodes: int | None = Field(None, ge=1, le=4096, description=(
+        "The most pods one job may ask for (spec.nodes); unset: the CRD's own limit, 4096."))
+    max_gang_bytes: str = Field("64Mi", pattern=BYTES, max_length=32, description=(
+        "The most a job's gang may weigh in the operator's memory, estimated as spec.nodes times the size of its "
+        "spec (each pod carries the spec's env, annotations and volumes): 1,024 pods with 240 KB of annotations "
+        "peaked at 266 MiB, against the operator's 512 Mi limit."))
     checkpoint_bandwidth: str = Field("512Mi", pattern=BYTES, max_length=32, description=(
         "Bytes per second one node writes, then hashes, a checkpoint at on the storage jobs checkpoint to. A "
         "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
@@ -170,6 +177,11 @@ def load_platform(path: str | Path) -> Platform:
         raise SpecError([Problem(f"{path}: " + ".".join(map(str, e["loc"])), e["msg"]) for e in exc.errors()]) from None
 
 
+def gang_bytes(spec: Spec) -> int:
+    """What the operator holds per gang it renders: every pod carries the spec's env, annotations and volumes."""
+    return spec.nodes * len(json.dumps(spec.dump(), separators=(",", ":")))
+
+
 def allowed_in(rule: bool | list[str], namespace: str) -> bool:
     """Whether a host-access rule of the platform (see HOST_ACCESS_MEANING) admits a job of `namespace`."""
     return rule if isinstance(rule, bool) else any(fnmatch.fnmatchcase(namespace, p) for p in rule)
@@ -181,6 +193,14 @@ def platform_problems(spec: Spec, platform: Platform, namespace: str | None = No
     storage, as (field path, message)."""
     out = []
     namespace = namespace or "default"
+    if platform.max_nodes is not None and spec.nodes > platform.max_nodes:
+        out.append(("spec.nodes", f"{spec.nodes} pods is more than the platform allows a job (the operator's "
+                                  f"platform.maxNodes, {platform.max_nodes})"))
+    if (gang := gang_bytes(spec)) > (limit := parse_bytes(platform.max_gang_bytes)):
+        out.append(("spec", f"the gang would weigh about {human(gang)} in the operator ({spec.nodes} pods, each "
+                            f"carrying the spec's {human(gang // spec.nodes)}), more than the platform's "
+                            f"maxGangBytes ({human(limit)}): make spec.pod's env and annotations smaller, or use "
+                            "fewer nodes"))
     if problem := grace_problem(spec, platform):
         out.append(("spec.pod.terminationGracePeriodSeconds", problem))
     for asked, rule, path, what, value in (
