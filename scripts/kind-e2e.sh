@@ -145,11 +145,12 @@ if docker run --rm --entrypoint python "$OPERATOR_IMAGE" -c "import torch" 2>/de
 fi
 
 log "namespaces enforcing the restricted Pod Security Standard"
-for ns in "$OPERATOR_NS" "$JOB_NS"; do
-  kubectl create namespace "$ns"
-  kubectl label namespace "$ns" pod-security.kubernetes.io/enforce=restricted \
-    pod-security.kubernetes.io/enforce-version=latest
-done
+# The page made the operator's namespace restricted; the e2e's jobs get a namespace of their own, likewise.
+[ "$(kubectl get namespace "$OPERATOR_NS" -o 'jsonpath={.metadata.labels.pod-security\.kubernetes\.io/enforce}')" \
+  = restricted ] || fail "the page's $OPERATOR_NS does not enforce the restricted profile"
+kubectl create namespace "$JOB_NS"
+kubectl label namespace "$JOB_NS" pod-security.kubernetes.io/enforce=restricted \
+  pod-security.kubernetes.io/enforce-version=latest
 # The admission plugin itself refuses a pod that breaks the profile.
 if out="$(kubectl -n "$JOB_NS" run privileged --image="$TRAINER_IMAGE" --restart=Never \
   --overrides='{"spec": {"containers": [{"name": "privileged", "image": "'"$TRAINER_IMAGE"'",

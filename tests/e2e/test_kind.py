@@ -22,6 +22,14 @@ SCRIPT = ROOT / "scripts" / "kind-e2e.sh"
 NO_DOCKER = 3  # kind-e2e.sh's exit code where no Docker daemon answers and none can be started
 
 
+def shown(output: str, each: int = 15000) -> str:
+    """The script's output around its failure: what led up to its diagnostics (the failing step), then their end."""
+    cut = output.find("---- diagnostics ----")
+    if cut < 0:
+        return output[-2 * each:]
+    return output[max(0, cut - each):cut] + "\n[...]\n" + output[-each:]
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(4800)
@@ -29,7 +37,7 @@ def test_kind_walkthrough_and_real_kubelet_checks() -> None:
     """docs/kind.md's blocks as a reader runs them, then the e2e's own checks on the page's cluster."""
     result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, timeout=4700, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    print(result.stdout[-30000:])  # shown where the test fails: the script's diagnostics are at its end
+    print(shown(result.stdout))  # pytest shows it where the test fails
     if result.returncode == NO_DOCKER:
         pytest.skip(f"kind e2e: no Docker daemon can be started here: {result.stdout.strip()[-1500:]}")
     assert result.returncode == 0, f"{SCRIPT.name} failed (exit {result.returncode}); see its output for the diagnostics"
