@@ -144,16 +144,16 @@ def test_examples_run_in_both_places_or_name_their_twin(example, capsys, monkeyp
 
 
 def test_a_cluster_job_runs_locally_with_its_volumes_mapped(tmp_path):
-    """tests/e2e/jobs/gloo-ddp.yaml (checkpoints on a PVC at /checkpoints/e2e-gloo-ddp), unchanged but for its
-    length: `--mount checkpoints=DIR` puts the checkpoints in DIR/e2e-gloo-ddp; without it, under the workdir."""
-    job = yaml.safe_load((ROOT / "tests/e2e/jobs/gloo-ddp.yaml").read_text())
+    """tests/e2e/jobs/gloo-failover.yaml (checkpoints on a PVC at /checkpoints/e2e-gloo-failover), unchanged but for
+    its length: `--mount checkpoints=DIR` puts the checkpoints in DIR/e2e-gloo-failover; else under the workdir."""
+    job = yaml.safe_load((ROOT / "tests/e2e/jobs/gloo-failover.yaml").read_text())
     short = ["spec.training.steps=4", "spec.training.warmupSteps=1", "spec.training.evalInterval=2",
              "spec.checkpoint.interval=2"]
     proc, _ = run_job(tmp_path / "a", short, job=job, args=["--mount", f"checkpoints={tmp_path / 'pvc'}"])
-    assert sorted(p.name for p in (tmp_path / "pvc" / "e2e-gloo-ddp").glob("step-*")) == [
+    assert sorted(p.name for p in (tmp_path / "pvc" / "e2e-gloo-failover").glob("step-*")) == [
         "step-00000002", "step-00000004"]
     assert f"volume checkpoints (/checkpoints in pods) is {tmp_path / 'pvc'}" in proc.stderr
     run_job(tmp_path / "b", short, job=job)
-    assert list((tmp_path / "b" / "work" / "volumes" / "checkpoints" / "e2e-gloo-ddp").glob("step-*"))
+    assert list((tmp_path / "b" / "work" / "volumes" / "checkpoints" / "e2e-gloo-failover").glob("step-*"))
     proc, _ = run_job(tmp_path / "c", short, job=job, args=["--mount", "nope=/tmp"], expect_ok=False)
     assert proc.returncode == 1 and "--mount: no volume 'nope' in spec.pod.volumes (it has: checkpoints)" in proc.stderr
