@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback, for tests and for trying the operator without a cluster:
 # etcd, kube-apiserver (secure port, x509 client certs, RBAC), kube-controller-manager (garbage collector,
-# namespace, service-account and ClusterRole aggregation controllers) and kube-scheduler, built from pinned
+# namespace, service-account, ClusterRole aggregation and resource-quota controllers: a ResourceQuota holds as on
+# a real cluster) and kube-scheduler, built from pinned
 # sources by scripts/testbin.sh.
 #
 #   scripts/test-cluster.sh up DIR [--nodes N]   start it; writes DIR/kubeconfig (admin), exits 0 once /readyz is ok
@@ -208,7 +209,7 @@ up() {
     --kubeconfig "$DIR/controller-manager.kubeconfig" --leader-elect=false \
     --use-service-account-credentials \
     --bind-address 127.0.0.1 --secure-port "$(free_port)" \
-    --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller,clusterrole-aggregation-controller \
+    --controllers garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,podgroup-protection-controller,clusterrole-aggregation-controller,resourcequota-controller \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
     --feature-gates "$FEATURE_GATES" --concurrent-gc-syncs 5
   start kube-scheduler "$BIN/kube-scheduler" \

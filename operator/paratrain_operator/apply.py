@@ -42,6 +42,20 @@ class MissingResource(Exception):
     """The cluster does not serve a kind the job needs (e.g. Volcano's PodGroup without Volcano)."""
 
 
+class Refused(ApiError):
+    """The API server refused to create or delete one of a gang's objects (quota, admission, a name still held):
+    its error, naming the object."""
+
+    def __init__(self, verb: str, obj: Mapping[str, Any], error: ApiError) -> None:
+        super().__init__(error.status, error.reason, error.message, error.retry_after)
+        meta = obj.get("metadata") or {}
+        self.verb = verb
+        self.object = f"{obj.get('kind', 'Pod')} {meta.get('namespace')}/{meta.get('name')}"
+
+    def __str__(self) -> str:
+        return f"{self.object}: {self.message or self.reason}"
+
+
 class Conflict(Exception):
     """A write conditional on a job's resourceVersion found a newer job: the pass must read it again."""
 
@@ -128,7 +142,10 @@ async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]
         await ensure(obj)
 
     async def create(pod: Mapping[str, Any]) -> str | None:
-        uid = await ensure(pod)
+        try:
+            uid = await ensure(pod)
+        except ApiError as exc:
+            raise Refused("create", pod, exc) from exc
         if uid is not None:
             created(pod["metadata"]["name"], uid)
             return pod["metadata"]["name"]
@@ -137,7 +154,12 @@ async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]
 
 
 async def delete_pods(namespace: str, names: Sequence[str]) -> None:
-    await in_batches(names, lambda name: delete_pod(namespace, name))
+    async def delete(name: str) -> None:
+        try:
+            await delete_pod(namespace, name)
+        except ApiError as exc:
+            raise Refused("delete", {"kind": "Pod", "metadata": {"namespace": namespace, "name": name}}, exc) from exc
+    await in_batches(names, delete)
 
 
 async def delete_pod(namespace: str, name: str) -> None:

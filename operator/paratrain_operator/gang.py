@@ -33,6 +33,9 @@ DISRUPTIONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "S
                          "UnexpectedAdmissionError", "DeletionByPodGC", "TerminationByKubelet"})
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 _STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a deleted pod's container
+# The status condition that names a create the API server refused (quota, admission, a name still held), as a
+# ReplicaSet's ReplicaFailure does; it goes False once every pod of the attempt exists.
+CREATE_REFUSED = "CreateRefused"
 
 
 class Failure(status_model.Failure):
@@ -120,6 +123,8 @@ class GangState:
     restarts: int = 0  # failure-triggered gang restarts, counted against runPolicy.backoffLimit
     gang_created: bool = False  # every pod of this attempt was seen: a pod missing from now on was deleted
     start_time: str | None = None
+    attempt_start_time: str | None = None  # this attempt's first create: startTimeoutSeconds runs from it
+    create_refused: str = ""  # the last refused create of this attempt ("Pod ns/name: the API's message")
     completion_time: str | None = None
     failure: Failure | None = None
     reason: str = ""
@@ -130,8 +135,19 @@ class GangState:
         s = status or {}
         return cls(phase=s.get("phase"), attempt=as_int(s.get("attempt"), 0), restarts=as_int(s.get("restarts"), 0),
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
+                   attempt_start_time=s.get("attemptStartTime"), create_refused=_refusal(s.get("conditions")),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    reason=s.get("reason") or "", message=s.get("message") or "")
+
+    def new_attempt(self, **changes: Any) -> GangState:
+        """This state for the next attempt: its gang, clock and refusals start afresh."""
+        return replace(self, attempt=self.attempt + 1, gang_created=False, attempt_start_time=None, create_refused="",
+                       **changes)
+
+
+def _refusal(conditions: Any) -> str:
+    found = next((c for c in conditions or [] if isinstance(c, Mapping) and c.get("type") == CREATE_REFUSED), None)
+    return str(found.get("message") or "") if found and found.get("status") == "True" else ""
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,7 @@ class Policy:
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
     under_kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
+    start_timeout_seconds: int = 1200
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
@@ -152,7 +169,8 @@ class Policy:
         return cls(name=job.metadata.name, nodes=spec.nodes, backoff_limit=rp.backoff_limit, suspend=rp.suspend,
                    active_deadline_seconds=rp.active_deadline_seconds,
                    ttl_seconds_after_finished=rp.ttl_seconds_after_finished,
-                   under_kueue=bool(kueue.queue_name(job)))
+                   under_kueue=bool(kueue.queue_name(job)),
+                   start_timeout_seconds=spec.scheduling.start_timeout_seconds)
 
 
 @dataclass(frozen=True)
@@ -205,8 +223,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     events: list[Event] = []
     if state.phase == SUSPENDED:
         # A fresh attempt (new pod names); the deadline clock restarts, as for a resumed Kubernetes Job.
-        state = replace(state, phase=PENDING, attempt=state.attempt + 1, gang_created=False, start_time=None,
-                        reason="Resumed", message="resumed: creating a fresh gang")
+        state = state.new_attempt(phase=PENDING, start_time=None, reason="Resumed",
+                                  message="resumed: creating a fresh gang")
         events.append(Event("Normal", "Resumed", f"resumed: creating gang attempt {state.attempt}"))
 
     current = {p.rank: p for p in pods if p.attempt == state.attempt}
@@ -224,7 +242,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 
     gang_created = state.gang_created or len(current) == policy.nodes
-    state = replace(state, gang_created=gang_created)
+    state = replace(state, gang_created=gang_created, create_refused="" if gang_created else state.create_refused)
     if stale:
         gone = [p.name for p in stale if not p.terminating]
         phase = RESTARTING if state.phase == RESTARTING else PENDING
@@ -233,11 +251,14 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
 
     missing = tuple(r for r in range(policy.nodes) if r not in current)
     if policy.under_kueue:
-        # The deadline clock runs from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
+        # The deadline clocks run from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
         queued = bool(missing) or any(p.queued for p in current.values())
-        state = replace(state, start_time=None if queued else state.start_time or to_iso(now))
-    elif missing:
-        state = replace(state, start_time=state.start_time or to_iso(now))
+        state = replace(state, start_time=None if queued else state.start_time or to_iso(now),
+                        attempt_start_time=None if queued else state.attempt_start_time or to_iso(now))
+    else:
+        state = replace(state, attempt_start_time=state.attempt_start_time or to_iso(now))
+        if missing:
+            state = replace(state, start_time=state.start_time or to_iso(now))
     if missing:
         events.append(Event("Normal", "CreatingGang", f"creating {len(missing)} of {policy.nodes} pods "
                             f"(attempt {state.attempt})"))
@@ -248,7 +269,12 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
             events.append(Event("Normal", "GangRunning", msg))
         return Decision(replace(state, phase=RUNNING, reason="GangRunning", message=msg), events=tuple(events))
     waiting = waiting_summary(list(current.values()))
+    attempt_start = from_iso(state.attempt_start_time)
+    if attempt_start and now >= attempt_start + timedelta(seconds=policy.start_timeout_seconds):
+        return _start_timed_out(policy, state, pods, list(current.values()), started, waiting, now, events)
     msg = f"{started}/{policy.nodes} pods running (attempt {state.attempt})" + (f"; {waiting}" if waiting else "")
+    if state.create_refused:
+        msg = _with_refusal(msg, state.create_refused)
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
     return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
@@ -273,6 +299,39 @@ def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, m
     return "; ".join(parts)
 
 
+def refused_create(state: GangState, what: str) -> GangState:
+    """The state once a create of this attempt was refused (`what`: the pod and the API's message): the message
+    and the CreateRefused condition name it until every pod exists, and a start timeout gives it as the reason."""
+    return replace(state, create_refused=what, message=_with_refusal(state.message, what))
+
+
+def _with_refusal(message: str, what: str) -> str:
+    return f"{message}; cannot create {what}"
+
+
+def _start_timed_out(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],
+                     started: int, waiting: str, now: datetime, events: list[Event]) -> Decision:
+    """The gang was not all running in startTimeoutSeconds: the job fails with what kept it waiting, its pods go,
+    and no restart is counted (no step was trained; a new attempt would most likely wait the same way)."""
+    missing = policy.nodes - len(current)
+    if state.create_refused and missing:
+        reason, why = "FailedCreate", f"{missing} pod(s) could not be created: {state.create_refused}"
+    else:
+        reason = _main_waiting_reason(current) or "NotRunning"
+        why = waiting or f"{policy.nodes - started} pod(s) not running"
+    message = (f"not all {policy.nodes} pods were running {policy.start_timeout_seconds}s after attempt "
+               f"{state.attempt} began (spec.scheduling.startTimeoutSeconds; {started} running): {why}")
+    failure = Failure(reason=reason, message=message, retryable=False)
+    decision = fail(state, pods, failure, now, reason="StartTimeout", message=message)
+    return replace(decision, events=(*events, *decision.events))
+
+
+def _main_waiting_reason(pods: Sequence[PodView]) -> str | None:
+    """The reason most of the waiting pods give (Unschedulable, ImagePullBackOff, ...)."""
+    reasons = [p.waiting.partition(": ")[0] for p in pods if p.waiting]
+    return max(set(reasons), key=lambda r: (reasons.count(r), r)) if reasons else None
+
+
 def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],
                 root: Failure, now: datetime, events: list[Event]) -> Decision:
     if not root.retryable:
@@ -291,8 +350,7 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         restarts = state.restarts + 1
         msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
         event = Event("Warning", "RestartingGang", msg)
-    new = replace(state, phase=RESTARTING, attempt=state.attempt + 1, restarts=restarts, gang_created=False,
-                  failure=root, reason=root.reason, message=msg)
+    new = state.new_attempt(phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason, message=msg)
     # The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address).
     doomed = tuple(p.name for p in current if not p.terminating)
     return Decision(new, delete_pods=doomed, events=(*events, event))
@@ -302,7 +360,8 @@ def _suspend(state: GangState, pods: Sequence[PodView]) -> Decision:
     doomed = tuple(p.name for p in pods if not p.terminating)
     msg = f"suspended: deleting {len(doomed)} pod(s)" if doomed else "suspended"
     events = () if state.phase == SUSPENDED else (Event("Normal", "Suspended", msg),)
-    new = replace(state, phase=SUSPENDED, gang_created=False, start_time=None, reason="Suspended", message=msg)
+    new = replace(state, phase=SUSPENDED, gang_created=False, start_time=None, attempt_start_time=None,
+                  create_refused="", reason="Suspended", message=msg)
     return Decision(new, delete_pods=doomed, events=events)
 
 

@@ -94,7 +94,9 @@ def owner_reference(job: ParallelTrainJob) -> dict[str, Any] | None:
 def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> tuple[dict[str, Any], ...]:
     spec, name = job.spec, job.metadata.name
     env = contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=rank,
-                            master_addr=contract.pod_dns_name(name, namespace, 0))
+                            master_addr=contract.pod_dns_name(name, namespace, 0),
+                            # torchrun gives up on its peers when the operator ends the attempt, not before
+                            rendezvous_timeout=spec.scheduling.start_timeout_seconds)
     env |= {contract.ENV_JOB_NAME: name, contract.ENV_RESTART_ATTEMPT: str(attempt),
             contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
             contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH,

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
@@ -193,7 +194,11 @@ async def _pass(body: dict[str, Any]) -> str | None:
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
-            raise  # transient, or maybe fixable (RBAC, quota): retried; the resync keeps trying
+            if isinstance(exc, apply.Refused) and not exc.transient:
+                await _report_refusal(written, decision, job, views, filled, exc)
+            # Maybe fixable (quota freed, a name released, a webhook back): retried by the next passes, until
+            # spec.scheduling.startTimeoutSeconds ends the attempt; transient errors likewise.
+            raise
         decision = gang.fail(decision.state, views, rejected, now)
         written = await _persist_rejection(written, decision, job, views, filled)
         if written is not None:
@@ -213,10 +218,37 @@ def _rejection(exc: Exception) -> Failure | None:
     """A gang the cluster will never accept, as the job's failure; None for errors worth retrying."""
     if isinstance(exc, apply.MissingResource):
         return Failure(reason="MissingResource", message=str(exc), retryable=False)
-    if isinstance(exc, ApiError) and exc.status in (400, 422):
-        return Failure(reason="RejectedByAPI", message=f"the API server rejected the gang: {exc.message}",
+    if not isinstance(exc, ApiError):
+        return None
+    if exc.status in (400, 422):
+        what = exc if isinstance(exc, apply.Refused) else exc.message
+        return Failure(reason="RejectedByAPI", message=f"the API server rejected the gang: {what}", retryable=False)
+    if exc.status == 403 and "violates PodSecurity" in exc.message:
+        # The namespace's Pod Security level forbids what the spec asks for (host network, IPC_LOCK): every retry
+        # would be refused the same way.
+        return Failure(reason="PodSecurity", message=f"the namespace's Pod Security admission refused {exc}",
                        retryable=False)
     return None
+
+
+async def _report_refusal(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
+                          views: Sequence[PodView], filled: Sequence[str], refused: apply.Refused) -> None:
+    """A refused create or delete where the user looks: a Warning Event on the job (FailedCreate, FailedDelete;
+    repeats raise its count) and, for a create, the status's message and CreateRefused condition, which
+    also give the attempt's failure reason if startTimeoutSeconds ends it."""
+    what = str(refused)
+    if refused.verb == "create":
+        timeout = job.spec.scheduling.start_timeout_seconds if job else 0
+        state = gang.refused_create(decision.state, what)
+        event = gang.Event("Warning", "FailedCreate", f"{what} (retrying until the gang runs, or for "
+                           f"spec.scheduling.startTimeoutSeconds, {timeout}s, from the attempt's start)")
+    else:
+        state = replace(decision.state, message=f"cannot delete {what}; retrying")
+        event = gang.Event("Warning", "FailedDelete", what)
+    try:
+        await _persist_rejection(body, Decision(state, events=(event,)), job, views, filled)
+    except Exception as exc:  # noqa: BLE001 (the refusal itself is what the caller re-raises)
+        log.warning("%s: could not record the refusal: %s", what, exc)
 
 
 def _acts(decision: Decision) -> bool:

@@ -43,7 +43,7 @@ STALLED = "Stalled"
 GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "observedGeneration", "attempt", "restarts", "gangCreated",
-              "startTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
+              "startTime", "attemptStartTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "totalSteps": int, "loss": float, "valLoss": float, "tokensPerSecond": float,
                      "etaSeconds": float}
 _TRAINER_PHASES = frozenset({"starting", "training", "done"})
@@ -144,6 +144,8 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     out.update(attempt=state.attempt, restarts=state.restarts, gangCreated=state.gang_created)
     if state.start_time:
         out["startTime"] = state.start_time
+    if state.attempt_start_time:
+        out["attemptStartTime"] = state.attempt_start_time
     if state.completion_time:
         out["completionTime"] = state.completion_time
     if state.failure:
@@ -162,6 +164,11 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
             conditions = set_condition(conditions, type_, True, state.reason or type_, state.message, now)
         elif type_ in present:
             conditions = set_condition(conditions, type_, False, out["phase"], f"the job is {out['phase']}", now)
+    if state.create_refused:
+        conditions = set_condition(conditions, gang.CREATE_REFUSED, True, "FailedCreate", state.create_refused, now)
+    elif gang.CREATE_REFUSED in present:
+        conditions = set_condition(conditions, gang.CREATE_REFUSED, False, "Created",
+                                   "no create of this attempt is refused", now)
     stalled = stall(state, conditions, progress, stall_timeout, now)
     if stalled:
         conditions = set_condition(conditions, STALLED, *stalled, now)

@@ -257,3 +257,61 @@ def test_classify():
     assert not gang.classify(pod(0, "Failed", exit_code=127)).retryable
     assert gang.classify(pod(0, "Failed", exit_code=1)).retryable
     assert gang.classify(pod(0, "Failed")).retryable  # no exit code: the node, not the program
+
+
+# --- the start deadline (spec.scheduling.startTimeoutSeconds) ---------------------------------------------------
+QUICK = replace(POLICY, start_timeout_seconds=60)
+STARTING = GangState(phase="Pending", start_time=EARLIER, attempt_start_time=EARLIER)
+
+
+def test_the_attempts_clock_starts_at_its_first_create_and_waiting_inside_it_is_fine():
+    assert decide([]).state.attempt_start_time == to_iso(NOW)
+    unplaced = gang_of("Running", "Pending", "Pending", waiting="Unschedulable: 0/2 nodes are available")
+    recent = replace(STARTING, attempt_start_time=to_iso(NOW - timedelta(seconds=59)))
+    decision = decide(unplaced, recent, policy=QUICK)
+    assert decision.state.phase == "Pending" and not decision.delete_pods
+
+
+def test_a_gang_not_all_running_by_the_start_timeout_fails_with_the_pods_reason_and_no_restart():
+    unplaced = [pod(0), *(pod(r, "Pending", waiting="Unschedulable: 0/2 nodes are available") for r in (1, 2))]
+    decision = decide(unplaced, STARTING, policy=QUICK)
+    assert decision.state.phase == "Failed" and decision.state.reason == "StartTimeout"
+    assert decision.state.failure.reason == "Unschedulable" and decision.state.restarts == 0
+    assert "startTimeoutSeconds" in decision.state.message and "2 Unschedulable" in decision.state.message
+    assert set(decision.delete_pods) == {p.name for p in unplaced}  # the pods that did start are released too
+    assert [e.reason for e in decision.events] == ["StartTimeout"]
+
+
+def test_a_refused_create_is_the_reason_when_the_start_timeout_ends_the_attempt():
+    refusal = 'Pod ns/job-0-2: pods "job-0-2" is forbidden: exceeded quota: q, used: pods=2, limited: pods=2'
+    waiting = gang.refused_create(STARTING, refusal)
+    pending = decide(gang_of("Running", "Running"), replace(waiting, attempt_start_time=to_iso(NOW)), policy=QUICK)
+    assert pending.state.create_refused == refusal and "cannot create" in pending.state.message
+    assert pending.create_ranks == (2,)
+    decision = decide(gang_of("Running", "Running"), waiting, policy=QUICK)
+    assert decision.state.phase == "Failed" and decision.state.failure.reason == "FailedCreate"
+    assert "exceeded quota" in decision.state.failure.message and decision.state.restarts == 0
+
+
+def test_a_complete_gang_clears_the_refusal_and_a_running_one_has_no_start_deadline():
+    waiting = gang.refused_create(STARTING, "Pod ns/job-0-2: conflict")
+    decision = decide(gang_of("Running", "Running", "Pending"), waiting)
+    assert decision.state.create_refused == "" and decision.state.phase == "Pending"
+    running = replace(RUNNING, attempt_start_time=to_iso(NOW - timedelta(days=2)))
+    assert decide(gang_of("Running", "Running", "Running"), running, policy=QUICK).state.phase == "Running"
+
+
+def test_a_gang_restart_starts_a_new_clock_once_the_old_pods_are_gone():
+    failed = [pod(0), pod(1, "Failed", exit_code=1, reason="Error"), pod(2)]
+    restart = decide(failed, replace(RUNNING, attempt_start_time=EARLIER), policy=QUICK)
+    assert restart.state.attempt == 1 and restart.state.attempt_start_time is None
+    waiting_for_old = decide([pod(0, terminating=True)], restart.state, policy=QUICK)
+    assert waiting_for_old.state.attempt_start_time is None
+    assert decide([], restart.state, policy=QUICK).state.attempt_start_time == to_iso(NOW)
+
+
+def test_under_kueue_the_start_clock_waits_for_admission():
+    queued = gang_of("Pending", "Pending", "Pending", queued=True, waiting="SchedulingGated: kueue")
+    kueue_policy = replace(QUICK, under_kueue=True)
+    decision = decide(queued, GangState(phase="Pending"), policy=kueue_policy, now=NOW + timedelta(hours=1))
+    assert decision.state.attempt_start_time is None and decision.state.phase == "Pending"

@@ -136,7 +136,12 @@ def test_api_errors_on_creates_and_status_patches_are_retried_and_lose_nothing(c
     assert status["observedGeneration"] == 1 and status["startTime"] <= status["completionTime"]
     reasons = cluster.event_reasons(ns, name, until="Succeeded")
     assert reasons[-1] == "Succeeded" and reasons.count("Succeeded") == 1 and "GangRunning" in reasons
-    assert set(reasons) == {"CreatingGang", "GangRunning", "Succeeded"}, reasons
+    if code == 409:  # a name held by something else is a refusal the user sees, then retried; 5xx/429 are not
+        assert set(reasons) == {"CreatingGang", "FailedCreate", "GangRunning", "Succeeded"}, reasons
+        assert condition(status, "CreateRefused")["status"] == "False"
+    else:
+        assert set(reasons) == {"CreatingGang", "GangRunning", "Succeeded"}, reasons
+        assert condition(status, "CreateRefused") is None
 
 
 # ---- a deleted job, a finished job ------------------------------------------------------------------------
@@ -290,6 +295,45 @@ def test_a_gang_the_api_server_rejects_fails_the_job_visibly(cluster: RealCluste
     wait_for(lambda: not cluster.pods(ns), 15, "the half-created gang to be stopped")
     assert rejected.faulted == 1  # not retried: the same object would be rejected again
     cluster.proxy.faults.remove(rejected)
+
+
+def test_a_quota_smaller_than_the_gang_is_named_at_once_and_ends_the_attempt_at_its_start_timeout(
+        cluster: RealCluster, ns: str):
+    """Issue 26: a ResourceQuota of 2 pods (enforced: the control plane runs the resource-quota controller) and a
+    4-pod job. The refused create is a FailedCreate Event and the CreateRefused condition within one pass; at
+    startTimeoutSeconds the attempt ends with that reason, its pods are deleted and no restart is counted."""
+    cluster.api.create("v1/resourcequotas", {"metadata": {"name": "two-pods"}, "spec": {"hard": {"pods": "2"}}}, ns)
+    wait_for(lambda: (cluster.api.object("v1/resourcequotas", ns, "two-pods").get("status") or {}).get("hard"), 30,
+             "the resource-quota controller to take up the quota")
+    submitted = time.monotonic()
+    cluster.submit(ns, "quota", {**fake_job(nodes=4, steps=1000), "scheduling": {"startTimeoutSeconds": 30}})
+    refused = wait_for(lambda: (c := condition(cluster.status(ns, "quota"), "CreateRefused")) and c, 15,
+                       "the refusal in the job's status")
+    assert refused["status"] == "True" and refused["reason"] == "FailedCreate"
+    assert "exceeded quota: two-pods" in refused["message"] and f"Pod {ns}/quota-0-" in refused["message"]
+    assert "cannot create" in cluster.status(ns, "quota")["message"]
+    cluster.event_reasons(ns, "quota", until="FailedCreate")
+    event = next(e for e in cluster.events(ns, "quota") if e["reason"] == "FailedCreate")
+    assert event["type"] == "Warning" and "exceeded quota" in event["message"]
+    status = cluster.wait_phase(ns, "quota", "Failed", 60)
+    assert 30 <= time.monotonic() - submitted < 60
+    assert (status["reason"], status["failure"]["reason"], status["restarts"]) == ("StartTimeout", "FailedCreate", 0)
+    assert "exceeded quota" in status["failure"]["message"] and "startTimeoutSeconds" in status["message"]
+    wait_for(lambda: not cluster.pods(ns, "quota"), 30, "the partly created gang to be released")
+    assert len(cluster.pod_creations(ns)) == 2  # the refused pods were never created; the quota held
+
+
+def test_a_gang_that_cannot_all_be_placed_ends_its_attempt_at_the_start_timeout(cluster: RealCluster, ns: str):
+    """The job's pods can never be scheduled (no node has the label): at startTimeoutSeconds the job fails with
+    the scheduler's reason, Unschedulable, without a restart, and its pods are deleted."""
+    spec = {**fake_job(steps=1000), "scheduling": {"startTimeoutSeconds": 30,
+                                                  "nodeSelector": {"paratrain.dev/nowhere": "true"}}}
+    cluster.submit(ns, "unplaced", spec)
+    status = cluster.wait_phase(ns, "unplaced", "Failed", 75)
+    assert (status["reason"], status["failure"]["reason"], status["restarts"]) == ("StartTimeout", "Unschedulable", 0)
+    assert "2 Unschedulable" in status["message"] and "startTimeoutSeconds" in status["message"]
+    wait_for(lambda: not cluster.pods(ns, "unplaced"), 30, "the unplaced gang to be deleted")
+    assert cluster.event_reasons(ns, "unplaced", until="StartTimeout")[-1] == "StartTimeout"
 
 
 def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: RealCluster, ns: str):

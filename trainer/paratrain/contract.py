@@ -77,9 +77,11 @@ def pod_dns_name(job_name: str, namespace: str, node_rank: int) -> str:
 
 
 def node_env(*, nnodes: int, nproc_per_node: int, node_rank: int, master_addr: str,
-             master_port: int = MASTER_PORT) -> dict[str, str]:
-    """What a pod gets: torchrun's PET_* flags (static rendezvous on rank 0's stable DNS name)."""
-    return {
+             master_port: int = MASTER_PORT, rendezvous_timeout: int | None = None) -> dict[str, str]:
+    """What a pod gets: torchrun's PET_* flags (static rendezvous on rank 0's stable DNS name); torchrun waits
+    `rendezvous_timeout` seconds for its peers (its own default: 600)."""
+    timeout = {"PET_RDZV_CONF": f"timeout={rendezvous_timeout}"} if rendezvous_timeout else {}
+    return {**timeout,
         "PET_NNODES": str(nnodes),
         "PET_NPROC_PER_NODE": str(nproc_per_node),
         "PET_NODE_RANK": str(node_rank),

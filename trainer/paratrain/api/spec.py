@@ -305,6 +305,11 @@ class SchedulingSpec(_Model):
     # validated by the API server's pod schema.
     affinity: dict[str, Any] | None = Field(None, description=(
         "A Kubernetes Affinity, passed to every pod as it is (checked by the API server)."))
+    start_timeout_seconds: int = Field(1200, ge=30, le=7 * 86400, description=(
+        "How long an attempt's whole gang may take to be running, from the first create of its pods (under Kueue, "
+        "from admission): past it, the attempt ends with the waiting pods' reason (Unschedulable, an image pull, a "
+        "refused create such as exceeded quota), its pods are deleted and the job fails without counting a restart. "
+        "Each pod's torchrun waits as long for the rendezvous. Default 1200 (20 min: image pulls of a large gang)."))
 
 
 class KeyRef(_Model):

@@ -90,6 +90,9 @@ class JobStatus(_StatusModel):
     gang_created: bool | None = Field(None, description="Every pod of the current attempt has been seen; a pod "
                                       "missing after that was deleted.")
     start_time: datetime | None = None
+    attempt_start_time: datetime | None = Field(None, description=(
+        "When the current attempt began creating its pods (under Kueue: its admission); "
+        "spec.scheduling.startTimeoutSeconds runs from it."))
     completion_time: datetime | None = None
     failure: Failure | None = None
     progress: Progress | None = None

@@ -1,0 +1,35 @@
+"""Which refused writes fail a job at once and which are retried (until spec.scheduling.startTimeoutSeconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain_operator import apply, reconcile
+from paratrain_operator.kube import ApiError
+
+POD = {"kind": "Pod", "metadata": {"namespace": "ml", "name": "job-0-3"}}
+QUOTA = 'pods "job-0-3" is forbidden: exceeded quota: team, requested: pods=1, used: pods=8, limited: pods=8'
+PSS = ('pods "job-0-3" is forbidden: violates PodSecurity "restricted:latest": host namespaces '
+       '(hostNetwork=true)')
+
+
+def test_a_refusal_names_the_object_and_keeps_the_api_error():
+    refused = apply.Refused("create", POD, ApiError(403, "Forbidden", QUOTA))
+    assert str(refused) == f"Pod ml/job-0-3: {QUOTA}"
+    assert (refused.status, refused.verb, refused.transient) == (403, "create", False)
+    assert apply.Refused("create", POD, ApiError(503, "ServiceUnavailable", "", retry_after=2)).retry_after == 2
+
+
+@pytest.mark.parametrize("status, message, reason", [
+    (403, PSS, "PodSecurity"),            # the namespace's level: every retry would be refused alike
+    (422, "spec.containers: Invalid value", "RejectedByAPI"),
+    (403, QUOTA, None),                   # quota can free up: retried, reported, bounded by the start timeout
+    (403, 'admission webhook "policy.example.com" denied the request', None),
+    (409, "already exists", None),        # a name still held by a same-named job's pod being deleted
+    (500, "etcdserver: request timed out", None),
+])
+def test_only_refusals_no_retry_can_change_fail_the_job_at_once(status, message, reason):
+    failure = reconcile._rejection(apply.Refused("create", POD, ApiError(status, "", message)))
+    assert (failure.reason if failure else None) == reason
+    if failure:
+        assert not failure.retryable and "Pod ml/job-0-3" in failure.message
