@@ -12,6 +12,7 @@ the attempt, so creating a pod twice is a harmless 409, never a duplicate.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -100,11 +101,28 @@ def classify(pod: PodView) -> Failure | None:
         if code == contract.EXIT_PREEMPTED:
             return Failure(reason="Preempted", message=f"pod {pod.name} was stopped and checkpointed its last step "
                            f"(exit {code})", pod=pod.name, exit_code=code, preempted=True, at=pod.finished_at)
+        said = trainer_error(pod.termination_message) if code == contract.EXIT_INVALID_SPEC else None
         return Failure(reason=pod.reason or "Error",
-                       message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})",
+                       message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})"
+                       + (f": {said}" if said else ""),
                        pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
                        at=pod.finished_at)
     return None
+
+
+def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:
+    """What a trainer that refused the job said (the field and the fix): its termination message's "error", or,
+    where it wrote none (the kubelet then gives the log's tail), the last line of that. Tenant text: any parse
+    failure is contained, the length bounded."""
+    text = (termination_message or "").strip()
+    if not text:
+        return None
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError):
+        return clip(text.splitlines()[-1].strip(), limit)
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return clip(error, limit) if isinstance(error, str) and error else None
 
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
@@ -127,6 +145,7 @@ class GangState:
     create_refused: str = ""  # the last refused create of this attempt ("Pod ns/name: the API's message")
     completion_time: str | None = None
     failure: Failure | None = None
+    last_stop: Failure | None = None  # a stop the gang restarted from (not counted, not a failure)
     reason: str = ""
     message: str = ""
 
@@ -137,7 +156,8 @@ class GangState:
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
                    attempt_start_time=s.get("attemptStartTime"), create_refused=_refusal(s.get("conditions")),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
-                   reason=s.get("reason") or "", message=s.get("message") or "")
+                   last_stop=Failure.from_status(s.get("lastStop")), reason=s.get("reason") or "",
+                   message=s.get("message") or "")
 
     def new_attempt(self, **changes: Any) -> GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
@@ -338,22 +358,23 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         decision = fail(state, pods, root, now)
         return replace(decision, events=(*events, *decision.events))
     if root.preempted:  # the gang was stopped from outside (its ranks save the step in flight when they can)
-        restarts = state.restarts
         msg = (f"{root.message}; restarting the whole gang from its newest checkpoint (a stop, not counted against "
                "backoffLimit)")
-        event = Event("Normal", "Preempted", msg)
-    elif state.restarts >= policy.backoff_limit:
+        new = state.new_attempt(phase=RESTARTING, last_stop=root, reason=root.reason, message=msg)
+        return Decision(new, delete_pods=_whole_gang(current), events=(*events, Event("Normal", "Preempted", msg)))
+    if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
         return replace(decision, events=(*events, *decision.events))
-    else:
-        restarts = state.restarts + 1
-        msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
-        event = Event("Warning", "RestartingGang", msg)
+    restarts = state.restarts + 1
+    msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
     new = state.new_attempt(phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason, message=msg)
-    # The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address).
-    doomed = tuple(p.name for p in current if not p.terminating)
-    return Decision(new, delete_pods=doomed, events=(*events, event))
+    return Decision(new, delete_pods=_whole_gang(current), events=(*events, Event("Warning", "RestartingGang", msg)))
+
+
+def _whole_gang(current: Sequence[PodView]) -> tuple[str, ...]:
+    """The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address)."""
+    return tuple(p.name for p in current if not p.terminating)
 
 
 def _suspend(state: GangState, pods: Sequence[PodView]) -> Decision:

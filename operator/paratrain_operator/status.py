@@ -42,10 +42,11 @@ PHASE_CONDITIONS = (gang.RUNNING, gang.RESTARTING, gang.SUSPENDED, gang.SUCCEEDE
 STALLED = "Stalled"
 GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
-OWNED_KEYS = ("phase", "reason", "message", "layout", "observedGeneration", "attempt", "restarts", "gangCreated",
-              "startTime", "attemptStartTime", "completionTime", "failure", "pods", "progress", "progressText", "conditions")
-_PROGRESS_NUMBERS = {"step": int, "totalSteps": int, "loss": float, "valLoss": float, "tokensPerSecond": float,
-                     "etaSeconds": float}
+OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
+              "restarts", "gangCreated", "startTime", "attemptStartTime", "completionTime", "failure", "lastStop",
+              "pods", "progress", "progressText", "conditions")
+_PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
+                     "tokensPerSecond": float, "etaSeconds": float}
 _TRAINER_PHASES = frozenset({"starting", "training", "done"})
 
 
@@ -138,7 +139,8 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     out: dict[str, Any] = {"phase": state.phase or gang.PENDING, "reason": state.reason, "message": state.message}
     if layout:
         out["layout"] = layout
-    out["platformDefaults"] = list(platform_defaults) or None  # None: a merge patch removes an earlier list
+    if platform_defaults:  # once the platform fills nothing, the patch removes an earlier list (OWNED_KEYS)
+        out["platformDefaults"] = list(platform_defaults)
     if generation is not None:
         out["observedGeneration"] = generation
     out.update(attempt=state.attempt, restarts=state.restarts, gangCreated=state.gang_created)
@@ -150,12 +152,19 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["completionTime"] = state.completion_time
     if state.failure:
         out["failure"] = state.failure.to_status()
+    if state.last_stop:
+        out["lastStop"] = state.last_stop.to_status()
     out["pods"] = pod_counts(nodes, state.attempt, pods)
     progress = progress or prev.get("progress")
     if progress:
         out["progress"] = dict(progress)
         if "totalSteps" in progress:
             out["progressText"] = progress_text(progress["step"], progress["totalSteps"])
+        if out["phase"] == gang.SUCCEEDED and progress.get("startStep", -1) >= progress.get("totalSteps", 1 << 62):
+            # A re-applied job whose checkpoint already held its last step: it succeeded without training.
+            out["message"] = (f"{state.message}; nothing was trained: the checkpoint was already at the last step "
+                              f"({progress['totalSteps']}); raise spec.training.steps to train longer, or give "
+                              "spec.checkpoint.path another directory to start afresh")
 
     conditions: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
     present = {c.get("type") for c in conditions}

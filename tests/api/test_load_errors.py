@@ -19,8 +19,13 @@ def problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 # (document changes, field path, words the message must contain)
 CASES = [
-    ({"spec": {"nodez": 2}}, "spec.nodez", "unknown field"),
-    ({"spec": {"parallelism": {"tensr": 2}}}, "spec.parallelism.tensr", "unknown field"),
+    ({"spec": {"nodez": 2}}, "spec.nodez", "unknown field (did you mean 'nodes'?)"),
+    ({"spec": {"parallelism": {"tensr": 2}}}, "spec.parallelism.tensr", "unknown field (did you mean 'tensor'?)"),
+    ({"spec": {"training": {"learningRat": 1e-3}}}, "spec.training.learningRat",
+     "unknown field (did you mean 'learningRate'?)"),
+    ({"spec": {"pod": {"volumes": [{"name": "v", "mountPath": "/v", "persistentVolumeClam": "c"}]}}},
+     "spec.pod.volumes[0].persistentVolumeClam", "did you mean 'persistentVolumeClaim'?"),
+    ({"spec": {"training": {"zzzz": 1}}}, "spec.training.zzzz", "unknown field (misspelt?)"),
     ({"spec": {"nodes": 0}}, "spec.nodes", "greater than or equal to 1"),
     ({"spec": {"nodes": "two"}}, "spec.nodes", "integer"),
     ({"spec": {"precision": "fp8"}}, "spec.precision", "'fp32', 'bf16' or 'fp16'"),

@@ -38,3 +38,23 @@ def test_the_rules_between_fields_are_listed_with_their_messages():
     text = reference_markdown()
     assert "- `spec.parallelism`: data(…) x tensor(…) x pipeline(…) = … must equal nodes(…) x procsPerNode(…)" in text
     assert "- `spec.training.warmupSteps`: warmupSteps(…) must be <= steps(…)" in text
+
+
+def test_every_spec_field_is_described_with_its_default_and_limits_for_kubectl_explain():
+    """The CRD's descriptions are what `kubectl explain` prints; it shows no default or limit of its own."""
+    from paratrain.api.crd import explain_suffix, spec_schema
+
+    def fields(node, path):
+        for name, child in (node.get("properties") or {}).items():
+            yield f"{path}.{name}", child
+            yield from fields(child, f"{path}.{name}")
+            yield from fields(child.get("items") or {}, f"{path}.{name}[]")
+
+    checked = 0
+    for path, node in fields(spec_schema(), "spec"):
+        assert node.get("description"), f"{path} has no description"
+        assert node["description"].endswith(explain_suffix(node)), path
+        checked += bool(explain_suffix(node))
+    nodes = dict(fields(spec_schema(), "spec"))
+    assert nodes["spec.nodes"]["description"] == "Pods in the gang. Default: 1. Limits: ≥ 1, ≤ 4096."
+    assert checked > 100

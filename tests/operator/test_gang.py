@@ -101,6 +101,7 @@ def test_a_preempted_gang_restarts_without_spending_its_backoff_limit():
     decision = decide(pods, spent)
     s = decision.state
     assert (s.phase, s.attempt, s.restarts, s.reason) == ("Restarting", 3, 2, "Preempted")
+    assert s.last_stop.reason == "Preempted" and s.failure is None  # a stop is not a failure
     assert "not counted against backoffLimit" in s.message
     assert [e.reason for e in decision.events] == ["Preempted"]
     assert set(decision.delete_pods) == {"job-2-0", "job-2-1", "job-2-2"}
@@ -125,7 +126,8 @@ def test_the_backoff_limit_ends_the_restarts():
 def test_evicted_or_deleted_pods_are_retryable_failures(victim, counted):
     decision = decide([pod(0), pod(1, **victim), pod(2)], RUNNING)
     assert decision.state.phase == "Restarting" and decision.state.restarts == counted
-    assert decision.state.failure.pod == "job-0-1"
+    recorded = decision.state.failure if counted else decision.state.last_stop
+    assert recorded.pod == "job-0-1"
 
 
 @pytest.mark.parametrize("seen", [
@@ -137,7 +139,8 @@ def test_a_deleted_pod_is_reported_as_deleted_whichever_state_is_seen(seen):
     """A pod deleted from outside (a drain, a preemption, by hand) is a stop, not the job's failure: the gang
     restarts from its newest checkpoint without spending backoffLimit."""
     state = decide([pod(0), pod(1, **seen), pod(2)], RUNNING).state
-    assert (state.failure.reason, state.failure.message) == ("PodDeleted", "pod job-0-1 was deleted before it finished")
+    assert (state.last_stop.reason, state.last_stop.message) == ("PodDeleted",
+                                                                 "pod job-0-1 was deleted before it finished")
     assert (state.phase, state.attempt, state.restarts) == ("Restarting", 1, 0)
 
 
@@ -148,8 +151,8 @@ def test_a_pod_that_failed_on_its_own_and_was_then_deleted_keeps_its_own_failure
 
 def test_a_pod_that_vanished_from_a_complete_gang_counts_as_deleted():
     decision = decide([pod(0), pod(2)], RUNNING)
-    assert decision.state.phase == "Restarting" and decision.state.failure.reason == "PodDeleted"
-    assert decision.state.failure.pod == "job-0-1" and decision.state.restarts == 0
+    assert decision.state.phase == "Restarting" and decision.state.last_stop.reason == "PodDeleted"
+    assert decision.state.last_stop.pod == "job-0-1" and decision.state.restarts == 0
 
 
 def test_the_new_attempt_waits_for_every_old_pod_to_go():
@@ -315,3 +318,24 @@ def test_under_kueue_the_start_clock_waits_for_admission():
     kueue_policy = replace(QUICK, under_kueue=True)
     decision = decide(queued, GangState(phase="Pending"), policy=kueue_policy, now=NOW + timedelta(hours=1))
     assert decision.state.attempt_start_time is None and decision.state.phase == "Pending"
+
+
+# --- the trainer's own words --------------------------------------------------------------------------------------
+MISSING_DATA = "spec.data.path: data/nope.txt: no such file in this pod (mount it with spec.pod.volumes)"
+
+
+@pytest.mark.parametrize("said, shown", [
+    (f'{{"error": "{MISSING_DATA}"}}', MISSING_DATA),  # what paratrain train writes when it refuses the job
+    (f"2026-12-02 [rank 0] paratrain.train ERROR: {MISSING_DATA}\n", f"2026-12-02 [rank 0] paratrain.train ERROR: "
+                                                                       f"{MISSING_DATA}"),  # the kubelet's log tail
+    ("[" * 5000, "[" * 1999 + "…"),  # nested past the parser's stack: contained, clipped
+    ('{"step": 3}', None),
+    (None, None),
+])
+def test_a_refusing_trainers_words_become_the_failure_message(said, shown):
+    failure = gang.classify(pod(1, "Failed", exit_code=contract.EXIT_INVALID_SPEC, termination_message=said))
+    assert not failure.retryable
+    if shown:
+        assert failure.message.endswith(f"(the trainer rejected the spec): {shown}")
+    else:
+        assert failure.message.endswith("(the trainer rejected the spec)")

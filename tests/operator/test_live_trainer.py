@@ -83,6 +83,21 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     assert [e["reason"] for e in items] == ["CreatingGang", "GangRunning", "Succeeded"]
 
 
+def test_a_job_the_trainer_refuses_says_why_in_its_status_and_a_warning_event(cluster: Cluster, ns: str,
+                                                                              tmp_path: Path):
+    """The data file is missing in the pods, which only the trainer can see: its refusal (the field and the fix)
+    reaches status.failure and the Warning Event, not only the pod's log."""
+    spec = tiny_job("nodata", ns, tmp_path / "ckpt", steps=5)["spec"]
+    spec["data"] = {"source": "text", "path": str(tmp_path / "missing.txt")}
+    cluster.submit(ns, "nodata", spec)
+    status = cluster.wait_phase(ns, "nodata", "Failed", 120)
+    said = f"spec.data.path: {tmp_path / 'missing.txt'}: no such file in this pod or process"
+    assert status["failure"]["exitCode"] == 2 and said in status["failure"]["message"], status
+    assert status["restarts"] == 0
+    wait_for(lambda: any(said in e["message"] for e in cluster.events(ns, "nodata") if e["type"] == "Warning"), 15,
+             "a Warning Event with the trainer's words")
+
+
 def test_a_pod_killed_mid_training_restarts_the_gang_which_resumes_from_its_checkpoint(cluster: Cluster, ns: str,
                                                                                       tmp_path: Path):
     checkpoints = tmp_path / "ckpt"
@@ -140,6 +155,8 @@ def test_a_stopped_pod_checkpoints_the_step_in_flight_and_the_gang_resumes_there
 
     status = cluster.wait_phase(ns, "stopped", "Succeeded", 180)
     assert (status["restarts"], status["attempt"]) == (0, 1), cluster.diagnostics(ns, "stopped")
+    # The stop is kept apart from failures: `kubectl get ptj -o wide` shows no FAILURE for a job that succeeded.
+    assert status["lastStop"]["reason"] == "Preempted" and "failure" not in status, status
     logs = cluster.kubectl("logs", "-n", ns, "stopped-1-0").stdout  # the new gang's rank 0
     resumed = re.search(r"resume step=(\d+)", logs)
     assert resumed and 10 <= int(resumed[1]) < 400, logs[-3000:]

@@ -164,3 +164,22 @@ def test_a_native_gang_placed_whole_or_not_is_told_apart_by_its_podgroup():
                                                               "status": "False"}]}}, None):
         ok, reason, message = status.gang_scheduled(group, "j-0")
         assert (ok, reason) == (False, "GangNotEnforced") and "j-0" in message and "GenericWorkload" in message
+
+
+def test_a_job_that_succeeded_without_training_says_so():
+    done = GangState(phase="Succeeded", reason="Succeeded", message="all 2 pods succeeded", gang_created=True)
+    again = build(state=done, progress={"step": 600, "startStep": 600, "totalSteps": 600, "phase": "done"})
+    assert again["message"].startswith("all 2 pods succeeded; nothing was trained: the checkpoint was already at "
+                                       "the last step (600)") and again["progress"]["startStep"] == 600
+    trained = build(state=done, progress={"step": 600, "startStep": 250, "totalSteps": 600, "phase": "done"})
+    assert trained["message"] == "all 2 pods succeeded"
+    assert build(state=done, progress={"step": 600, "totalSteps": 600})["message"] == "all 2 pods succeeded"
+
+
+def test_platform_defaults_are_removed_once_the_platform_fills_nothing():
+    """The list was written when a platform's jobDefaults filled fields; dropped from the build, it must be removed
+    by the patch (a merge patch only removes a key it names as null)."""
+    filled = status.build(None, RUNNING, nodes=2, pods=PODS, progress=None, stall_timeout=600, generation=3,
+                          layout=None, now=NOW, platform_defaults=["spec.resources.cpu"])
+    assert filled["platformDefaults"] == ["spec.resources.cpu"]
+    assert status.patch(filled, build(filled))["platformDefaults"] is None

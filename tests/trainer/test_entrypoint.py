@@ -1,6 +1,7 @@
 """The trainer's exit classification, on real exceptions raised in the test process."""
 
 import datetime
+import json
 import socket
 import threading
 
@@ -107,10 +108,14 @@ def test_a_gpu_job_without_cuda_fails_permanently_naming_the_field(tmp_path, mon
     monkeypatch.delenv(contract.ENV_DEVICE, raising=False)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv(contract.ENV_TERMINATION_LOG, str(tmp_path / "termination-log"))
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(gpu_job()))
     assert train_main(str(spec)) == contract.EXIT_INVALID_SPEC
-    assert "spec.resources.gpusPerNode: the job asks for 1 GPU(s) per node, but no CUDA device" in caplog.text
+    said = "spec.resources.gpusPerNode: the job asks for 1 GPU(s) per node, but no CUDA device"
+    assert said in caplog.text
+    # The pod's termination message carries the same words, for the operator's status and Warning Event.
+    assert said in json.loads((tmp_path / "termination-log").read_text())["error"]
 
 
 def test_paratrain_device_cpu_runs_a_gpu_job_on_the_cpu(monkeypatch):

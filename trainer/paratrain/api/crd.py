@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -379,9 +380,54 @@ def _at(schema: dict[str, Any], location: str) -> dict[str, Any]:
     return node
 
 
+def bounds(node: Mapping[str, Any]) -> list[str]:
+    """A schema node's numeric and size limits, as `kubectl explain` and docs/reference.md state them."""
+    out = []
+    if node.get("minimum") is not None:
+        out.append(f"{'>' if node.get('exclusiveMinimum') else '≥'} {plain(node['minimum'])}")
+    if node.get("maximum") is not None:
+        out.append(f"{'<' if node.get('exclusiveMaximum') else '≤'} {plain(node['maximum'])}")
+    for key, word in (("maxLength", "chars"), ("maxItems", "items"), ("maxProperties", "entries")):
+        if key in node:
+            out.append(f"≤ {node[key]} {word}")
+    return out
+
+
+def plain(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (dict, list)) and not value:
+        return "{}" if isinstance(value, dict) else "[]"
+    return str(value)
+
+
+def explain_suffix(node: Mapping[str, Any]) -> str:
+    """What a field's description adds for `kubectl explain`, which shows neither defaults nor limits: its default
+    (a section's `{}` aside), its values and its limits."""
+    parts = []
+    if node.get("default") not in (None, {}, []):
+        parts.append(f"Default: {plain(node['default'])}.")
+    if "enum" in node:
+        parts.append(f"One of: {', '.join(plain(v) for v in node['enum'])}.")
+    if bounds(node):
+        parts.append(f"Limits: {', '.join(bounds(node))}.")
+    return "".join(f" {p}" for p in parts)
+
+
+def _explained(node: dict[str, Any]) -> None:
+    """Every property's description with its explain_suffix, recursively."""
+    for child in (node.get("properties") or {}).values():
+        suffix = explain_suffix(child)
+        if suffix:
+            child["description"] = (child.get("description", "").rstrip() + suffix).strip()
+        _explained(child)
+        _explained(child.get("items") or {})
+
+
 def spec_schema() -> dict[str, Any]:
     schema = {"description": "What to train and how: one ParallelTrainJob is one gang of pods.",
               **model_schema(Spec, defaults=True)}
+    _explained(schema)
     for location, rules in SPEC_RULES.items():
         _at(schema, location).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
     for field in IMMUTABLE:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from . import spec as _spec
 from .spec import ParallelTrainJob, cross_field_problems
@@ -82,6 +84,32 @@ def _loc_to_path(loc: tuple[Any, ...], doc: Any) -> str:
     return out or "<root>"
 
 
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """For an unknown key: the closest field its parent has (`learningRat` → `learningRate`), or a hint."""
+    names = _field_names_at(ParallelTrainJob, loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else " (misspelt?)"
+
+
+def _field_names_at(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """The field names (as the YAML spells them) of the model at `loc` inside `model`; [] when loc leaves models."""
+    for part in loc:
+        if isinstance(part, int) or part == "[key]":
+            continue  # a list item or map value: its model is the one the field's annotation holds
+        field = next((f for name, f in model.model_fields.items() if (f.alias or name) == part), None)
+        model = _model_in(field.annotation) if field else None
+        if model is None:
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model an annotation holds (itself, or inside Optional, list[...] or dict[..., ...])."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
 def parse_job(doc: Any) -> ParallelTrainJob:
     """Validate a job document; raise SpecError listing every problem (field errors, then cross-field rules)."""
     if not isinstance(doc, dict):
@@ -93,7 +121,7 @@ def parse_job(doc: Any) -> ParallelTrainJob:
         for err in exc.errors(include_url=False):
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
-                msg = "unknown field (misspelt?)"
+                msg = "unknown field" + _did_you_mean(err["loc"])
             elif err["type"] == "value_error":
                 msg = msg.removeprefix("Value error, ")
             elif err["type"] == "string_pattern_mismatch":

@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .crd import crd_manifest
+from .crd import bounds, crd_manifest, explain_suffix, plain
 
 HEADER = """# ParallelTrainJob field reference
 
@@ -47,24 +47,15 @@ def _row(path: str, node: Mapping[str, Any]) -> str:
         kind = f"list of {(node.get('items') or {}).get('type', 'any')}"
     elif kind == "object" and node.get("additionalProperties"):
         kind = "map"
-    default = f"`{_plain(node['default'])}`" if "default" in node else ""
-    return f"| `{path}` | {kind} | {default} | {_limits(node)} | {_cell(node.get('description', ''))} |"
+    default = f"`{plain(node['default'])}`" if "default" in node else ""
+    # The default and limits have columns here; the description's copy of them is for `kubectl explain`.
+    description = node.get("description", "").removesuffix(explain_suffix(node))
+    return f"| `{path}` | {kind} | {default} | {_limits(node)} | {_cell(description)} |"
 
 
 def _limits(node: Mapping[str, Any]) -> str:
-    out = []
-    if "enum" in node:
-        out.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
-    low = node.get("minimum")
-    if low is not None:
-        out.append(f"{'>' if node.get('exclusiveMinimum') else '≥'} {_plain(low)}")
-    high = node.get("maximum")
-    if high is not None:
-        out.append(f"{'<' if node.get('exclusiveMaximum') else '≤'} {_plain(high)}")
-    for key, word in (("maxLength", "chars"), ("maxItems", "items"), ("maxProperties", "entries")):
-        if key in node:
-            out.append(f"≤ {node[key]} {word}")
-    return ", ".join(out)
+    values = [" \\| ".join(f"`{v}`" for v in node["enum"])] if "enum" in node else []
+    return ", ".join(values + bounds(node))
 
 
 def _message(rule: Mapping[str, Any]) -> str:
@@ -73,14 +64,6 @@ def _message(rule: Mapping[str, Any]) -> str:
         return _cell(rule["message"])
     found = re.match(r'\s*"((?:[^"\\]|\\.)*)"', rule.get("messageExpression", ""))
     return _cell(found.group(1).replace("%s", "…")) if found else f"`{rule.get('rule', '')}`"
-
-
-def _plain(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (dict, list)) and not value:
-        return "{}" if isinstance(value, dict) else "[]"
-    return str(value)
 
 
 def _cell(text: str) -> str:

@@ -309,7 +309,8 @@ class SchedulingSpec(_Model):
         "How long an attempt's whole gang may take to be running, from the first create of its pods (under Kueue, "
         "from admission): past it, the attempt ends with the waiting pods' reason (Unschedulable, an image pull, a "
         "refused create such as exceeded quota), its pods are deleted and the job fails without counting a restart. "
-        "Each pod's torchrun waits as long for the rendezvous. Default 1200 (20 min: image pulls of a large gang)."))
+        "Each pod's torchrun waits as long for the rendezvous. The default, 20 min, leaves room for a large gang's "
+        "image pulls."))
 
 
 class KeyRef(_Model):
@@ -456,17 +457,27 @@ class Spec(_Model):
         "The trainer image every pod runs (cluster only; a local run uses this checkout)."))
     nodes: int = Field(1, ge=1, le=4096, description="Pods in the gang.")
     procs_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per pod.")
-    parallelism: Parallelism = Field(default_factory=Parallelism)
+    parallelism: Parallelism = Field(default_factory=Parallelism, description=(
+        "The parallel layout: data x tensor x pipeline degrees (their product is nodes x procsPerNode), the ZeRO "
+        "stage and the pipeline schedule."))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "Mixed precision: bf16 or fp16 autocast with fp32 master weights (fp16 with dynamic loss scaling)."))
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    data: DataSpec = Field(default_factory=DataSpec)
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    logging: LoggingSpec = Field(default_factory=LoggingSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    run_policy: RunPolicy = Field(default_factory=RunPolicy)
-    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec, description=(
+        "The model to train: a GPT or Llama shape, from a preset or field by field."))
+    data: DataSpec = Field(default_factory=DataSpec, description=(
+        "What the model trains on: a text file, a token directory from `paratrain prepare`, or synthetic ids."))
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description=(
+        "The optimisation: steps, global batch, learning-rate schedule, AdamW, gradient clipping, evaluation."))
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=(
+        "Where and how often to save; a restarted or re-applied job resumes from the newest complete checkpoint."))
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description=(
+        "Metrics written beside the logs: TensorBoard event files."))
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description=(
+        "What each pod gets: GPUs, CPU, memory, shared memory, other devices."))
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description=(
+        "Restarts, deadlines, suspension and timeouts of the job as a whole."))
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description=(
+        "Where and how the gang is placed: all-or-nothing gang scheduling, node selection, priority, start timeout."))
     pod: PodSpec = Field(default_factory=PodSpec)
     entrypoint: Entrypoint | None = Field(None, description=(
         "Run your own training program instead of the built-in trainer (model, data, training, checkpoint and "

@@ -63,6 +63,8 @@ class Progress(_StatusModel):
     """Training progress reported by rank 0 (read by the operator; pods hold no API credentials)."""
 
     step: int | None = Field(None, ge=0)
+    start_step: int | None = Field(None, ge=0, description=(
+        "The step this run started from (its checkpoint's); equal to totalSteps: nothing was trained."))
     total_steps: int | None = Field(None, ge=0)
     loss: float | None = None
     val_loss: float | None = None
@@ -95,6 +97,9 @@ class JobStatus(_StatusModel):
         "spec.scheduling.startTimeoutSeconds runs from it."))
     completion_time: datetime | None = None
     failure: Failure | None = None
+    last_stop: Failure | None = Field(None, description=(
+        "The latest stop from outside the gang restarted from without counting it (a pod deleted: a drain, a "
+        "preemption, by hand; or exit 76): kept apart from failure, since a stop is not a failure."))
     progress: Progress | None = None
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None

@@ -16,6 +16,7 @@ import sys
 from .. import contract
 from ..api import ParallelTrainJob, SpecError, describe_checkpoints, layout_label, load_job
 from ..api.memory import memory_problem
+from .progress import write_termination_message
 
 log = logging.getLogger("paratrain.train")
 
@@ -57,6 +58,14 @@ def pick_device(job: ParallelTrainJob, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
+def _refuse(exc: Exception) -> int:
+    """A job this rank cannot train (the field and the fix in the message): logged, and the pod's termination
+    message, from which the operator puts it in the job's status and a Warning Event."""
+    log.error("%s", exc)
+    write_termination_message({"error": str(exc)})
+    return contract.EXIT_INVALID_SPEC
+
+
 def train_main(spec_path: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
@@ -67,15 +76,13 @@ def train_main(spec_path: str) -> int:
         if world != job.spec.world_size:
             raise EnvError(f"WORLD_SIZE={world} but the spec's nodes x procsPerNode = {job.spec.world_size}")
     except (SpecError, EnvError) as exc:
-        log.error("%s", exc)
-        return contract.EXIT_INVALID_SPEC
+        return _refuse(exc)
     from .preflight import FabricError
 
     try:
         return _train(job, rank, world, local_rank)
     except ValueError as exc:  # a spec the device or data cannot honour (named in the message)
-        log.error("%s", exc)
-        return contract.EXIT_INVALID_SPEC
+        return _refuse(exc)
     except FabricError as exc:
         log.error("preflight: %s; the gang should restart", exc)
         return contract.EXIT_RETRYABLE

@@ -174,7 +174,7 @@ class Trainer:
                 f"{t.steps} steps, so nothing was trained. To train longer raise spec.training.steps; to start "
                 "afresh move that directory away or give spec.checkpoint.path another one"))
         tokens_per_step = t.batch_size * self.spec.model.block_size
-        self._emit("start", step=r.start_step, totalSteps=t.steps)
+        self._emit("start", step=r.start_step, startStep=r.start_step, totalSteps=t.steps)
         train_time, t_last = 0.0, time.perf_counter()
         for step in range(r.start_step, t.steps):
             t0 = time.perf_counter()

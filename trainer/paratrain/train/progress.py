@@ -59,8 +59,9 @@ class TensorBoardWriter:
 class ProgressReporter:
     def __init__(self, total_steps: int, events_file: str | None = None, host: str | None = None,
                  port: int | None = None, tensorboard: TensorBoardWriter | None = None):
-        self.snapshot: dict = {"phase": "starting", "step": 0, "totalSteps": total_steps, "loss": None,
-                               "valLoss": None, "tokensPerSecond": 0.0, "etaSeconds": None, "updatedAt": _now()}
+        self.snapshot: dict = {"phase": "starting", "step": 0, "startStep": None, "totalSteps": total_steps,
+                               "loss": None, "valLoss": None, "tokensPerSecond": 0.0, "etaSeconds": None,
+                               "updatedAt": _now()}
         self._lock = threading.Lock()
         self._events = open(events_file, "a", buffering=1) if events_file else None
         self._server = _serve(self, host or "0.0.0.0", port) if port else None
@@ -86,12 +87,7 @@ class ProgressReporter:
 
     def close(self) -> None:
         # The final report outlives the process as the pod's termination message (read by the operator).
-        termination_log = os.environ.get(contract.ENV_TERMINATION_LOG)
-        if termination_log:
-            try:
-                Path(termination_log).write_text(json.dumps(self.get()))
-            except OSError as exc:
-                log.warning("cannot write the final progress to %s: %s", termination_log, exc)
+        write_termination_message(self.get())
         if self._server:
             self._server.shutdown()
             self._server.server_close()
@@ -127,3 +123,14 @@ def write_json(path: str, data: dict) -> None:
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def write_termination_message(report: dict) -> None:
+    """`report` as the pod's termination message ($PARATRAIN_TERMINATION_LOG; unset outside a pod), which the
+    operator reads once the pod has exited: the final progress, or {"error": ...} when the trainer refuses the job."""
+    termination_log = os.environ.get(contract.ENV_TERMINATION_LOG)
+    if termination_log:
+        try:
+            Path(termination_log).write_text(json.dumps(report))
+        except OSError as exc:
+            log.warning("cannot write the termination message to %s: %s", termination_log, exc)
