@@ -170,6 +170,16 @@ async def delete_pod(namespace: str, name: str) -> None:
             raise
 
 
+async def force_delete_pod(namespace: str, name: str, uid: str) -> None:
+    """Delete the pod without waiting for its kubelet (grace period 0), only if it is still that pod (uid)."""
+    options = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+    try:
+        await client().request("DELETE", api_path("v1", "pods", namespace, name), body=options)
+    except ApiError as exc:
+        if exc.status not in (404, 409):
+            raise Refused("delete", {"kind": "Pod", "metadata": {"namespace": namespace, "name": name}}, exc) from exc
+
+
 async def delete_object(obj: Mapping[str, Any]) -> None:
     """Delete `obj` (a reference: apiVersion, kind, name, namespace); one already gone is fine."""
     try:

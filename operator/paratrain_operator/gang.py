@@ -13,6 +13,7 @@ the attempt, so creating a pod twice is a harmless 409, never a duplicate.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -37,6 +38,10 @@ _STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a d
 # The status condition that names a create the API server refused (quota, admission, a name still held), as a
 # ReplicaSet's ReplicaFailure does; it goes False once every pod of the attempt exists.
 CREATE_REFUSED = "CreateRefused"
+# The condition naming pods of an earlier attempt stuck terminating, which the next attempt waits for.
+PODS_STUCK = "PodsStuck"
+# How long past its grace period a deleted pod counts as stuck (its kubelet has not confirmed the deletion).
+STUCK_AFTER_SECONDS = float(os.environ.get("PARATRAIN_STUCK_POD_SECONDS", "60"))
 
 
 class Failure(status_model.Failure):
@@ -143,6 +148,7 @@ class GangState:
     start_time: str | None = None
     attempt_start_time: str | None = None  # this attempt's first create: startTimeoutSeconds runs from it
     create_refused: str = ""  # the last refused create of this attempt ("Pod ns/name: the API's message")
+    stuck: str = ""  # pods of an earlier attempt stuck terminating (this pass's finding; not read back)
     completion_time: str | None = None
     failure: Failure | None = None
     last_stop: Failure | None = None  # a stop the gang restarted from (not counted, not a failure)
@@ -207,6 +213,7 @@ class Decision:
     state: GangState
     create_ranks: tuple[int, ...] = ()
     delete_pods: tuple[str, ...] = ()
+    stuck_pods: tuple[str, ...] = ()  # to force-delete if their node is lost, else to report
     delete_job: bool = False
     events: tuple[Event, ...] = field(default_factory=tuple)
 
@@ -265,9 +272,15 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     state = replace(state, gang_created=gang_created, create_refused="" if gang_created else state.create_refused)
     if stale:
         gone = [p.name for p in stale if not p.terminating]
+        stuck = [p for p in stale if _stuck(p, now)]
         phase = RESTARTING if state.phase == RESTARTING else PENDING
         msg = f"waiting for {len(stale)} pod(s) of an earlier attempt to go before starting attempt {state.attempt}"
-        return Decision(replace(state, phase=phase, message=msg), delete_pods=tuple(gone), events=tuple(events))
+        said = ", ".join(f"{p.name} (node {p.node or 'none'}, grace period ended {p.gone_by})" for p in stuck[:8])
+        if stuck:
+            said = f"{len(stuck)} pod(s) stuck terminating: {said}"
+            msg = f"{msg}; {said}"
+        return Decision(replace(state, phase=phase, message=msg, stuck=said), delete_pods=tuple(gone),
+                        stuck_pods=tuple(p.name for p in stuck), events=tuple(events))
 
     missing = tuple(r for r in range(policy.nodes) if r not in current)
     if policy.under_kueue:
@@ -298,6 +311,12 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
     return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+
+
+def _stuck(pod: PodView, now: datetime) -> bool:
+    """Deleted, and still there STUCK_AFTER_SECONDS after its grace period ended (deletionTimestamp)."""
+    gone_by = from_iso(pod.gone_by) if pod.terminating else None
+    return gone_by is not None and now >= gone_by + timedelta(seconds=STUCK_AFTER_SECONDS)
 
 
 def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, message_chars: int = 300) -> str:

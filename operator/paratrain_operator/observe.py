@@ -65,6 +65,8 @@ class PodView:
     queued: bool = False  # Kueue holds it (its admission gate) until the whole gang is admitted
     ip: str | None = None
     termination_message: str | None = None
+    node: str | None = None  # the node it was bound to
+    gone_by: str | None = None  # deletionTimestamp: when a deleted pod's grace period ends
     uid: str = ""
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
 
@@ -116,6 +118,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         queued=queued,
         ip=status.get("podIP"),
         termination_message=term.get("message"),
+        node=(pod.get("spec") or {}).get("nodeName"),
+        gone_by=meta.get("deletionTimestamp"),
         uid=meta.get("uid", ""),
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )
@@ -356,6 +360,21 @@ async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | No
         if exc.status == 404:
             return None
         raise
+
+
+async def node_lost(name: str) -> bool | None:
+    """Whether node `name` is gone or not Ready (its kubelet will not confirm a pod's deletion); None when the
+    operator may not read nodes (a namespaced install without the ClusterRole)."""
+    try:
+        node = await client().request("GET", api_path("v1", "nodes", None, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return True
+        if exc.status == 403:
+            return None
+        raise
+    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+    return ready.get("status") != "True"
 
 
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:

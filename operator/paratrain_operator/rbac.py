@@ -20,6 +20,9 @@ Why each rule:
   PodGroup is one attempt's scheduling instance: the next attempt deletes it (`delete`), so restarts and resumes
   leave one, not one each (all are owned by the job and go with it).
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
+- nodes (get): only for a pod of an old attempt stuck terminating past its grace period: if its node is gone or
+  NotReady (no kubelet will ever confirm the deletion), the pod is force-deleted, as the pod garbage collector
+  does, so the gang's restart can proceed; on a Ready node it is only reported.
 - customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
 - leases (coordination.k8s.io), only in the operator's own namespace (a Role there): leader election among its
   replicas (`--leader-elect`): read, created once, renewed and taken over by update.
@@ -53,6 +56,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # Cluster-scoped reads kopf needs even when the operator serves only some namespaces.
 CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "namespaces", ("list", "watch")),
+    ("", "nodes", ("get",)),
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
 

@@ -209,6 +209,31 @@ async def _pass(body: dict[str, Any]) -> str | None:
     return decision.state.phase
 
 
+async def _release_stuck(body: dict[str, Any], stuck: Sequence[str], views: Sequence[PodView]) -> None:
+    """Pods of an earlier attempt stuck terminating: on a node that is gone or NotReady no kubelet will confirm the
+    deletion, so they are force-deleted (as the pod garbage collector does) and the restart proceeds; on a Ready
+    node (or where nodes cannot be read) the kubelet may still be stopping the containers, and a second copy of a
+    rank must never run beside them: they are reported and waited for."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    by_name = {p.name: p for p in views}
+    for name in stuck:
+        pod = by_name[name]
+        lost = await observe.node_lost(pod.node) if pod.node else True  # never bound: no kubelet holds it
+        where = f"node {pod.node}" if pod.node else "no node"
+        if lost:
+            expectations.deleted(key, name, pod.uid)
+            await apply.force_delete_pod(meta["namespace"], name, pod.uid)
+            message = (f"pod {name} was stuck terminating past its grace period (ended {pod.gone_by}) on {where}, "
+                       "which is gone or NotReady: force-deleted so that the gang can restart")
+            await apply.post_event(body, gang.Event("Warning", "ForceDeleted", message))
+        else:
+            why = "Ready" if lost is False else "of unknown state (the operator may not read nodes)"
+            message = (f"pod {name} is stuck terminating past its grace period (ended {pod.gone_by}) on {where}, "
+                       f"which is {why}: waiting for its kubelet; the gang restarts once it is gone")
+            await apply.post_event(body, gang.Event("Warning", "PodStuck", message))
+
+
 def _names(names: Sequence[str], shown: int = 8) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
@@ -349,6 +374,8 @@ async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[
             raise
         log.info("%s/%s: deleting %d pods: %s", namespace, name, len(decision.delete_pods),
                  _names(decision.delete_pods))
+    if decision.stuck_pods:
+        await _release_stuck(body, decision.stuck_pods, views)
     if decision.delete_job:
         log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
         await apply.delete_job(namespace, name, meta["uid"])

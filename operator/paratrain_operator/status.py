@@ -173,6 +173,11 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
             conditions = set_condition(conditions, type_, True, state.reason or type_, state.message, now)
         elif type_ in present:
             conditions = set_condition(conditions, type_, False, out["phase"], f"the job is {out['phase']}", now)
+    if state.stuck:
+        conditions = set_condition(conditions, gang.PODS_STUCK, True, "TerminatingPastGracePeriod", state.stuck, now)
+    elif gang.PODS_STUCK in present:
+        conditions = set_condition(conditions, gang.PODS_STUCK, False, "NoneStuck", "no pod is stuck terminating",
+                                   now)
     if state.create_refused:
         conditions = set_condition(conditions, gang.CREATE_REFUSED, True, "FailedCreate", state.create_refused, now)
     elif gang.CREATE_REFUSED in present:

@@ -339,3 +339,17 @@ def test_a_refusing_trainers_words_become_the_failure_message(said, shown):
         assert failure.message.endswith(f"(the trainer rejected the spec): {shown}")
     else:
         assert failure.message.endswith("(the trainer rejected the spec)")
+
+
+# --- pods of an earlier attempt stuck terminating -----------------------------------------------------------------
+def test_a_pod_terminating_past_its_grace_period_and_the_margin_is_named_as_stuck():
+    restarting = GangState(phase="Restarting", attempt=1, restarts=1)
+    recent = to_iso(NOW - timedelta(seconds=gang.STUCK_AFTER_SECONDS - 1))
+    ended = to_iso(NOW - timedelta(seconds=gang.STUCK_AFTER_SECONDS + 1))
+    waiting = decide([pod(0, terminating=True, gone_by=recent, node="n1")], restarting)
+    assert waiting.stuck_pods == () and waiting.state.stuck == ""  # still within its grace period and margin
+    decision = decide([pod(0, terminating=True, gone_by=ended, node="n1"), pod(1, terminating=True, gone_by=recent)],
+                      restarting)
+    assert decision.stuck_pods == ("job-0-0",) and not decision.create_ranks
+    assert "1 pod(s) stuck terminating: job-0-0 (node n1" in decision.state.message
+    assert decision.state.stuck in decision.state.message

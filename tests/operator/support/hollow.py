@@ -34,6 +34,7 @@ class HollowNodes:
         self.add(count)
         self._started: set[str] = set()  # uids reported Running
         self._removed: set[str] = set()
+        self._held: set[str] = set()  # nodes whose kubelet no longer answers (hold, lose)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hollow-kubelet")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hollow-nodes", daemon=True)
@@ -65,6 +66,23 @@ class HollowNodes:
                                          "imageID": "", "state": {"terminated": terminated}} for c in containers]}
         self.api.must(self.api.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}/status",
                                        {"status": status}, content_type=MERGE_PATCH))
+
+    def hold(self, node: str) -> None:
+        """The node's kubelet stops acting (a hung kubelet): its pods' deletions are never confirmed."""
+        self._held.add(node)
+
+    def lose(self, node: str) -> None:
+        """The node is lost: its kubelet silent (hold) and the node NotReady and tainted unreachable, as the node
+        lifecycle controller marks it (this control plane runs none)."""
+        self.hold(node)
+        self.api.must(self.api.request("PATCH", f"/api/v1/nodes/{node}", {"spec": {"taints": [
+            {"key": HOLLOW, "value": "true", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}]}}, content_type=MERGE_PATCH))
+        condition = {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                     "message": "Kubelet stopped posting node status.", "lastTransitionTime": _now()}
+        self.api.must(self.api.request("PATCH", f"/api/v1/nodes/{node}/status",
+                                       {"status": {"conditions": [condition]}},
+                                       content_type="application/strategic-merge-patch+json"))
 
     def close(self) -> None:
         self._stop.set()
@@ -101,7 +119,7 @@ class HollowNodes:
 
     def _seen(self, pod: dict[str, Any]) -> None:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        if spec.get("nodeName") not in self._mine:
+        if spec.get("nodeName") not in self._mine or spec.get("nodeName") in self._held:
             return
         uid, where = meta["uid"], f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         if meta.get("deletionTimestamp"):

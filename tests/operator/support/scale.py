@@ -46,14 +46,15 @@ class Start:
 
 class ScaleRig:
     def __init__(self, plane: ControlPlane, workdir: Path, nodes: int, *, resync_seconds: float = 10,
-                 operator_args: tuple[str, ...] = (), node_capacity: dict[str, str] | None = None):
+                 operator_args: tuple[str, ...] = (), node_capacity: dict[str, str] | None = None,
+                 operator_env: dict[str, str] | None = None):
         self.plane, self.api, self.workdir = plane, plane.api, workdir
         install_crd(plane)
         self.proxy = FaultProxy(plane.kubeconfig)
         self.hollow = HollowNodes(plane.api, nodes, capacity=node_capacity,
                                   prefix="hollow-" + re.sub(r"[^a-z0-9]+", "-", workdir.name.lower()).strip("-"))
         self.log = workdir / "operator.log"
-        self.resync_seconds = resync_seconds
+        self.resync_seconds, self.operator_env = resync_seconds, operator_env or {}
         self.operator: OperatorProcess | None = None
         self.start_operator(operator_args)
 
@@ -63,7 +64,7 @@ class ScaleRig:
         kubeconfig = operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig", server=self.proxy.url)
         # The default pods watch (5 min) as in a cluster, not the live tests' 5 s.
         self.operator = OperatorProcess(kubeconfig, self.log, self.resync_seconds, args,
-                                        env={"PARATRAIN_WATCH_SECONDS": "300"})
+                                        env={"PARATRAIN_WATCH_SECONDS": "300", **self.operator_env})
         self.operator.start()
 
     def close(self) -> None:
