@@ -53,7 +53,9 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("scheduling.volcano.sh", "podgroups", ("get", "create")),
     ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
 )
-# Cluster-scoped reads kopf needs even when the operator serves only some namespaces.
+# Cluster-scoped reads: kopf's (namespaces, CRDs) even when the operator serves only some namespaces, and one
+# node at a time to tell a lost node from a slow kubelet (a stuck pod). A namespaced install goes without them;
+# a stuck pod is then only reported, never force-deleted.
 CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "namespaces", ("list", "watch")),
     ("", "nodes", ("get",)),
