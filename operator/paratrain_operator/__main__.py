@@ -43,15 +43,17 @@ async def stand_by(args: argparse.Namespace) -> None:
     runner = aiohttp.web.AppRunner(app, access_log=None)
     await runner.setup()
     await aiohttp.web.TCPSite(runner, url.hostname, url.port or 80).start()
-    kube.connect(kube.Kube.from_environment(args.qps, args.burst))
+    # The Lease's own client: no rate limit (one request every 2 s), connections of its own. Its session belongs
+    # to this loop; kopf's loop opens another on the first renewal.
+    lease_api = kube.Kube.from_environment(qps=0)
     try:
-        leader.elector = leader.Elector(args.lease_namespace or own_namespace(), args.lease_name,
+        leader.elector = leader.Elector(lease_api, args.lease_namespace or own_namespace(), args.lease_name,
                                         lease_seconds=args.lease_seconds,
                                         renew_deadline=args.lease_seconds * 0.7,
                                         retry_seconds=min(2.0, args.lease_seconds / 5))
         await leader.elector.acquire()
     finally:
-        await kube.client().close()
+        await lease_api.close()
         await runner.cleanup()
 
 

@@ -86,12 +86,16 @@ async def _keep_lease(elector: leader.Elector, logger: logging.Logger) -> None:
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    """Stop every pass and write first (kopf's handlers are done by now; ours are cancelled and awaited, and the
+    API client refuses any later request), then release the Lease: the standby may act the moment it is free."""
     for task in _tasks:
         task.cancel()
-    if leader.elector is not None:
-        await leader.elector.release()  # the standby takes over at once
-    await kube.client().close()
+    await asyncio.gather(*_tasks, return_exceptions=True)
+    await kube.client().stop()
     await observe.close()
+    if leader.elector is not None:
+        await leader.elector.release()
+        await leader.elector.api.close()
 
 
 async def _reconcile(namespace: str, name: str, body: Mapping[str, Any]) -> None:

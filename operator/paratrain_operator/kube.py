@@ -81,6 +81,7 @@ class Kube:
         self._watch_session: aiohttp.ClientSession | None = None
         self._ssl_context: ssl.SSLContext | bool | None = None
         self.limiter = RateLimiter(qps, burst)
+        self.stopped = False
 
     @classmethod
     def from_environment(cls, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST) -> Kube:
@@ -126,12 +127,14 @@ class Kube:
                 await session.close()
         self._session = self._watch_session = None
 
+    async def stop(self) -> None:
+        """Close, and refuse every later request (an operator handing its Lease over must not write again)."""
+        self.stopped = True
+        await self.close()
+
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
                       content_type: str | None = None) -> Any:
         """One API call, retried in place on transient errors; raises ApiError (with the server's reason)."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5),
-                                                  connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
         if body is not None and content_type is None:
             content_type = "application/json"
         for delay in (*RETRY_DELAYS, None):
@@ -139,14 +142,18 @@ class Kube:
                 await self.limiter.acquire()
                 return await self._once(method, path, body, params, content_type)
             except ApiError as exc:
-                if not exc.transient or delay is None:
+                if not exc.transient or delay is None or self.stopped:
                     raise
                 await asyncio.sleep(min(max(delay, exc.retry_after or 0), MAX_RETRY_AFTER))
         raise AssertionError("unreachable")
 
     async def _once(self, method: str, path: str, body: Any, params: Mapping[str, str] | None,
                     content_type: str | None) -> Any:
-        assert self._session is not None
+        if self.stopped:  # checked after every wait: not even a retry goes out after stop()
+            raise ApiError(0, "Stopped", f"{method} {path}: the operator is stopping")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5),
+                                                  connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
         url = self._config.host.rstrip("/") + path
         try:
             async with self._session.request(method, url, json=body, params=params, ssl=self._ssl(),

@@ -1,16 +1,19 @@
 """Leader election on a `coordination.k8s.io/v1` Lease, as client-go's leaderelection does it: of the operator's
 replicas exactly one acts; the others stand by and take over when its lease runs out.
 
-- The holder renews the Lease every `retry_seconds`; one that cannot renew for `renew_deadline` seconds exits at
-  once (`python -m paratrain_operator` ends the process): an operator that might have lost its lease must stop
+- The holder renews the Lease every `retry_seconds`. It gives up `renew_deadline` seconds after its last successful
+  renewal was sent, however long a try hangs (each try is cut at the deadline), or at once when it finds another
+  holder; `python -m paratrain_operator` then ends the process: an operator that might have lost its lease must stop
   acting before another one starts.
+- The Lease has an API client of its own (own connections, no rate limiter): a renewal never waits behind the
+  operator's pod writes.
 - A standby tries every `retry_seconds`. It takes the Lease once it has seen the same record (holder, renewTime)
   unchanged for `leaseDurationSeconds` by its own clock (clocks of different nodes are never compared), or at once
   when the holder released it (a graceful shutdown, e.g. a rolling update).
 - Every write is conditional on the Lease's resourceVersion: two standbys racing for it cannot both win.
 
 With the defaults (lease 10 s, renew deadline 7 s, retry 2 s), a standby acts within about 12 s of the holder's
-last renewal; the holder has given up by then (7 s < 10 s).
+last renewal, and no sooner than 10 s after it; the holder has given up 7 s after it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from .kube import ApiError, api_path, client
+from .kube import ApiError, Kube, api_path
 
 log = logging.getLogger("paratrain.operator")
 LEASES = "coordination.k8s.io/v1"
@@ -39,14 +42,15 @@ def micro_time() -> str:
 
 
 class Elector:
-    def __init__(self, namespace: str, name: str, identity: str | None = None, *, lease_seconds: float = 10,
-                 renew_deadline: float = 7, retry_seconds: float = 2):
+    def __init__(self, api: Kube, namespace: str, name: str, identity: str | None = None, *,
+                 lease_seconds: float = 10, renew_deadline: float = 7, retry_seconds: float = 2):
         assert renew_deadline < lease_seconds, "the holder must give up before a standby may take over"
-        self.namespace, self.name = namespace, name
+        self.api, self.namespace, self.name = api, namespace, name
         self.identity = identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
         self.lease_seconds, self.renew_deadline, self.retry_seconds = lease_seconds, renew_deadline, retry_seconds
         self._seen: tuple[Any, ...] | None = None  # the last record seen, and when (our clock)
         self._seen_at = 0.0
+        self._renewed_at = 0.0  # when the last successful write was sent (our clock)
         self.leading = False
 
     @property
@@ -64,28 +68,40 @@ class Elector:
         log.info("leading: acquired Lease %s/%s as %s", self.namespace, self.name, self.identity)
 
     async def keep(self) -> None:
-        """Renew the Lease until cancelled; raises LostLease when a renewal does not succeed in time."""
+        """Renew the Lease until cancelled; raises LostLease when no renewal succeeds within the renew deadline of
+        the last one, or another replica holds it."""
         while True:
             await asyncio.sleep(self.retry_seconds)
-            deadline = time.monotonic() + self.renew_deadline
-            while not await self._try():
-                if time.monotonic() + self.retry_seconds > deadline:
-                    self.leading = False
-                    raise LostLease(f"could not renew Lease {self.namespace}/{self.name} for "
-                                    f"{self.renew_deadline:.0f}s")
-                await asyncio.sleep(self.retry_seconds)
+            while True:
+                left = self._renewed_at + self.renew_deadline - time.monotonic()
+                try:
+                    if left > 0 and await asyncio.wait_for(self._try(), left):
+                        break
+                except asyncio.TimeoutError:
+                    pass
+                holder = self._seen[0] if self._seen else ""
+                if holder not in ("", self.identity):
+                    self._lose(f"Lease {self.namespace}/{self.name} is held by {holder}")
+                if time.monotonic() >= self._renewed_at + self.renew_deadline:
+                    self._lose(f"could not renew Lease {self.namespace}/{self.name} within "
+                               f"{self.renew_deadline:g}s of the last renewal")
+                await asyncio.sleep(min(self.retry_seconds, max(0.0, left)))
+
+    def _lose(self, why: str) -> None:
+        self.leading = False
+        raise LostLease(why)
 
     async def release(self) -> None:
         """Give the Lease up (a graceful stop): a standby takes over at once instead of after it expires."""
         if not self.leading:
             return
         try:
-            lease = await client().request("GET", self.path)
+            lease = await self.api.request("GET", self.path)
             if (lease.get("spec") or {}).get("holderIdentity") == self.identity:
                 now = micro_time()
                 lease["spec"] = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
                                  "acquireTime": now, "renewTime": now}
-                await client().request("PUT", self.path, body=lease)
+                await self.api.request("PUT", self.path, body=lease)
             log.info("released Lease %s/%s", self.namespace, self.name)
         except ApiError as exc:
             log.warning("could not release Lease %s/%s (it expires by itself): %s", self.namespace, self.name, exc)
@@ -93,14 +109,14 @@ class Elector:
 
     async def _try(self) -> bool:
         """One try to acquire or renew; True when this replica holds the Lease now."""
-        now = micro_time()
+        now, sent = micro_time(), time.monotonic()
         try:
-            lease = await client().request("GET", self.path)
+            lease = await self.api.request("GET", self.path)
         except ApiError as exc:
             if exc.status != 404:
                 log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)
                 return False
-            return await self._write("POST", {"apiVersion": LEASES, "kind": "Lease",
+            return await self._write(sent, "POST", {"apiVersion": LEASES, "kind": "Lease",
                                               "metadata": {"name": self.name, "namespace": self.namespace},
                                               "spec": self._spec(now, now, 0)})
         spec = lease.get("spec") or {}
@@ -114,16 +130,17 @@ class Elector:
         transitions = int(spec.get("leaseTransitions") or 0)
         acquired = spec.get("acquireTime") if holder == self.identity else now
         lease["spec"] = self._spec(acquired or now, now, transitions if holder == self.identity else transitions + 1)
-        return await self._write("PUT", lease)
+        return await self._write(sent, "PUT", lease)
 
     def _spec(self, acquired: str, renewed: str, transitions: int) -> dict[str, Any]:
         return {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.lease_seconds),
                 "acquireTime": acquired, "renewTime": renewed, "leaseTransitions": transitions}
 
-    async def _write(self, method: str, lease: dict[str, Any]) -> bool:
+    async def _write(self, sent: float, method: str, lease: dict[str, Any]) -> bool:
+        """Write the Lease; `sent` is when this try began, the earliest the server can have seen it renewed."""
         path = api_path(LEASES, "leases", self.namespace, None if method == "POST" else self.name)
         try:
-            written = await client().request(method, path, body=lease)
+            written = await self.api.request(method, path, body=lease)
         except ApiError as exc:
             if exc.status not in (409, 422):  # 409: another replica wrote first (it holds the Lease now)
                 log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)
@@ -131,6 +148,7 @@ class Elector:
         spec = written.get("spec") or {}
         self._seen = (spec.get("holderIdentity") or "", spec.get("renewTime"), spec.get("leaseTransitions"))
         self._seen_at = time.monotonic()
+        self._renewed_at = sent
         self.leading = True
         return True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,8 +19,11 @@ class LeaseStore:
         self.lease: dict[str, Any] | None = None
         self.version = 0
         self.down = False
+        self.hang = False  # requests never answer (a proxy or connection that holds them)
 
     async def request(self, method: str, path: str, *, body: Any = None, **_: Any) -> Any:
+        while self.hang:
+            await asyncio.sleep(0.01)
         if self.down:
             raise kube.ApiError(503, "Unavailable", "the API server is down")
         if method == "GET":
@@ -36,20 +40,18 @@ class LeaseStore:
 
 
 @pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> LeaseStore:
-    s = LeaseStore()
-    monkeypatch.setattr(kube, "_client", s)
-    return s
+def store() -> LeaseStore:
+    return LeaseStore()
 
 
-def elector(identity: str, lease_seconds: float = 0.5) -> leader.Elector:
-    return leader.Elector("ops", "lease", identity, lease_seconds=lease_seconds, renew_deadline=lease_seconds * 0.7,
-                          retry_seconds=0.05)
+def elector(store: LeaseStore, identity: str, lease_seconds: float = 0.5) -> leader.Elector:
+    return leader.Elector(store, "ops", "lease", identity, lease_seconds=lease_seconds,  # type: ignore[arg-type]
+                          renew_deadline=lease_seconds * 0.7, retry_seconds=0.05)
 
 
 def test_one_replica_leads_and_the_other_takes_over_only_once_the_lease_runs_out(store: LeaseStore):
     async def main() -> None:
-        a, b = elector("a"), elector("b")
+        a, b = elector(store, "a"), elector(store, "b")
         assert await a._try() and not await b._try()  # a creates the Lease; b sees it held
         assert await a._try() and not await b._try()  # a renews; b keeps seeing a fresh record
         await asyncio.sleep(0.6)  # a stops renewing: the record b saw stands unrenewed for the lease's duration
@@ -61,7 +63,7 @@ def test_one_replica_leads_and_the_other_takes_over_only_once_the_lease_runs_out
 
 def test_a_released_lease_is_taken_at_once(store: LeaseStore):
     async def main() -> None:
-        a, b = elector("a", lease_seconds=60), elector("b", lease_seconds=60)
+        a, b = elector(store, "a", lease_seconds=60), elector(store, "b", lease_seconds=60)
         await a.acquire()
         assert not await b._try()
         await a.release()
@@ -71,7 +73,7 @@ def test_a_released_lease_is_taken_at_once(store: LeaseStore):
 
 def test_two_standbys_racing_for_an_expired_lease_cannot_both_win(store: LeaseStore):
     async def main() -> None:
-        a, b, c = elector("a"), elector("b"), elector("c")
+        a, b, c = elector(store, "a"), elector(store, "b"), elector(store, "c")
         await a.acquire()
         assert not await b._try() and not await c._try()
         await asyncio.sleep(0.6)
@@ -83,7 +85,7 @@ def test_two_standbys_racing_for_an_expired_lease_cannot_both_win(store: LeaseSt
 
 def test_a_leader_that_cannot_renew_in_time_gives_up_before_its_lease_ends(store: LeaseStore):
     async def main() -> float:
-        a = elector("a")
+        a = elector(store, "a")
         await a.acquire()
         store.down = True
         start = asyncio.get_running_loop().time()
@@ -93,3 +95,77 @@ def test_a_leader_that_cannot_renew_in_time_gives_up_before_its_lease_ends(store
     elapsed = asyncio.run(main())
     # It stops within its renew deadline (0.35 s after its last renewal, plus one retry) < the lease (0.5 s).
     assert elapsed < 0.5
+
+
+def test_a_renewal_that_hangs_is_cut_at_the_renew_deadline(store: LeaseStore):
+    """A try that never answers (a held connection, an API server that accepts and stalls) must not keep the
+    holder acting past its renew deadline: a standby takes over once the lease runs out."""
+    async def main() -> float:
+        a = elector(store, "a")
+        await a.acquire()
+        renewed = asyncio.get_running_loop().time()
+        store.hang = True
+        with pytest.raises(leader.LostLease, match="within 0.35s of the last renewal"):
+            await a.keep()
+        assert not a.leading
+        return asyncio.get_running_loop().time() - renewed
+    elapsed = asyncio.run(main())
+    assert 0.3 <= elapsed < 0.5  # the renew deadline (0.35 s) from the last renewal, before the lease (0.5 s) ends
+
+
+def test_a_leader_that_finds_another_holder_stops_at_once(store: LeaseStore):
+    async def main() -> float:
+        a, b = elector(store, "a", lease_seconds=60), elector(store, "b", lease_seconds=60)
+        await a.acquire()
+        spec = store.lease["spec"]  # b saw this record long ago, by its clock: a's lease ran out (a paused holder)
+        b._seen, b._seen_at = (spec["holderIdentity"], spec["renewTime"], spec["leaseTransitions"]), -1e9
+        assert await b._try()
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(leader.LostLease, match="held by b"):
+            await a.keep()
+        return asyncio.get_running_loop().time() - start
+    assert asyncio.run(main()) < 1  # not the 42 s renew deadline
+
+
+def test_a_stopped_client_refuses_every_request_at_once():
+    api = kube.Kube(SimpleNamespace(host="http://127.0.0.1:9"))  # nothing listens there: no request may go out
+
+    async def main() -> kube.ApiError:
+        await api.stop()
+        with pytest.raises(kube.ApiError, match="Stopped") as refused:
+            await asyncio.wait_for(api.request("PATCH", "/api/v1/namespaces/a/pods/b", body={}), 0.3)  # no retries
+        return refused.value
+    assert asyncio.run(main()).status == 0
+
+
+def test_a_graceful_stop_ends_passes_and_writes_before_it_releases_the_lease(monkeypatch: pytest.MonkeyPatch):
+    """A standby may act the instant the Lease is released: by then no pass of this replica may still run."""
+    from paratrain_operator import handlers
+
+    order: list[str] = []
+
+    class Client:
+        async def stop(self) -> None:
+            order.append("client stopped")
+
+    class Lease:
+        api = SimpleNamespace(close=lambda: asyncio.sleep(0))
+
+        async def release(self) -> None:
+            order.append("lease released")
+
+    async def a_pass() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.05)  # a pass winding down (its last await)
+            order.append("pass ended")
+
+    async def main() -> None:
+        monkeypatch.setattr(kube, "_client", Client())
+        monkeypatch.setattr(leader, "elector", Lease())
+        monkeypatch.setattr(handlers, "_tasks", [asyncio.get_running_loop().create_task(a_pass())])
+        await asyncio.sleep(0)
+        await handlers.close()
+    asyncio.run(main())
+    assert order == ["pass ended", "client stopped", "lease released"]
