@@ -13,7 +13,9 @@ Scenarios:
 - the same 256-pod start with `--write-concurrency 1` (one create at a time, as before issue 14) and with
   `gang: kubernetes` (Workload + PodGroup; the scheduler binds the gang whole);
 - restart: one pod of the running 256-pod gang fails: time to the whole new gang created, and the passes after;
-- steady: finished and running 1-pod jobs, left alone for a minute: requests per job per minute, operator RSS.
+- steady: finished and running 1-pod jobs, left alone for a minute: requests per job per minute, operator RSS;
+- history: 10,000 pods of earlier jobs kept in the cluster, then a relist of them all (the watch's history
+  expired): pages, time, the largest request, the operator's memory per cached pod and its peak.
 
 Writes bench/results/operator_scale.json, bench/results/operator_scale.png and its section of docs/benchmarks.md.
 """
@@ -21,6 +23,7 @@ Writes bench/results/operator_scale.json, bench/results/operator_scale.png and i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import platform
 import sys
@@ -38,6 +41,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from doc_section import write_section  # noqa: E402
 
+from paratrain import contract  # noqa: E402
+from tests.operator.support.cluster import http  # noqa: E402
+from tests.operator.support.real_cluster import resource_path  # noqa: E402
 from tests.operator.support.scale import ScaleRig, Start  # noqa: E402
 from tests.support.control_plane import ControlPlane, wait_for  # noqa: E402
 
@@ -88,6 +94,70 @@ def steady(rig: ScaleRig, finished: int, running: int, window: float) -> dict[st
             "requests_in_window": len(seen), "operator_rss_mib": round(rss / 1024, 1)}
 
 
+def history(rig: ScaleRig, count: int, template_namespace: str) -> dict[str, Any]:
+    """`count` pods of earlier jobs kept in the cluster (a copy of a real gang pod each, never scheduled), then the
+    pods watch's history expired: the operator lists them all again. Relist time, pages, the largest request,
+    memory per cached pod and the relist's peak, beside one unpaged LIST of the same pods (made here)."""
+    assert rig.operator and rig.operator.process
+    pid = rig.operator.process.pid
+    namespace = rig.plane.create_namespace("history")
+    template = rig.pods(template_namespace)[0]
+    template["metadata"] = {"labels": template["metadata"]["labels"]}
+    template["spec"] = {**template["spec"], "schedulerName": "paratrain-history"}  # no scheduler: never placed
+    template["spec"].pop("nodeName", None)
+    template.pop("status", None)
+    cached_before, rss_before = _cached(rig), _proc_kib(pid, "VmRSS")
+
+    def create(i: int) -> None:
+        job = f"old-{i // 256}"
+        pod = {**template, "metadata": {"name": f"{job}-0-{i % 256}",
+                                        "labels": {**template["metadata"]["labels"], contract.LABEL_JOB: job}}}
+        rig.api.must(rig.api.request("POST", resource_path("v1/pods", namespace), pod))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(create, range(count)))
+    wait_for(lambda: _cached(rig) >= cached_before + count, 600, f"{count} more pods cached", interval=1)
+    rss_cached = _proc_kib(pid, "VmRSS")
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM from here: the relist's peak
+    mark = len(rig.proxy.log)
+    rig.proxy.drop_watches("v1/pods", expire_history=True)
+    lists = wait_for(lambda: _relist(rig.proxy.log[mark:]), 300, "the relist", interval=0.2)
+    began = time.monotonic()
+    unpaged = rig.api.must(rig.api.get("/api/v1/pods", labelSelector=contract.LABEL_JOB))
+    unpaged_seconds = time.monotonic() - began
+    return {"pods": count, "cached_pods": _cached(rig), "pages": len(lists),
+            "relist_seconds": round(lists[-1][5] - lists[0][4], 2),
+            "largest_request_seconds": round(max(r[5] - r[4] for r in lists), 2),
+            "largest_request_bytes": max(r[3] for r in lists), "relist_bytes": sum(r[3] for r in lists),
+            "unpaged_list_seconds": round(unpaged_seconds, 2), "unpaged_list_bytes": len(json.dumps(unpaged, separators=(",", ":"))),
+            "rss_mib_before": round(rss_before / 1024, 1), "rss_mib_cached": round(rss_cached / 1024, 1),
+            "kib_per_cached_pod": round((rss_cached - rss_before) / count, 2),
+            "relist_peak_rss_mib": round(_proc_kib(pid, "VmHWM") / 1024, 1)}
+
+
+def _relist(entries: list[list[Any]]) -> list[list[Any]] | None:
+    """The pages of the first pods LIST in `entries`, once the watch that follows it has opened (the list is done)."""
+    pages: list[list[Any]] = []
+    for entry in entries:
+        if entry[0] == "GET" and entry[1].split("?")[0] == "/api/v1/pods":
+            if "watch=true" not in entry[1]:
+                pages.append(entry)
+            elif pages:
+                return pages
+    return None
+
+
+def _cached(rig: ScaleRig) -> int:
+    """The operator's own count of cached pods (its liveness probe's answer)."""
+    assert rig.operator
+    body = http(f"http://127.0.0.1:{rig.operator.health_port}/healthz") or "{}"
+    return int((json.loads(body).get("pods") or {}).get("cachedPods", 0))
+
+
+def _proc_kib(pid: int, field: str) -> int:
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith(f"{field}:"))
+
+
 def _job_of(path: str) -> str:
     """The job a request is about: /…/paralleltrainjobs/NAME[/status], or the job's pod (NAME-ATTEMPT-RANK)."""
     parts = path.split("?")[0].split("/")
@@ -119,6 +189,8 @@ def main() -> None:
     parser.add_argument("--steady-finished", type=int, default=200)
     parser.add_argument("--steady-running", type=int, default=50)
     parser.add_argument("--steady-window", type=float, default=60)
+    parser.add_argument("--history-pods", type=int, default=10_000,
+                        help="pods of earlier jobs kept in the cluster, then relisted (0: skip)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator_scale.json"))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -157,6 +229,9 @@ def run(plane: ControlPlane, workdir: Path, sizes: list[int], args: argparse.Nam
                                                     / concurrent.seconds_to_all_created, 2)
         results["steady"] = steady(rig, args.steady_finished, args.steady_running, args.steady_window)
         print(f"steady: {results['steady']}", flush=True)
+        if args.history_pods:
+            results["history"] = history(rig, args.history_pods, f"start-{max(sizes)}")
+            print(f"history: {results['history']}", flush=True)
     finally:
         rig.close()
     out = Path(args.out)
@@ -193,6 +268,17 @@ def table(r: dict[str, Any]) -> list[str]:
               f"{s['window_seconds']:.0f} s: {s['requests_per_finished_job_per_minute']} requests per finished job "
               f"per minute, {s['requests_per_running_job_per_minute']} per running job (progress reads are HTTP to "
               f"the pod, not API requests); operator RSS {s['operator_rss_mib']} MiB."]
+    if "history" in r:
+        h = r["history"]
+        lines += ["", f"History: {h['pods']:,} pods of earlier jobs kept in the cluster (copies of a real gang pod), "
+                  f"then the pods watch's history expired. The relist: {h['pages']} pages of at most 500 pods in "
+                  f"{h['relist_seconds']:.2f} s ({h['relist_bytes'] / 2**20:.0f} MiB); its largest request took "
+                  f"{h['largest_request_seconds']:.2f} s for {h['largest_request_bytes'] / 2**20:.1f} MiB, where one "
+                  f"unpaged LIST of the same pods (as before) takes {h['unpaged_list_seconds']:.2f} s for "
+                  f"{h['unpaged_list_bytes'] / 2**20:.0f} MiB against the client's 30 s timeout. Operator RSS "
+                  f"{h['rss_mib_before']} MiB before them, {h['rss_mib_cached']} MiB with {h['cached_pods']:,} pods "
+                  f"cached ({h['kib_per_cached_pod']} KiB a pod), peak during the relist "
+                  f"{h['relist_peak_rss_mib']} MiB (the chart's limit: 512 MiB)."]
     return lines
 
 

@@ -5,7 +5,8 @@
   start costs the pod events once, not a LIST per event. A watch that ends resumes from its last
   resourceVersion; one refused with 410 Gone (history moved on) lists again and replaces the cache, so pods that
   went meanwhile go from it too; a stream silent for a minute (or `watch_seconds`, if shorter) is cut and
-  resumed.
+  resumed. Lists are paged (LIST_PAGE pods a request). A pass waits for its own namespace's first list only, and a
+  namespace the operator may not list (403) is reported and skipped: its jobs wait, every other job goes on.
 - `Expectations`: the creates and deletes this operator made whose watch events the cache has not shown yet
   (after `pkg/controller`'s ControllerExpectations). While any is outstanding, a pass does not decide: the cache
   might still show the old gang running, or miss the pods just created.
@@ -40,6 +41,9 @@ SILENCE_SECONDS = 60.0
 # A scope whose list or watch keeps failing this long makes the liveness probe fail: the pod restarts and lists
 # afresh, and the failure shows as restarts, not as jobs quietly waiting on a cache that no longer moves.
 UNHEALTHY_AFTER = 300.0
+# Pods per LIST page (client-go's informers page by 500 too): a relist of 10,000 pods is 20 short requests, none
+# near the client's timeout, and only one page is held as raw JSON at a time.
+LIST_PAGE = 500
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 PROGRESS_MIN_INTERVAL = 1.0  # seconds between two reads of one host
@@ -78,6 +82,16 @@ class PodView:
     def active(self) -> bool:
         """Still (about to be) running a program, and nobody asked it to stop."""
         return not self.done and not self.terminating
+
+
+# A listed pod as the cache keeps it: (namespace, name), its job label, and its view (None when it has no job).
+ListedPod = tuple[tuple[str, str], "str | None", "PodView | None"]
+
+
+def listed_pod(pod: Mapping[str, Any]) -> ListedPod:
+    meta = pod["metadata"]
+    job = (meta.get("labels") or {}).get(contract.LABEL_JOB)
+    return (meta["namespace"], meta["name"]), job, pod_view(pod) if job else None
 
 
 def as_int(value: Any, default: int) -> int:
@@ -143,8 +157,9 @@ class PodCache:
         self._changed, self.watch_seconds = changed, watch_seconds
         self._jobs: dict[JobKey, dict[str, PodView]] = {}
         self._job_of: dict[tuple[str, str], str] = {}  # (namespace, pod) → its job
-        self._synced: set[str | None] = set()
-        self.ready = asyncio.Event()  # every scope listed once
+        # Set once a scope has been listed, or refused (403): a pass waits for its own namespace's scope only.
+        self._settled: dict[str | None, asyncio.Event] = {scope: asyncio.Event() for scope in self.scopes}
+        self._refused: dict[str | None, str] = {}  # scope → why the operator may not list its pods
         self._failing_since: dict[str | None, float] = {}  # scope → when its list or watch began to fail
         self._last_error = ""
         self.stopped = False
@@ -156,6 +171,16 @@ class PodCache:
 
     def __len__(self) -> int:
         return len(self._job_of)
+
+    async def listed(self, namespace: str) -> str | None:
+        """Wait until the cache holds the pods of `namespace` (its scope listed once). Returns why it never will
+        instead, when the operator may not list them: a pass must not act on an empty cache there."""
+        scope = None if self.scopes == [None] else namespace
+        settled = self._settled.get(scope)
+        if settled is None:
+            return f"the operator does not watch pods in namespace {namespace} (it serves {', '.join(self.scopes)})"
+        await settled.wait()
+        return self._refused.get(scope)
 
     async def run(self) -> None:
         """Keep every scope's informer going (until cancelled)."""
@@ -170,8 +195,9 @@ class PodCache:
         now = time.monotonic() if now is None else now
         if self.stopped:
             return "the pods informer has stopped"
+        # A refused scope is reported (log, its jobs' Events) but not a liveness failure: a restart cannot grant RBAC.
         failing = sorted((since, scope or "all namespaces") for scope, since in self._failing_since.items()
-                         if now - since >= UNHEALTHY_AFTER)
+                         if now - since >= UNHEALTHY_AFTER and scope not in self._refused)
         if failing:
             since, scope = failing[0]
             return f"pods in {scope}: no list or watch has succeeded for {now - since:.0f} s: {self._last_error}"
@@ -184,10 +210,11 @@ class PodCache:
         while True:
             try:
                 if version is None:
-                    listed = await client().request("GET", path, params=selector)
-                    version = listed["metadata"]["resourceVersion"]
-                    self._replace(scope, listed.get("items") or [])
+                    items, version = await self._list(path, selector)
+                    self._replace(scope, items)
                     self._failing_since.pop(scope, None)
+                    if self._refused.pop(scope, None):
+                        log.info("pods in %s: listed again, the refusal is over", scope or "all namespaces")
                 async for event in client().watch(path, {**selector, "resourceVersion": version,
                                                          "allowWatchBookmarks": "true",
                                                          "timeoutSeconds": str(int(self.watch_seconds))},
@@ -197,16 +224,50 @@ class PodCache:
                 failures = 0
             except ApiError as exc:
                 if exc.status == 410:
-                    version = None  # resuming is refused: list again
+                    version = None  # resuming (or an expired continue token) is refused: list again
                     continue
                 failures = self._failed(scope, failures, exc)
-                log.warning("pods watch (%s): %s; retrying", scope or "all namespaces", exc)
+                if exc.status == 403:
+                    self._refuse(scope, exc)
+                else:
+                    log.warning("pods watch (%s): %s; retrying", scope or "all namespaces", exc)
                 await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
             except Exception as exc:  # noqa: BLE001 (a malformed list, a bug: never end quietly, list again)
                 failures = self._failed(scope, failures, exc)
                 log.exception("pods informer (%s): %s; listing again", scope or "all namespaces", exc)
                 version = None
                 await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
+
+    async def _list(self, path: str, selector: Mapping[str, str]) -> tuple[list[ListedPod], str]:
+        """Every labelled pod of a scope, page by page (`limit`/`continue`), and the list's resourceVersion. Each
+        page is parsed into views before the next is read: one page of raw JSON is held at a time. The pages are
+        one consistent snapshot; a continue token that expired (410) ends the list, and the informer lists again
+        from the start. A pod the cache cannot read is skipped with a warning naming it."""
+        listed: list[ListedPod] = []
+        params = {**selector, "limit": str(LIST_PAGE)}
+        while True:
+            page = await client().request("GET", path, params=params)
+            for pod in page.get("items") or []:
+                try:
+                    listed.append(listed_pod(pod))
+                except Exception as exc:  # noqa: BLE001 (one tenant's odd object never stops the list)
+                    meta = (pod.get("metadata") if isinstance(pod, Mapping) else None) or {}
+                    log.warning("pods list: skipped a pod it cannot read, %s/%s: %s: %s", meta.get("namespace", "?"),
+                                meta.get("name", "?"), type(exc).__name__, exc)
+            meta = page["metadata"]
+            if not meta.get("continue"):
+                return listed, meta["resourceVersion"]
+            params = {**selector, "limit": str(LIST_PAGE), "continue": meta["continue"]}
+
+    def _refuse(self, scope: str | None, exc: ApiError) -> None:
+        """The operator may not list or watch this scope's pods: said once in the log and to every job there (a
+        pass there sends an Event instead of acting), retried with backoff; the other scopes go on."""
+        where = f"namespace {scope}" if scope else "all namespaces"
+        why = f"the operator may not list pods in {where} ({exc.status} {exc.reason}: {exc.message[:200]})"
+        if scope not in self._refused:
+            log.warning("%s; its jobs wait until the operator's RBAC allows it (retrying)", why)
+        self._refused[scope] = why
+        self._settled[scope].set()
 
     def _failed(self, scope: str | None, failures: int, exc: Exception) -> int:
         self._failing_since.setdefault(scope, time.monotonic())
@@ -244,14 +305,15 @@ class PodCache:
         return not self._patterns or any(fnmatch.fnmatchcase(namespace, p) for p in self._patterns)
 
     def _put(self, pod: Mapping[str, Any]) -> None:
-        meta = pod["metadata"]
-        where, job = (meta["namespace"], meta["name"]), (meta.get("labels") or {}).get(contract.LABEL_JOB)
-        if not job or not self._served(where[0]):
+        self._store(listed_pod(pod))
+
+    def _store(self, listed: ListedPod) -> None:
+        where, job, view = listed
+        if not job or view is None or not self._served(where[0]):
             self._drop(where)
             return
         if self._job_of.get(where) not in (None, job):
             self._drop(where)  # relabelled to another job
-        view = pod_view(pod)
         pods = self._jobs.setdefault((where[0], job), {})
         if pods.get(where[1]) != view:
             pods[where[1]] = view
@@ -268,16 +330,14 @@ class PodCache:
             self._jobs.pop((where[0], job), None)
         self._changed((where[0], job))
 
-    def _replace(self, scope: str | None, items: Iterable[Mapping[str, Any]]) -> None:
+    def _replace(self, scope: str | None, listed: Sequence[ListedPod]) -> None:
         """A fresh list of `scope` replaces what the cache held there (pods deleted unseen go)."""
-        listed = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in items}
-        for where in [w for w in self._job_of if (scope is None or w[0] == scope) and w not in listed]:
+        present = {where for where, _, _ in listed}
+        for where in [w for w in self._job_of if (scope is None or w[0] == scope) and w not in present]:
             self._drop(where)
-        for pod in items:
-            self._put(pod)
-        self._synced.add(scope)
-        if len(self._synced) == len(self.scopes):
-            self.ready.set()
+        for entry in listed:
+            self._store(entry)
+        self._settled[scope].set()
 
 
 class Expectations:

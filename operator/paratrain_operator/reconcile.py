@@ -155,7 +155,10 @@ async def _pass(body: dict[str, Any]) -> str | None:
     key = (namespace, name)
     prev = body.get("status") or {}
     state, now = GangState.from_status(prev), clock_now()
-    await pods.ready.wait()
+    refused = await pods.listed(namespace)
+    if refused:  # an empty cache here says nothing of the job's pods: never act on it
+        await apply.post_event(body, gang.Event("Warning", "PodsNotListed", f"{refused}; this job waits for it"))
+        return prev.get("phase")
     views = pods.pods(namespace, name, meta["uid"])
     unseen = expectations.unseen(key, views)
     log.debug("%s/%s: pass (%d pods cached)", namespace, name, len(views))

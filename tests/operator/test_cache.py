@@ -29,6 +29,11 @@ def pod(name: str, job: str = "job", uid: str | None = None, phase: str = "Pendi
     return {"metadata": meta, "status": {"phase": phase}}
 
 
+def listed(pods: list[dict[str, Any]]) -> list[observe.ListedPod]:
+    """Pods as a list's pages give them to the cache."""
+    return [observe.listed_pod(p) for p in pods]
+
+
 def names(cache: observe.PodCache, job: str = "job", uid: str | None = JOB_UID) -> list[str]:
     return sorted(p.name for p in cache.pods("ns", job, uid))
 
@@ -36,8 +41,8 @@ def names(cache: observe.PodCache, job: str = "job", uid: str | None = JOB_UID) 
 def test_watch_events_keep_each_jobs_pods_and_say_which_job_changed():
     changed: list[tuple[str, str]] = []
     cache = observe.PodCache(changed=changed.append)
-    cache._replace(None, [pod("job-0-0"), pod("other-0-0", job="other")])
-    assert cache.ready.is_set() and names(cache) == ["job-0-0"] and names(cache, "other") == ["other-0-0"]
+    cache._replace(None, listed([pod("job-0-0"), pod("other-0-0", job="other")]))
+    assert asyncio.run(cache.listed("ns")) is None and names(cache) == ["job-0-0"] and names(cache, "other") == ["other-0-0"]
     changed.clear()
     assert cache._apply({"type": "ADDED", "object": pod("job-0-1", version=7)}) == "7"
     cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Running")})
@@ -51,7 +56,7 @@ def test_watch_events_keep_each_jobs_pods_and_say_which_job_changed():
 
 def test_a_same_named_earlier_jobs_pods_are_not_this_jobs():
     cache = observe.PodCache()
-    cache._replace(None, [pod("job-0-0"), pod("job-0-1", owner="uid-earlier")])
+    cache._replace(None, listed([pod("job-0-0"), pod("job-0-1", owner="uid-earlier")]))
     assert names(cache) == ["job-0-0"] and names(cache, uid=None) == ["job-0-0", "job-0-1"]
 
 
@@ -59,12 +64,12 @@ def test_a_relist_drops_pods_deleted_while_the_watch_was_away():
     """After 410 Gone the informer lists again: a pod deleted meanwhile sent no event, and must go anyway."""
     changed: list[tuple[str, str]] = []
     cache = observe.PodCache(["ns", "other-ns"], changed=changed.append)
-    cache._replace("ns", [pod("job-0-0"), pod("job-0-1")])
-    assert not cache.ready.is_set()  # one scope of two listed
-    cache._replace("other-ns", [pod("job-0-0", namespace="other-ns")])
-    assert cache.ready.is_set()
+    cache._replace("ns", listed([pod("job-0-0"), pod("job-0-1")]))
+    assert asyncio.run(cache.listed("ns")) is None  # its own scope listed: a pass there goes ahead
+    assert not cache._settled["other-ns"].is_set()
+    cache._replace("other-ns", listed([pod("job-0-0", namespace="other-ns")]))
     changed.clear()
-    cache._replace("ns", [pod("job-0-0")])
+    cache._replace("ns", listed([pod("job-0-0")]))
     assert names(cache) == ["job-0-0"] and changed == [("ns", "job")]
     assert [p.name for p in cache.pods("other-ns", "job")] == ["job-0-0"]  # another scope's list leaves it be
 
@@ -78,7 +83,7 @@ def test_an_error_event_is_raised_so_that_the_informer_lists_again():
 def test_namespace_patterns_watch_everything_and_keep_what_matches():
     cache = observe.PodCache(["team-*"])
     assert cache.scopes == [None]
-    cache._replace(None, [pod("job-0-0", namespace="team-a"), pod("job-0-0", namespace="kube-system")])
+    cache._replace(None, listed([pod("job-0-0", namespace="team-a"), pod("job-0-0", namespace="kube-system")]))
     assert len(cache) == 1 and cache.pods("team-a", "job")
     assert observe.PodCache(["a", "b"]).scopes == ["a", "b"] and observe.PodCache().scopes == [None]
 
@@ -86,7 +91,7 @@ def test_namespace_patterns_watch_everything_and_keep_what_matches():
 def test_expectations_hold_until_the_cache_shows_our_own_creates_and_deletes():
     key, exp = ("ns", "job"), observe.Expectations()
     cache = observe.PodCache()
-    cache._replace(None, [pod("job-0-0", phase="Running")])
+    cache._replace(None, listed([pod("job-0-0", phase="Running")]))
     exp.created(key, "job-1-0", "uid-new")
     exp.deleted(key, "job-0-0", "uid-job-0-0")
     assert sorted(exp.unseen(key, cache.pods("ns", "job"))) == ["job-0-0", "job-1-0"]
@@ -120,7 +125,7 @@ def test_a_pass_never_acts_on_a_cache_that_misses_its_own_creates(monkeypatch: p
     monkeypatch.setattr(kube, "_client", api)
     monkeypatch.setattr(reconcile, "pods", observe.PodCache())
     monkeypatch.setattr(reconcile, "expectations", observe.Expectations())
-    reconcile.pods._replace(None, [])
+    reconcile.pods._replace(None, listed([]))
     body = {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
             "metadata": {"name": "job", "namespace": "ns", "uid": JOB_UID, "resourceVersion": "5"},
             "spec": {"nodes": 2, "parallelism": {"data": 2}, "training": {"batchSize": 8}},
@@ -131,6 +136,82 @@ def test_a_pass_never_acts_on_a_cache_that_misses_its_own_creates(monkeypatch: p
     with pytest.raises(kube.ApiError):
         asyncio.run(reconcile._pass(body))
     assert api.calls and api.calls[0][0] == "PATCH"  # the status write that comes before creating job-0-1
+
+
+class PagedApi:
+    """Serves `pods` by namespace in pages of at most `limit`, as the API server does; refuses `forbidden`."""
+
+    def __init__(self, pods: dict[str, list[dict[str, Any]]], forbidden: frozenset[str] = frozenset()):
+        self.pods, self.forbidden = pods, forbidden
+        self.lists: list[tuple[str, dict[str, str]]] = []  # (namespace, query) of each LIST
+        self.watched: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, params: dict[str, str], **_: Any) -> Any:
+        namespace = path.split("/")[4]
+        self.lists.append((namespace, dict(params)))
+        if namespace in self.forbidden:
+            raise kube.ApiError(403, "Forbidden", f'pods is forbidden: cannot list resource "pods" in "{namespace}"')
+        start, limit = int(params.get("continue", "0")), int(params["limit"])
+        items = self.pods[namespace][start:start + limit]
+        more = start + limit < len(self.pods[namespace])
+        return {"metadata": {"resourceVersion": "77", **({"continue": str(start + limit)} if more else {})},
+                "items": items}
+
+    async def watch(self, path: str, params: dict[str, str], silence: float) -> Any:
+        self.watched.append((path.split("/")[4], params["resourceVersion"]))
+        await asyncio.sleep(3600)
+        yield {}
+
+
+def test_a_relist_is_paged_and_a_namespace_the_operator_may_not_list_stops_only_its_own_jobs(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """1,201 pods come in three pages of at most 500 (one the cache cannot read is skipped, naming it, instead of
+    failing the whole list over and over); a namespace whose list is forbidden is reported (its jobs learn why)
+    and never blocks the other's passes nor fails liveness (a restart cannot grant RBAC)."""
+    broken = {**pod("job-0-9999"), "status": {"containerStatuses": [{"state": "not a map"}]}}
+    api = PagedApi({"ns": [pod(f"job-0-{r}") for r in range(700)] + [broken] +
+                    [pod(f"job-0-{r}") for r in range(700, 1200)]}, forbidden=frozenset({"locked"}))
+    monkeypatch.setattr(observe, "client", lambda: api)
+
+    async def main() -> tuple[str | None, str | None, str | None]:
+        cache = observe.PodCache(["ns", "locked"])
+        task = asyncio.create_task(cache.run())
+        served = await asyncio.wait_for(cache.listed("ns"), 5)
+        refused = await asyncio.wait_for(cache.listed("locked"), 5)
+        assert len(cache) == 1200 and ("ns", "77") in api.watched  # the watch starts where the pages ended
+        failing = cache.problem(asyncio.get_running_loop().time() + observe.UNHEALTHY_AFTER + 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return served, refused, failing
+
+    served, refused, failing = asyncio.run(main())
+    assert served is None and failing is None
+    assert refused and "may not list pods in namespace locked" in refused and "403 Forbidden" in refused
+    pages = [query for namespace, query in api.lists if namespace == "ns"]
+    assert [q.get("continue") for q in pages] == [None, "500", "1000"]
+    assert "skipped a pod it cannot read, ns/job-0-9999" in caplog.text
+    assert {q["limit"] for q in pages} == {str(observe.LIST_PAGE)} == {"500"}
+
+
+def test_a_job_in_a_namespace_the_operator_may_not_list_is_told_why_and_nothing_is_done(
+        monkeypatch: pytest.MonkeyPatch):
+    events: list[tuple[str, str]] = []
+
+    async def post_event(body: Any, event: Any) -> None:
+        events.append((event.reason, event.message))
+
+    api = NoApi()
+    monkeypatch.setattr(kube, "_client", api)
+    monkeypatch.setattr(apply, "post_event", post_event)
+    cache = observe.PodCache(["ns"])
+    cache._refuse("ns", kube.ApiError(403, "Forbidden", "pods is forbidden"))
+    monkeypatch.setattr(reconcile, "pods", cache)
+    body = {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
+            "metadata": {"name": "job", "namespace": "ns", "uid": JOB_UID, "resourceVersion": "5"},
+            "spec": {"nodes": 2, "parallelism": {"data": 2}, "training": {"batchSize": 8}}, "status": {}}
+    assert asyncio.run(reconcile._pass(body)) is None and api.calls == []  # no create on an empty cache
+    assert events == [("PodsNotListed", "the operator may not list pods in namespace ns (403 Forbidden: pods is "
+                       "forbidden); this job waits for it")]
 
 
 def test_the_newer_body_of_a_job_is_kept():

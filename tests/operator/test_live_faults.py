@@ -366,3 +366,34 @@ def test_a_tenants_oversized_pod_does_not_stop_pod_tracking(cluster: RealCluster
     cluster.submit(ns, "tracked", fake_job(steps=20))
     cluster.wait_phase(ns, "tracked", "Succeeded", 60)
     assert "pods informer" not in cluster.operator_log.read_text(errors="replace")  # no error, nothing skipped
+
+
+@pytest.fixture
+def two_namespaces_one_refused(cluster: RealCluster, ns: str) -> Iterator[tuple[str, str]]:
+    """The module's operator restarted to serve `ns` and a namespace whose pods the proxy refuses to list (403, as
+    a namespaced install missing one RoleBinding does), then again as it was."""
+    locked = cluster.namespace(f"{ns[:55]}-lock")
+    refusal = cluster.proxy.inject("GET", rf"/namespaces/{locked}/pods$", status=403, times=None)
+    cluster.kill_operator()
+    cluster.operator_args = ("--namespace", ns, "--namespace", locked)
+    cluster.start_operator()
+    yield ns, locked
+    refusal.times = 0
+    cluster.kill_operator()
+    cluster.operator_args = ()
+    cluster.start_operator()
+
+
+def test_a_namespace_the_operator_may_not_list_stops_only_its_own_jobs(cluster: RealCluster,
+                                                                        two_namespaces_one_refused: tuple[str, str]):
+    """Before, the pod cache waited for every namespace's first list: one refused namespace kept every job of
+    every namespace Pending, and the liveness probe restarted the operator every five minutes to no avail."""
+    ns, locked = two_namespaces_one_refused
+    cluster.submit(locked, "waits", fake_job(steps=5))
+    cluster.submit(ns, "runs", fake_job(steps=5))
+    cluster.wait_phase(ns, "runs", "Succeeded", 60)
+    cluster.event_reasons(locked, "waits", until="PodsNotListed", timeout=30)
+    message = next(e["message"] for e in cluster.events(locked, "waits") if e["reason"] == "PodsNotListed")
+    assert f"may not list pods in namespace {locked} (403" in message, message
+    assert cluster.pod_creations(locked) == []  # nothing done on a cache that cannot hold its pods
+    assert cluster._operator is not None and cluster._operator.healthy()
