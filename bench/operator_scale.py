@@ -1,6 +1,7 @@
 """The operator at cluster scale: what a gang of 1 to 1,024 pods costs the API server, measured side by side in one run.
 
-    .venv/bin/python bench/operator_scale.py [--sizes 1,64,256,1024] [--steady-finished 200 --steady-running 50]
+    .venv/bin/python bench/operator_scale.py [--sizes 1,64,256,1024] [--steady-finished 200 --steady-running 500]
+                                             [--history-pods 10000]
 
 On the real control plane (scripts/testbin.sh builds it): the operator runs as its ServiceAccount behind a counting
 proxy that records every request it makes (verb, path, bytes answered, start, end); hollow nodes registered through
@@ -13,7 +14,8 @@ Scenarios:
 - the same 256-pod start with `--write-concurrency 1` (one create at a time, as before issue 14) and with
   `gang: kubernetes` (Workload + PodGroup; the scheduler binds the gang whole);
 - restart: one pod of the running 256-pod gang fails: time to the whole new gang created, and the passes after;
-- steady: finished and running 1-pod jobs, left alone for a minute: requests per job per minute, operator RSS;
+- steady: finished and running 1-pod jobs (rank 0 of each running one reporting progress on a hollow endpoint),
+  left alone for a minute: API requests, status writes and progress reads per job per minute, operator CPU and RSS;
 - history: 10,000 pods of earlier jobs kept in the cluster, then a relist of them all (the watch's history
   expired): pages, time, the largest request, the operator's memory per cached pod and its peak.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -77,21 +80,30 @@ def steady(rig: ScaleRig, finished: int, running: int, window: float) -> dict[st
     wait_for(lambda: sum(rig.status(namespace, f"job-{i}").get("phase") == "Succeeded" for i in range(finished))
              == finished, 600, "the finished jobs Succeeded", interval=1)
     time.sleep(2 * rig.resync_seconds)  # the last passes of the finish are over
-    mark = len(rig.proxy.log)
+    assert rig.operator and rig.operator.process
+    pid, progress = rig.operator.process.pid, rig.hollow.progress
+    mark, cpu, reads = len(rig.proxy.log), _cpu_seconds(pid), sum(progress.reads.values()) if progress else 0
     time.sleep(window)
+    cpu, reads = _cpu_seconds(pid) - cpu, (sum(progress.reads.values()) if progress else 0) - reads
     seen = [r for r in rig.proxy.log[mark:] if f"/namespaces/{namespace}/" in r[1] and "watch=true" not in r[1]]
 
-    def per_job_minute(first: int, count: int) -> float:
+    def per_job_minute(first: int, count: int, method: str | None = None) -> float:
         names = {f"job-{i}" for i in range(first, first + count)}
-        hits = sum(_job_of(r[1]) in names for r in seen)
+        hits = sum(_job_of(r[1]) in names and method in (None, r[0]) for r in seen)
         return round(hits / max(count, 1) / (window / 60), 3)
-    assert rig.operator and rig.operator.process
-    rss = next(int(line.split()[1]) for line in Path(f"/proc/{rig.operator.process.pid}/status").read_text()
-               .splitlines() if line.startswith("VmRSS:"))
     return {"finished_jobs": finished, "running_jobs": running, "window_seconds": window,
             "requests_per_finished_job_per_minute": per_job_minute(0, finished),
             "requests_per_running_job_per_minute": per_job_minute(finished, running),
-            "requests_in_window": len(seen), "operator_rss_mib": round(rss / 1024, 1)}
+            "status_writes_per_running_job_per_minute": per_job_minute(finished, running, "PATCH"),
+            "progress_reads_per_running_job_per_minute": round(reads / max(running, 1) / (window / 60), 2),
+            "requests_in_window": len(seen), "operator_cpu_percent": round(100 * cpu / window, 1),
+            "operator_rss_mib": round(_proc_kib(pid, "VmRSS") / 1024, 1)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def history(rig: ScaleRig, count: int, template_namespace: str) -> dict[str, Any]:
@@ -187,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1,64,256,1024")
     parser.add_argument("--steady-finished", type=int, default=200)
-    parser.add_argument("--steady-running", type=int, default=50)
+    parser.add_argument("--steady-running", type=int, default=500)
     parser.add_argument("--steady-window", type=float, default=60)
     parser.add_argument("--history-pods", type=int, default=10_000,
                         help="pods of earlier jobs kept in the cluster, then relisted (0: skip)")
@@ -206,7 +218,7 @@ def run(plane: ControlPlane, workdir: Path, sizes: list[int], args: argparse.Nam
     # Room for every scenario's pods at once (each start's gang keeps running), the restart's and the steady jobs'.
     total = sum(sizes) + (3 * 256 if 256 in sizes else 0) + args.steady_finished + args.steady_running
     nodes = -(-total // PODS_PER_NODE) + 1
-    rig = ScaleRig(plane, workdir, nodes=nodes)
+    rig = ScaleRig(plane, workdir, nodes=nodes, progress=True)
     results: dict[str, Any] = {"machine": f"{platform.machine()}, {platform.python_version()}", "nodes": nodes}
     try:
         rig.start("warm-up", 1)  # the API server's first job compiles the CRD's CEL rules (about 2 s): not counted
@@ -265,9 +277,12 @@ def table(r: dict[str, Any]) -> list[str]:
                   f"{x['passes_after_new_gang']} passes after it."]
     s = r["steady"]
     lines += ["", f"Steady state, {s['finished_jobs']} finished + {s['running_jobs']} running jobs over "
-              f"{s['window_seconds']:.0f} s: {s['requests_per_finished_job_per_minute']} requests per finished job "
-              f"per minute, {s['requests_per_running_job_per_minute']} per running job (progress reads are HTTP to "
-              f"the pod, not API requests); operator RSS {s['operator_rss_mib']} MiB."]
+              f"{s['window_seconds']:.0f} s, every running job's rank 0 reporting progress (a hollow endpoint, "
+              f"step +10 a second): {s['requests_per_finished_job_per_minute']} API requests per finished job per "
+              f"minute; per running job {s['requests_per_running_job_per_minute']} API requests, of them "
+              f"{s['status_writes_per_running_job_per_minute']} status writes (progress at most every 30 s), and "
+              f"{s['progress_reads_per_running_job_per_minute']} progress reads (HTTP to the pod, every 10 s "
+              f"resync). Operator CPU {s['operator_cpu_percent']}% of a core, RSS {s['operator_rss_mib']} MiB."]
     if "history" in r:
         h = r["history"]
         lines += ["", f"History: {h['pods']:,} pods of earlier jobs kept in the cluster (copies of a real gang pod), "

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resync-seconds", type=float,
                         default=float(os.environ.get("PARATRAIN_RESYNC_SECONDS", "10")),
                         help="how often each job is reconciled and its progress polled without any event")
+    parser.add_argument("--progress-seconds", type=float,
+                        default=float(os.environ.get("PARATRAIN_PROGRESS_SECONDS", "30")),
+                        help="at most one status write a job for training progress alone in this many seconds "
+                             "(rank 0 is still read every resync; phase and condition changes are written at once)")
     parser.add_argument("--qps", type=float, default=float(os.environ.get("PARATRAIN_QPS", DEFAULT_QPS)),
                         help="API requests a second, on average (client-side rate limit; 0: none)")
     parser.add_argument("--burst", type=int, default=int(os.environ.get("PARATRAIN_BURST", DEFAULT_BURST)),
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
     os.environ["PARATRAIN_METRICS_PORT"] = str(args.metrics_port)
     os.environ["PARATRAIN_RESYNC_SECONDS"] = str(args.resync_seconds)
+    os.environ["PARATRAIN_PROGRESS_SECONDS"] = str(args.progress_seconds)
     os.environ["PARATRAIN_QPS"], os.environ["PARATRAIN_BURST"] = str(args.qps), str(args.burst)
     os.environ["PARATRAIN_NAMESPACES"] = ",".join(args.namespace)
     os.environ["PARATRAIN_WRITE_CONCURRENCY"] = str(args.write_concurrency)

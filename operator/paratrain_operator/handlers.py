@@ -1,9 +1,9 @@
 """kopf handlers, kept thin: each one runs a reconcile pass of one job (see reconcile.py).
 
 Triggers: the job's creation, spec changes and operator restarts (resume); any change of a pod labelled with
-the job's name (the pod cache's informer, started here, asks for those passes); and a resync loop (ours, every
-RESYNC_SECONDS), which also reads training progress, notices a stalled job and the active deadline, and repairs
-what a lost watch event hid. A finished job is not resynced unless its ttlSecondsAfterFinished is still to come:
+the job's name (the pod cache's informer, started here, asks for those passes); and a resync of each job (ours,
+every RESYNC_SECONDS at the job's own offset, as a task of its own), which also reads training progress, notices a
+stalled job and the active deadline, and repairs what a lost watch event hid. A finished job is not resynced unless its ttlSecondsAfterFinished is still to come:
 it costs nothing. Deleting a job needs no handler: its ownerReferences let Kubernetes' garbage collector take the
 gang. The resync is not a kopf timer because a kopf timer puts kopf's finalizer on every job, and then deleting a
 job, or its namespace, waits for a running operator; without one, deletion never waits for the operator.
@@ -11,15 +11,18 @@ job, or its namespace, waits for a running operator; without one, deletion never
 Settings (environment, set by `python -m paratrain_operator`'s flags): PARATRAIN_RESYNC_SECONDS (default 10),
 PARATRAIN_METRICS_PORT (default 9090; 0: off), PARATRAIN_QPS and PARATRAIN_BURST (the API client's rate limit),
 PARATRAIN_NAMESPACES (comma-separated; empty: all), PARATRAIN_WATCH_SECONDS (how long one pods watch request
-lasts; default 300).
+lasts; default 300), PARATRAIN_PROGRESS_SECONDS (at most one progress-only status write a job this often; default
+30; reconcile.py reads it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -37,6 +40,7 @@ BURST = int(os.environ.get("PARATRAIN_BURST", str(kube.DEFAULT_BURST)))
 NAMESPACES = [n for n in os.environ.get("PARATRAIN_NAMESPACES", "").split(",") if n]
 WATCH_SECONDS = float(os.environ.get("PARATRAIN_WATCH_SECONDS", "300"))
 _tasks: list[asyncio.Task[None]] = []  # the pod informer, the resync loop, the Lease's renewal
+_resyncs: dict[observe.JobKey, asyncio.Task[None]] = {}  # each job's resync in flight
 # Bounded retries for change handlers; the resync timer keeps reconciling after they give up.
 RETRIES, BACKOFF, TIMEOUT = 8, 5, 600
 
@@ -88,9 +92,10 @@ async def _keep_lease(elector: leader.Elector, logger: logging.Logger) -> None:
 async def close(**_: Any) -> None:
     """Stop every pass and write first (kopf's handlers are done by now; ours are cancelled and awaited, and the
     API client refuses any later request), then release the Lease: the standby may act the moment it is free."""
-    for task in _tasks:
+    passes = [*_tasks, *_resyncs.values(), *reconcile.requested_passes()]
+    for task in passes:
         task.cancel()
-    await asyncio.gather(*_tasks, return_exceptions=True)
+    await asyncio.gather(*passes, return_exceptions=True)
     await kube.client().stop()
     await observe.close()
     if leader.elector is not None:
@@ -120,21 +125,52 @@ def resync_due(body: Mapping[str, Any]) -> bool:
     return not finished or ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished") is not None
 
 
+class ResyncSchedule:
+    """When each job's next resync is due: every `period` seconds, at an offset of its own (from a hash of its
+    name), so 500 jobs spread their progress reads and status writes over the period instead of all at once."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self._due: dict[observe.JobKey, float] = {}
+
+    def take_due(self, keys: Iterable[observe.JobKey], now: float) -> list[observe.JobKey]:
+        """The jobs among `keys` whose resync is due at `now`, each moved on to its next slot; forgets the rest."""
+        keys = list(keys)
+        for gone in self._due.keys() - set(keys):
+            del self._due[gone]
+        due = []
+        for key in keys:
+            at = self._due.setdefault(key, now + self.offset(key))
+            if now >= at:
+                due.append(key)
+                self._due[key] = at + self.period * max(1, math.ceil((now - at) / self.period))
+        return due
+
+    def offset(self, key: observe.JobKey) -> float:
+        digest = hashlib.blake2b("/".join(key).encode(), digest_size=4).digest()
+        return self.period * int.from_bytes(digest, "big") / 2**32
+
+
 async def _resync_forever(logger: logging.Logger) -> None:
-    """Every RESYNC_SECONDS, a pass of every job that may need one (all at once: a quiet job's pass sends nothing,
-    and progress reads share one HTTP session)."""
+    """Each job that may need one gets a pass every RESYNC_SECONDS, at its own offset in the period (ResyncSchedule),
+    as a task of its own: a slow job (a rank 0 that answers late, a pass waiting on the API) delays only its own
+    next resync, never another job's deadline or stall check."""
+    schedule, loop = ResyncSchedule(RESYNC_SECONDS), asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(RESYNC_SECONDS)
+        await asyncio.sleep(min(1.0, RESYNC_SECONDS / 4))
         due = [key for key, body in reconcile.jobs.items() if resync_due(body)]
-        for (namespace, name), outcome in zip(due, await asyncio.gather(*(_resync(*key) for key in due),
-                                                                         return_exceptions=True), strict=True):
-            if isinstance(outcome, Exception):
-                logger.warning("%s/%s: resync failed (the next one retries): %s", namespace, name, outcome)
+        for key in schedule.take_due(due, loop.time()):
+            if key not in _resyncs:  # the previous resync still runs: this slot is skipped, never stacked
+                _resyncs[key] = task = loop.create_task(_resync(*key, logger))
+                task.add_done_callback(lambda _, key=key: _resyncs.pop(key, None))
 
 
-async def _resync(namespace: str, name: str) -> None:
-    await reconcile.refresh_progress(namespace, name)
-    await reconcile.reconcile(namespace, name)
+async def _resync(namespace: str, name: str, logger: logging.Logger) -> None:
+    try:
+        await reconcile.refresh_progress(namespace, name)
+        await reconcile.reconcile(namespace, name)
+    except Exception as exc:  # noqa: BLE001 (the next resync retries)
+        logger.warning("%s/%s: resync failed (the next one retries): %s", namespace, name, exc)
 
 
 @kopf.on.event(*JOB)

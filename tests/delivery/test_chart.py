@@ -105,7 +105,7 @@ def test_default_render(rendered) -> None:
 
 PLATFORM_ARGS = ["--platform", "/etc/paratrain-operator/platform.yaml"]
 RATE_ARGS = ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps", "100", "--burst", "200",
-             "--write-concurrency", "64"]
+             "--write-concurrency", "64", "--progress-seconds", "30"]
 
 
 
@@ -167,7 +167,7 @@ def test_customized_values_reach_the_objects(rendered) -> None:
     assert c["imagePullPolicy"] == "Always"
     assert c["resources"] == CUSTOMIZED["resources"]
     assert c["args"] == ["--leader-elect", "--lease-seconds", "10", *PLATFORM_ARGS, "--qps", "20", "--burst", "40",
-                         "--write-concurrency", "8", "--verbose"]
+                         "--write-concurrency", "8", "--progress-seconds", "30", "--verbose"]
     assert c["env"] == [{"name": "TZ", "value": "UTC"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["serviceAccountName"] == "trainer-operator"

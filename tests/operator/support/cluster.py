@@ -60,8 +60,9 @@ class OperatorProcess:
     def __init__(self, kubeconfig: Path, log: Path, resync_seconds: float, args: tuple[str, ...] = (),
                  env: Mapping[str, str] | None = None):
         self.kubeconfig, self.log, self.resync_seconds = kubeconfig, log, resync_seconds
-        # Pods watches of 5 s by default: a silent stream (test_live_faults) is cut and resumed within seconds.
-        self.args, self.env = args, {"PARATRAIN_WATCH_SECONDS": "5", **(env or {})}
+        # Pods watches of 5 s by default: a silent stream (test_live_faults) is cut and resumed within seconds;
+        # progress written every second (the default 30 s would make every progress check wait that long).
+        self.args, self.env = args, {"PARATRAIN_WATCH_SECONDS": "5", "PARATRAIN_PROGRESS_SECONDS": "1", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.health_port = self.metrics_port = 0
 

@@ -3,12 +3,20 @@ with no kubelet behind them, so the real kube-scheduler binds pods to them, and 
 kubelets just enough for the operator: a bound pod is reported Running (pod IP 127.0.0.1, where nothing answers
 the progress read), a pod being deleted is removed at once, and `finish` ends a pod with an exit code. No process
 runs: a 1,024-pod gang costs the API server its objects and this thread a few thousand requests.
+
+With `progress=True` every pod gets a loopback address of its own (127.0.0.0/8 all reaches this host) and one
+server on the progress port answers rank 0's `GET /progress` for all of them, as a training pod would (its step
+grows 10 a second), counting the reads: what running jobs cost the operator when they report progress.
 """
 
 from __future__ import annotations
 
+import http.server
+import itertools
 import json
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
@@ -25,10 +33,50 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class ProgressServer:
+    """Rank 0's progress endpoint of every hollow pod, on each pod's own loopback address."""
+
+    def __init__(self) -> None:
+        self.reads: Counter[str] = Counter()  # pod IP → progress reads
+        self._addresses = (f"127.{a}.{b}.{c}" for a, b, c in itertools.product(range(1, 255), range(256),
+                                                                                 range(1, 255)))
+        self._lock, started, reads = threading.Lock(), time.time(), self.reads
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                ip = self.connection.getsockname()[0]
+                reads[ip] += 1
+                now = time.time()
+                body = json.dumps({"step": int((now - started) * 10) + 1, "totalSteps": 10**9, "loss": 2.5,
+                                   "tokensPerSecond": 1000.0, "phase": "training",
+                                   "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat()}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("0.0.0.0", contract.PROGRESS_PORT), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="hollow-progress", daemon=True).start()
+
+    def address(self) -> str:
+        with self._lock:
+            return next(self._addresses)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class HollowNodes:
     def __init__(self, api: KubeApi, count: int, *, prefix: str = "hollow", pods_per_node: int = 128,
-                 capacity: dict[str, str] | None = None, workers: int = 8):
+                 capacity: dict[str, str] | None = None, workers: int = 8, progress: bool = False):
         self.api, self.prefix, self.names = api, prefix, []
+        self.progress = ProgressServer() if progress else None
         self.capacity = capacity or {"cpu": "512", "memory": "4Ti", "pods": str(pods_per_node), "nvidia.com/gpu": "8"}
         self._mine: set[str] = set()
         self.add(count)
@@ -87,6 +135,8 @@ class HollowNodes:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.progress:
+            self.progress.close()
         for name in self.names:
             self.api.request("DELETE", f"/api/v1/nodes/{name}")
 
@@ -132,7 +182,8 @@ class HollowNodes:
 
     def _run(self, where: str, containers: list[str]) -> None:
         started = _now()
-        status = {"phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+        ip = self.progress.address() if self.progress else "127.0.0.1"
+        status = {"phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "podIPs": [{"ip": ip}],
                   "startTime": started,
                   "conditions": [{"type": t, "status": "True", "lastTransitionTime": started}
                                  for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")],

@@ -47,11 +47,11 @@ class Start:
 class ScaleRig:
     def __init__(self, plane: ControlPlane, workdir: Path, nodes: int, *, resync_seconds: float = 10,
                  operator_args: tuple[str, ...] = (), node_capacity: dict[str, str] | None = None,
-                 operator_env: dict[str, str] | None = None):
+                 operator_env: dict[str, str] | None = None, progress: bool = False):
         self.plane, self.api, self.workdir = plane, plane.api, workdir
         install_crd(plane)
         self.proxy = FaultProxy(plane.kubeconfig)
-        self.hollow = HollowNodes(plane.api, nodes, capacity=node_capacity,
+        self.hollow = HollowNodes(plane.api, nodes, capacity=node_capacity, progress=progress,
                                   prefix="hollow-" + re.sub(r"[^a-z0-9]+", "-", workdir.name.lower()).strip("-"))
         self.log = workdir / "operator.log"
         self.resync_seconds, self.operator_env = resync_seconds, operator_env or {}
@@ -62,9 +62,10 @@ class ScaleRig:
         if self.operator:
             self.operator.kill()
         kubeconfig = operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig", server=self.proxy.url)
-        # The default pods watch (5 min) as in a cluster, not the live tests' 5 s.
+        # The default pods watch (5 min) and progress writes (30 s) as in a cluster, not the live tests' 5 s and 1 s.
         self.operator = OperatorProcess(kubeconfig, self.log, self.resync_seconds, args,
-                                        env={"PARATRAIN_WATCH_SECONDS": "300", **self.operator_env})
+                                        env={"PARATRAIN_WATCH_SECONDS": "300", "PARATRAIN_PROGRESS_SECONDS": "30",
+                                             **self.operator_env})
         self.operator.start()
 
     def close(self) -> None:
