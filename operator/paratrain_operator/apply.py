@@ -2,16 +2,19 @@
 
 Pods are created and deleted concurrently, in slow-start batches (1, 2, 4, ... as Kubernetes' Job controller
 does): a gang the cluster refuses (quota, admission) fails after one request, not after a thousand; a gang it
-accepts goes out as fast as the client's rate limit (kube.RateLimiter) lets it. Every create asks for strict
-field validation: a field the API server does not know (a renamed beta field) is an error, not silently dropped.
+accepts goes out as fast as the client's rate limit (kube.RateLimiter) lets it. Every create and patch asks for
+strict field validation: a field the API server does not know (a renamed beta field) is an error, not silently
+dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -33,9 +36,10 @@ STRICT = {"fieldValidation": "Strict"}
 # The largest slow-start batch: pod creates or deletes in flight at once for one job (--write-concurrency).
 WRITE_CONCURRENCY = int(os.environ.get("PARATRAIN_WRITE_CONCURRENCY", "64"))
 EVENT_MESSAGE_LIMIT = 1024
-# The Events posted lately, by what they say → (name, count): (namespace, job uid, type, reason, message).
+# The Events posted lately, by what they say → count: (namespace, job uid, type, reason, message).
 POSTED_EVENTS_KEPT = 4096
-_posted: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()
+_posted: OrderedDict[tuple[str, ...], int] = OrderedDict()
+EVENT_TOKEN = "paratrain.dev/post"  # a random token a POST carries: a retried POST knows its own Event by it
 
 
 class MissingResource(Exception):
@@ -95,7 +99,7 @@ async def ensure(obj: Mapping[str, Any]) -> str | None:
                        f"{held}: retrying until the name is free")
     if obj["kind"] == "ConfigMap":
         await client().request("PATCH", _path(obj, named=True), body={"data": obj.get("data") or {}},
-                               content_type=MERGE_PATCH)
+                               content_type=MERGE_PATCH, params=STRICT)
     return None
 
 
@@ -153,12 +157,15 @@ async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]
     return [name for name in await in_batches(pods, create) if name]
 
 
-async def delete_pods(namespace: str, names: Sequence[str]) -> None:
+async def delete_pods(namespace: str, names: Sequence[str],
+                      deleted: Callable[[str], None] = lambda name: None) -> None:
+    """Delete the pods, telling `deleted` of each as soon as its delete is answered (one already gone too)."""
     async def delete(name: str) -> None:
         try:
             await delete_pod(namespace, name)
         except ApiError as exc:
             raise Refused("delete", {"kind": "Pod", "metadata": {"namespace": namespace, "name": name}}, exc) from exc
+        deleted(name)
     await in_batches(names, delete)
 
 
@@ -209,7 +216,7 @@ async def patch_status(namespace: str, name: str, patch: Mapping[str, Any],
         body["metadata"] = {"resourceVersion": resource_version}
     try:
         return await client().request("PATCH", api_path(API_GROUP_VERSION, PLURAL, namespace, name, "status"),
-                                      body=body, content_type=MERGE_PATCH)
+                                      body=body, content_type=MERGE_PATCH, params=STRICT)
     except ApiError as exc:
         if exc.status == 404:
             return None
@@ -221,40 +228,59 @@ async def patch_status(namespace: str, name: str, patch: Mapping[str, Any],
 async def post_event(job: Mapping[str, Any], event: Event) -> None:
     """A Kubernetes Event on the job (`kubectl describe ptj`). Best effort: a lost Event never fails a reconcile.
 
-    An Event saying what one this operator posted already says (a pass repeating itself while pod creation keeps
-    failing, say) raises that Event's count instead of adding another, as client-go's EventCorrelator does."""
+    An Event saying what one already says (a pass repeating itself while pod creation keeps failing, say) raises
+    that Event's count instead of adding another, as client-go's EventCorrelator does. Its name comes from what it
+    says (job uid, type, reason, message), so a POST retried after a lost answer finds its own Event (the token it
+    carries) instead of adding a second, and a new leader after a failover finds the old leader's and counts on."""
     meta = job["metadata"]
     stamp = to_iso(now())
     message = clip(event.message, EVENT_MESSAGE_LIMIT)
     key = (meta["namespace"], meta.get("uid") or meta["name"], event.type, event.reason, message)
+    name = f"{meta['name']}.{hashlib.sha256(chr(31).join(key).encode()).hexdigest()[:16]}"
+    path = api_path("v1", "events", meta["namespace"], name)
     try:
         if key in _posted:
-            name, count = _posted[key]
             try:
-                await client().request("PATCH", api_path("v1", "events", meta["namespace"], name),
-                                       body={"count": count + 1, "lastTimestamp": stamp}, content_type=MERGE_PATCH)
-                _remember(key, name, count + 1)
+                await _count(key, path, _posted[key] + 1, stamp)
                 return
             except ApiError as exc:
                 if exc.status != 404:  # 404: the Event expired (the API server keeps them an hour): post anew
                     raise
+        token = uuid.uuid4().hex
         body = {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "metadata": {"name": name, "namespace": meta["namespace"], "annotations": {EVENT_TOKEN: token}},
             "involvedObject": {"apiVersion": API_GROUP_VERSION, "kind": job.get("kind", "ParallelTrainJob"),
                                "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
             "type": event.type, "reason": event.reason, "message": message,
             "source": {"component": "paratrain-operator"}, "reportingComponent": "paratrain.dev/operator",
             "reportingInstance": socket.gethostname(), "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
-        created = await client().request("POST", api_path("v1", "events", meta["namespace"]), body=body)
-        _remember(key, created["metadata"]["name"], 1)
+        try:
+            await client().request("POST", api_path("v1", "events", meta["namespace"]), body=body, params=STRICT)
+            _remember(key, 1)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            existing = await client().request("GET", path)
+            count = int(existing.get("count") or 1)
+            if ((existing.get("metadata") or {}).get("annotations") or {}).get(EVENT_TOKEN) == token:
+                _remember(key, count)  # our own POST, sent again after its answer was lost
+            else:
+                await _count(key, path, count + 1, stamp)  # posted before, by this replica's predecessor
     except ApiError as exc:
         log.warning("could not post event %s on %s/%s: %s", event.reason, meta["namespace"], meta["name"], exc)
 
 
-def _remember(key: tuple[str, ...], name: str, count: int) -> None:
-    _posted[key] = (name, count)
+async def _count(key: tuple[str, ...], path: str, count: int, stamp: str) -> None:
+    await client().request("PATCH", path, body={"count": count, "lastTimestamp": stamp}, content_type=MERGE_PATCH,
+                           params=STRICT)
+    _remember(key, count)
+
+
+def _remember(key: tuple[str, ...], count: int) -> None:
+    _posted[key] = count
     _posted.move_to_end(key)
     if len(_posted) > POSTED_EVENTS_KEPT:
         _posted.popitem(last=False)
+

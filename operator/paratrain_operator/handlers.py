@@ -59,7 +59,8 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     loop = asyncio.get_running_loop()
     if leader.elector is not None:
         _tasks.append(loop.create_task(_keep_lease(leader.elector, logger)))
-    reconcile.pods = observe.PodCache(NAMESPACES, changed=reconcile.request, watch_seconds=WATCH_SECONDS)
+    reconcile.pods = observe.PodCache(NAMESPACES, changed=reconcile.request, watch_seconds=WATCH_SECONDS,
+                                      relisted=reconcile.expectations.relisted)
     _tasks.append(loop.create_task(reconcile.pods.run()))
     _tasks.append(loop.create_task(_resync_forever(logger)))
     if METRICS_PORT:

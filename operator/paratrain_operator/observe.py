@@ -150,11 +150,11 @@ class PodCache:
     changed."""
 
     def __init__(self, namespaces: Sequence[str] = (), changed: Callable[[JobKey], None] = lambda key: None,
-                 watch_seconds: float = 300):
+                 watch_seconds: float = 300, relisted: Callable[[str | None], None] = lambda scope: None):
         globbed = any(ch in n for n in namespaces for ch in "*?[")
         self.scopes: list[str | None] = [None] if globbed or not namespaces else list(namespaces)
         self._patterns = list(namespaces) if globbed else []
-        self._changed, self.watch_seconds = changed, watch_seconds
+        self._changed, self._relisted, self.watch_seconds = changed, relisted, watch_seconds
         self._jobs: dict[JobKey, dict[str, PodView]] = {}
         self._job_of: dict[tuple[str, str], str] = {}  # (namespace, pod) → its job
         # Set once a scope has been listed, or refused (403): a pass waits for its own namespace's scope only.
@@ -337,6 +337,7 @@ class PodCache:
             self._drop(where)
         for entry in listed:
             self._store(entry)
+        self._relisted(scope)
         self._settled[scope].set()
 
 
@@ -344,10 +345,11 @@ class Expectations:
     """Creates and deletes of pods whose watch events the cache has not shown yet, by job.
 
     A create is seen when the cache holds the pod with the uid the API server gave it; a delete when the cache no
-    longer holds that pod alive (gone, terminating, or replaced). One not seen within `timeout` seconds is given
-    up (the watch lost it; the list that follows a broken watch will show the truth)."""
+    longer holds that pod alive (gone, terminating, or replaced). A relist shows the truth: it ends every
+    expectation of its scope (`relisted`). One not seen within `timeout` seconds (client-go's 5 minutes: a slow
+    watch on a large gang is not mistaken for a lost one) is given up."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 300.0):
         self.timeout = timeout
         self._creates: dict[JobKey, dict[str, tuple[str, float]]] = {}  # name → (uid, deadline)
         self._deletes: dict[JobKey, dict[str, tuple[str, float]]] = {}
@@ -384,6 +386,12 @@ class Expectations:
     def forget(self, key: JobKey) -> None:
         self._creates.pop(key, None)
         self._deletes.pop(key, None)
+
+    def relisted(self, scope: str | None) -> None:
+        """The cache of `scope` (a namespace; None: all) was just listed afresh: nothing in it is still to come."""
+        for table in (self._creates, self._deletes):
+            for key in [k for k in table if scope is None or k[0] == scope]:
+                del table[key]
 
 
 class JobCache:

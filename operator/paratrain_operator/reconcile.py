@@ -28,7 +28,7 @@ from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform
 
 from . import apply, gang, metrics, observe, status
-from .clock import now as clock_now
+from .clock import from_iso, now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
 from .observe import JobKey, PodView
@@ -42,6 +42,7 @@ COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
 PROGRESS_SECONDS = float(os.environ.get("PARATRAIN_PROGRESS_SECONDS", "30"))
 PROGRESS_KEYS = frozenset({"progress", "progressText"})
 CONFLICT_RETRIES = 3
+GANG_RECHECK_SECONDS = 60.0
 # The platform's choices for every job (--platform FILE, which the Helm chart writes); the defaults without one.
 PLATFORM = load_platform(os.environ["PARATRAIN_PLATFORM"]) if os.environ.get("PARATRAIN_PLATFORM") else Platform()
 
@@ -49,6 +50,7 @@ pods = observe.PodCache()  # replaced at startup (handlers.configure) by one for
 jobs = observe.JobCache()
 expectations = observe.Expectations()
 _progress: dict[JobKey, tuple[str, dict[str, Any]]] = {}  # rank 0's pod → its last report
+_superseded_gone: dict[JobKey, int] = {}  # the attempt whose predecessor's objects are deleted
 _progress_written: dict[JobKey, float] = {}  # when a status write last carried the job's progress (monotonic)
 _locks: dict[JobKey, asyncio.Lock] = {}
 _issued = 0  # triggers so far (all jobs): a pass started after trigger t answers it
@@ -137,6 +139,7 @@ def forget(namespace: str, name: str) -> None:
     _answered.pop(key, None)
     _progress.pop(key, None)
     _progress_written.pop(key, None)
+    _superseded_gone.pop(key, None)
     jobs.forget(key)
     expectations.forget(key)
     metrics.forget(namespace, name)
@@ -179,7 +182,6 @@ async def _pass(body: dict[str, Any]) -> str | None:
                   len(unseen))
         return prev.get("phase")
     objects: list[dict[str, Any]] = []
-    replaced: list[dict[str, Any]] = []
     job: ParallelTrainJob | None = None
     filled: list[str] = []  # what the platform's jobDefaults filled in
     try:
@@ -194,7 +196,6 @@ async def _pass(body: dict[str, Any]) -> str | None:
                 # probe and every other job's pass would otherwise wait.
                 objects = await asyncio.to_thread(render_job, job, namespace, decision.state.attempt, PLATFORM,
                                                   decision.create_ranks)
-                replaced = superseded(job, namespace, decision.state.attempt)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)
                 decision = gang.fail(state, views, failure, now)
@@ -204,8 +205,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
         return None  # the job was deleted meanwhile
     try:
         await _act(written, decision, objects, views)
-        for obj in replaced:  # e.g. the previous attempt's PodGroup: its pods are gone, the new gang exists
-            await apply.delete_object(obj)
+        await _delete_superseded(key, job, decision, views)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
@@ -222,6 +222,20 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+async def _delete_superseded(key: JobKey, job: ParallelTrainJob | None, decision: Decision,
+                             views: Sequence[PodView]) -> None:
+    """Delete what the current attempt replaces (the previous attempt's native PodGroup) once its gang is being
+    created or exists, in every pass until a delete succeeds: one that fails is retried by the next pass, not
+    left behind. After a restart of the operator, the first pass of each job sends it once more (a 404)."""
+    attempt = decision.state.attempt
+    if job is None or _superseded_gone.get(key) == attempt or decision.state.phase in gang.FINISHED or not (
+            decision.create_ranks or any(p.attempt == attempt for p in views)):
+        return
+    for obj in superseded(job, key[0], attempt):
+        await apply.delete_object(obj)
+    _superseded_gone[key] = attempt
 
 
 async def _release_stuck(body: dict[str, Any], stuck: Sequence[str], views: Sequence[PodView]) -> None:
@@ -302,9 +316,10 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     None when the job is gone. Raises apply.Conflict when the job changed since `body`."""
     meta, stored_status = body["metadata"], body.get("status") or {}
     prev, events = stored_status, list(decision.events)
-    if job is not None and decision.state.phase == gang.RUNNING and prev.get("phase") != gang.RUNNING:
+    started = prev.get("phase") != gang.RUNNING
+    if job is not None and decision.state.phase == gang.RUNNING and (started or _gang_unconfirmed(prev)):
         prev, warning = await _with_gang_check(prev, job, meta["namespace"], decision.state.attempt)
-        events += [warning] if warning else []
+        events += [warning] if warning and started else []
     progress = _progress_of(body, decision.state, views)
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
@@ -338,10 +353,19 @@ def _paced(key: JobKey, patch: dict[str, Any], now: float | None = None) -> dict
     return patch
 
 
+def _gang_unconfirmed(prev: Mapping[str, Any]) -> bool:
+    """GangScheduled is False, and was found so less than GANG_RECHECK_SECONDS ago: kube-scheduler may mark the
+    PodGroup a moment after its pods run, so the passes of that first minute read it again."""
+    condition = next((c for c in prev.get("conditions") or [] if c.get("type") == status.GANG_SCHEDULED), None)
+    since = from_iso((condition or {}).get("lastTransitionTime"))
+    return bool(condition and condition.get("status") == "False" and since
+                and (clock_now() - since).total_seconds() < GANG_RECHECK_SECONDS)
+
+
 async def _with_gang_check(prev: Mapping[str, Any], job: ParallelTrainJob, namespace: str,
                            attempt: int) -> tuple[Mapping[str, Any], gang.Event | None]:
-    """`prev` with the GangScheduled condition of a native gang that just started running (one PodGroup read per
-    attempt; other passes keep the condition as written), and a Warning Event when the gang was not enforced."""
+    """`prev` with the GangScheduled condition of a native gang that runs (read when it starts running, and again
+    while it reads False in the first minute), and a Warning Event when the gang was not enforced."""
     ref = native_pod_group(job, namespace, attempt)
     if ref is None:
         return prev, None
@@ -392,13 +416,10 @@ async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[
             log.info("%s/%s: created %d pods: %s", namespace, name, len(created), _names(created))
     if decision.delete_pods:
         uids = {p.name: p.uid for p in views}
-        for pod in decision.delete_pods:
-            expectations.deleted(key, pod, uids.get(pod, ""))
-        try:
-            await apply.delete_pods(namespace, decision.delete_pods)
-        except Exception:
-            expectations.forget(key)  # some deletes never went out: nothing to wait for; the next pass decides
-            raise
+        # Expected once answered: a delete that failed (or never went out) leaves nothing to wait for, and the
+        # deletes that did go out are still waited for, whatever failed beside them.
+        await apply.delete_pods(namespace, decision.delete_pods,
+                                deleted=lambda pod: expectations.deleted(key, pod, uids.get(pod, "")))
         log.info("%s/%s: deleting %d pods: %s", namespace, name, len(decision.delete_pods),
                  _names(decision.delete_pods))
     if decision.stuck_pods:

@@ -106,6 +106,37 @@ def test_expectations_hold_until_the_cache_shows_our_own_creates_and_deletes():
     assert exp.unseen(key, cache.pods("ns", "job")) == []  # an event never seen is given up after the timeout
 
 
+def test_a_relist_ends_the_expectations_of_its_scope_only():
+    """A fresh list shows the truth: nothing of that scope is still to come. Other namespaces' stay."""
+    exp = observe.Expectations()
+    assert exp.timeout == 300  # client-go's: a slow watch on a large gang is not taken for a lost one
+    cache = observe.PodCache(["ns", "other"], relisted=exp.relisted)
+    exp.created(("ns", "job"), "job-0-0", "uid-a")
+    exp.created(("other", "job"), "job-0-0", "uid-b")
+    cache._replace("ns", listed([]))
+    assert exp.unseen(("ns", "job"), []) == [] and exp.unseen(("other", "job"), []) == ["job-0-0"]
+
+
+def test_a_failed_delete_leaves_the_deletes_that_went_out_expected(monkeypatch: pytest.MonkeyPatch):
+    """Three deletes in slow-start batches (1, then 2): the first is answered, one of the second fails. Before,
+    the failure dropped every expectation of the job, and the next pass decided on a cache that still showed the
+    first pod alive."""
+    class Api:
+        async def request(self, method: str, path: str, **_: Any) -> Any:
+            if path.endswith("/job-0-1"):
+                raise kube.ApiError(403, "Forbidden", "denied by a webhook")
+            return {}
+
+    monkeypatch.setattr(kube, "_client", Api())
+    monkeypatch.setattr(reconcile, "expectations", observe.Expectations())
+    views = [observe.pod_view(pod(f"job-0-{r}", phase="Running")) for r in range(3)]
+    body = {"metadata": {"name": "job", "namespace": "ns", "uid": JOB_UID}}
+    decision = reconcile.Decision(reconcile.GangState(), delete_pods=("job-0-0", "job-0-1", "job-0-2"))
+    with pytest.raises(apply.Refused):
+        asyncio.run(reconcile._act(body, decision, [], views))
+    assert sorted(reconcile.expectations.unseen(("ns", "job"), views)) == ["job-0-0", "job-0-2"]
+
+
 class NoApi:
     """A client that fails the test's pass the moment it would touch the API."""
 
