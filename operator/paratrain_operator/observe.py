@@ -146,10 +146,11 @@ class PodCache:
     """The pods of every job, by job, fed by list + watch (see the module docstring).
 
     `namespaces`: the namespaces served (plain names: one informer each, as a namespaced Role allows; any glob
-    pattern: one cluster-wide informer, filtered); empty: all. `changed(key)` is called for every job whose pods
-    changed."""
+    pattern: one cluster-wide informer, filtered); empty: all. `changed(key, urgent)` is called for every job whose
+    pods changed: urgent when a pod ended, began terminating or went (a restart may be due)."""
 
-    def __init__(self, namespaces: Sequence[str] = (), changed: Callable[[JobKey], None] = lambda key: None,
+    def __init__(self, namespaces: Sequence[str] = (),
+                 changed: Callable[[JobKey, bool], None] = lambda key, urgent: None,
                  watch_seconds: float = 300, relisted: Callable[[str | None], None] = lambda scope: None):
         globbed = any(ch in n for n in namespaces for ch in "*?[")
         self.scopes: list[str | None] = [None] if globbed or not namespaces else list(namespaces)
@@ -315,10 +316,13 @@ class PodCache:
         if self._job_of.get(where) not in (None, job):
             self._drop(where)  # relabelled to another job
         pods = self._jobs.setdefault((where[0], job), {})
-        if pods.get(where[1]) != view:
+        before = pods.get(where[1])
+        if before != view:
             pods[where[1]] = view
             self._job_of[where] = job
-            self._changed((where[0], job))
+            ended = (view.done and not (before and before.done)) or \
+                (view.terminating and not (before and before.terminating))
+            self._changed((where[0], job), ended)
 
     def _drop(self, where: tuple[str, str]) -> None:
         job = self._job_of.pop(where, None)
@@ -328,7 +332,7 @@ class PodCache:
         pods.pop(where[1], None)
         if not pods:
             self._jobs.pop((where[0], job), None)
-        self._changed((where[0], job))
+        self._changed((where[0], job), True)
 
     def _replace(self, scope: str | None, listed: Sequence[ListedPod]) -> None:
         """A fresh list of `scope` replaces what the cache held there (pods deleted unseen go)."""

@@ -36,6 +36,12 @@ from .render import native_pod_group, render_job, superseded
 
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
+# A job whose pods keep changing (a large gang starting: thousands of events over tens of seconds) gets its passes
+# further apart: the wait after a pod event doubles with each pass asked for within STREAK_SECONDS of the one
+# before, up to MAX_COALESCE_SECONDS. A pod that ends, fails or is being deleted still gets a pass within
+# COALESCE_SECONDS (it may start a restart).
+MAX_COALESCE_SECONDS = 4.0
+STREAK_SECONDS = MAX_COALESCE_SECONDS + 1
 # A status write that moves nothing but training progress waits this long after the job's last one (rank 0 is
 # still read every resync, and the stall check uses every read): 500 running jobs then make about 17 writes a
 # second against the API budget they share with pod creates, not 50.
@@ -55,7 +61,8 @@ _progress_written: dict[JobKey, float] = {}  # when a status write last carried 
 _locks: dict[JobKey, asyncio.Lock] = {}
 _issued = 0  # triggers so far (all jobs): a pass started after trigger t answers it
 _answered: dict[JobKey, int] = {}
-_scheduled: set[JobKey] = set()
+_scheduled: dict[JobKey, tuple[asyncio.Task[None], float]] = {}  # a pass asked for and not started: when it runs
+_streaks: dict[JobKey, tuple[int, float]] = {}  # passes asked for in a row, and when the last one was
 _tasks: set[asyncio.Task[None]] = set()
 
 
@@ -68,14 +75,30 @@ def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec") or {}}
 
 
-def request(key: JobKey, delay: float | None = None) -> None:
-    """Ask for a pass of the job soon (its pods changed); requests within `delay` seconds share one pass."""
+def request(key: JobKey, urgent: bool = False) -> None:
+    """Ask for a pass of the job soon (its pods changed). Requests share the pass already asked for; an urgent one
+    (a pod ended or is being deleted) brings it forward to COALESCE_SECONDS."""
+    loop = asyncio.get_running_loop()
+    now = loop.time()
     if key in _scheduled:
-        return
-    _scheduled.add(key)
-    task = asyncio.get_running_loop().create_task(_later(key, COALESCE_SECONDS if delay is None else delay))
+        task, due = _scheduled[key]
+        if not urgent or due <= now + COALESCE_SECONDS:
+            return
+        task.cancel()
+    delay = COALESCE_SECONDS if urgent else coalesce_delay(key, now)
+    task = loop.create_task(_later(key, delay))
+    _scheduled[key] = (task, now + delay)
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
+
+
+def coalesce_delay(key: JobKey, now: float) -> float:
+    """COALESCE_SECONDS, doubled for each pass asked for within STREAK_SECONDS of the one before, up to
+    MAX_COALESCE_SECONDS: passes of a 1,024-pod start come at 0.5, 1.5, 3.5, 7.5 s, then every 4 s."""
+    streak, last = _streaks.get(key, (0, float("-inf")))
+    streak = streak + 1 if now - last < STREAK_SECONDS else 0
+    _streaks[key] = (streak, now)
+    return min(COALESCE_SECONDS * 2 ** min(streak, 16), max(MAX_COALESCE_SECONDS, COALESCE_SECONDS))
 
 
 def requested_passes() -> list[asyncio.Task[None]]:
@@ -85,7 +108,7 @@ def requested_passes() -> list[asyncio.Task[None]]:
 
 async def _later(key: JobKey, delay: float) -> None:
     await asyncio.sleep(delay)
-    _scheduled.discard(key)
+    _scheduled.pop(key, None)
     try:
         await reconcile(*key)
     except Exception as exc:  # noqa: BLE001 (the resync timer redoes a failed pass)
@@ -137,6 +160,7 @@ def forget(namespace: str, name: str) -> None:
     key = (namespace, name)
     _locks.pop(key, None)
     _answered.pop(key, None)
+    _streaks.pop(key, None)
     _progress.pop(key, None)
     _progress_written.pop(key, None)
     _superseded_gone.pop(key, None)

@@ -39,19 +39,22 @@ def names(cache: observe.PodCache, job: str = "job", uid: str | None = JOB_UID) 
 
 
 def test_watch_events_keep_each_jobs_pods_and_say_which_job_changed():
-    changed: list[tuple[str, str]] = []
-    cache = observe.PodCache(changed=changed.append)
+    changed: list[tuple[tuple[str, str], bool]] = []  # (job, urgent)
+    cache = observe.PodCache(changed=lambda key, urgent: changed.append((key, urgent)))
     cache._replace(None, listed([pod("job-0-0"), pod("other-0-0", job="other")]))
-    assert asyncio.run(cache.listed("ns")) is None and names(cache) == ["job-0-0"] and names(cache, "other") == ["other-0-0"]
+    assert asyncio.run(cache.listed("ns")) is None
+    assert names(cache) == ["job-0-0"] and names(cache, "other") == ["other-0-0"]
     changed.clear()
     assert cache._apply({"type": "ADDED", "object": pod("job-0-1", version=7)}) == "7"
     cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Running")})
     cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Running")})  # nothing new: no pass
-    assert changed == [("ns", "job"), ("ns", "job")]
+    assert changed == [(("ns", "job"), False), (("ns", "job"), False)]  # a gang starting: passes may wait
     assert {p.name: p.phase for p in cache.pods("ns", "job")} == {"job-0-0": "Running", "job-0-1": "Pending"}
+    cache._apply({"type": "MODIFIED", "object": pod("job-0-0", phase="Failed")})
     cache._apply({"type": "DELETED", "object": pod("job-0-1")})
     cache._apply({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}})
-    assert names(cache) == ["job-0-0"] and changed[-1] == ("ns", "job") and len(cache) == 2
+    assert changed[-2:] == [(("ns", "job"), True), (("ns", "job"), True)]  # a pod ended, one went: a pass soon
+    assert names(cache) == ["job-0-0"] and len(cache) == 2
 
 
 def test_a_same_named_earlier_jobs_pods_are_not_this_jobs():
@@ -63,7 +66,7 @@ def test_a_same_named_earlier_jobs_pods_are_not_this_jobs():
 def test_a_relist_drops_pods_deleted_while_the_watch_was_away():
     """After 410 Gone the informer lists again: a pod deleted meanwhile sent no event, and must go anyway."""
     changed: list[tuple[str, str]] = []
-    cache = observe.PodCache(["ns", "other-ns"], changed=changed.append)
+    cache = observe.PodCache(["ns", "other-ns"], changed=lambda key, urgent: changed.append(key))
     cache._replace("ns", listed([pod("job-0-0"), pod("job-0-1")]))
     assert asyncio.run(cache.listed("ns")) is None  # its own scope listed: a pass there goes ahead
     assert not cache._settled["other-ns"].is_set()

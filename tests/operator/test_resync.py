@@ -85,3 +85,36 @@ def test_a_write_of_progress_alone_comes_at_most_once_per_progress_seconds(monke
     assert reconcile._paced(key, {"progress": {"step": 12}}, now=140.0) == {}  # 25 s after that one
     assert reconcile._paced(key, {"progress": {"step": 13}}, now=145.5) == {"progress": {"step": 13}}
     assert reconcile._paced(("team", "other"), {"progress": {"step": 1}}, now=146.0) == {"progress": {"step": 1}}
+
+
+def test_passes_asked_for_in_a_row_come_further_apart_and_an_ended_pod_brings_one_forward(
+        monkeypatch: pytest.MonkeyPatch):
+    """A 1,024-pod start sends thousands of pod events over tens of seconds: a pass every 0.5 s made 25 passes
+    after creation (each writing status). Now the wait doubles to 4 s while events keep coming; a pod that ends
+    (a restart may be due) still gets a pass within 0.5 s."""
+    monkeypatch.setattr(reconcile, "_streaks", {})
+    key = ("team", "big")
+    assert [reconcile.coalesce_delay(key, t) for t in (0.0, 0.6, 1.7, 3.8, 7.9, 12.0)] == [0.5, 1, 2, 4, 4, 4]
+    assert reconcile.coalesce_delay(key, 30.0) == 0.5  # quiet for a while: the streak is over
+
+    started: list[float] = []
+
+    async def record(namespace: str, name: str, body: Any = None) -> None:
+        started.append(asyncio.get_running_loop().time())
+
+    monkeypatch.setattr(reconcile, "reconcile", record)
+    monkeypatch.setattr(reconcile, "_scheduled", {})
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reconcile._streaks[key] = (5, t0)  # deep in a streak: the next pass would wait 4 s
+        reconcile.request(key)
+        reconcile.request(key)  # shares it
+        await asyncio.sleep(0.1)
+        reconcile.request(key, urgent=True)  # a pod failed: brought forward
+        await asyncio.sleep(1.0)
+        await asyncio.gather(*reconcile.requested_passes(), return_exceptions=True)
+        return t0
+    t0 = asyncio.run(main())
+    assert len(started) == 1 and started[0] - t0 < 1.0
