@@ -46,7 +46,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "pods", ("get", "list", "watch", "create", "delete")),
     ("", "configmaps", ("get", "create", "patch")),
     ("", "services", ("get", "create")),
-    ("", "events", ("create", "patch")),
+    ("", "events", ("create", "patch", "get")),
     ("networking.k8s.io", "networkpolicies", ("get", "create")),
     ("scheduling.k8s.io", "workloads", ("get", "create")),
     ("scheduling.k8s.io", "podgroups", ("get", "create", "delete")),

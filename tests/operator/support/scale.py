@@ -39,6 +39,7 @@ class Start:
     watch_bytes: int  # every watch stream's bytes over the whole start (pods and jobs, all namespaces)
     gang_bytes: int  # the gang's own pods, as JSON
     seconds_to_running: float
+    pod_post_seconds: float  # a pod POST's mean time from request to answer (through the proxy)
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +148,7 @@ class ScaleRig:
             watch_bytes=self._watch_bytes() - watch_before,
             gang_bytes=sum(len(json.dumps(p, separators=(",", ":"))) for p in self.pods(namespace)),
             seconds_to_running=round(running - began, 3),
+            pod_post_seconds=round(sum(r[5] - r[4] for r in posts) / len(posts), 4),
         )
 
     def _watch_bytes(self) -> int:
