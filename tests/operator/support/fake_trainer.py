@@ -21,8 +21,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 def main() -> int:
@@ -63,10 +65,12 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _serve(progress: dict, host: str, port: int) -> None:
+def json_handler(answer: Callable[[BaseHTTPRequestHandler], Any]) -> type[BaseHTTPRequestHandler]:
+    """A handler answering every GET with `answer(request)` as JSON (rank 0's progress endpoint; the hollow nodes'
+    serves every hollow pod with it)."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
-            body = json.dumps(progress).encode()
+            body = json.dumps(answer(self)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -75,8 +79,11 @@ def _serve(progress: dict, host: str, port: int) -> None:
 
         def log_message(self, *args: object) -> None:
             pass
+    return Handler
 
-    server = ThreadingHTTPServer((host, port), Handler)
+
+def _serve(progress: dict, host: str, port: int) -> None:
+    server = ThreadingHTTPServer((host, port), json_handler(lambda request: progress))
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from paratrain import contract
 
 from ...support.control_plane import KubeApi, register_node
+from .fake_trainer import json_handler
 
 MERGE_PATCH = "application/merge-patch+json"
 HOLLOW = "paratrain.test/hollow"  # the nodes' label and taint: only jobs that ask (`scheduling()`) land there
@@ -42,24 +43,14 @@ class ProgressServer:
                                                                                  range(1, 255)))
         self._lock, started, reads = threading.Lock(), time.time(), self.reads
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                ip = self.connection.getsockname()[0]
-                reads[ip] += 1
-                now = time.time()
-                body = json.dumps({"step": int((now - started) * 10) + 1, "totalSteps": 10**9, "loss": 2.5,
-                                   "tokensPerSecond": 1000.0, "phase": "training",
-                                   "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat()}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def report(request: http.server.BaseHTTPRequestHandler) -> dict[str, Any]:
+            reads[request.connection.getsockname()[0]] += 1  # the pod's own address
+            now = time.time()
+            return {"step": int((now - started) * 10) + 1, "totalSteps": 10**9, "loss": 2.5,
+                    "tokensPerSecond": 1000.0, "phase": "training",
+                    "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat()}
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("0.0.0.0", contract.PROGRESS_PORT), Handler)
+        self.server = http.server.ThreadingHTTPServer(("0.0.0.0", contract.PROGRESS_PORT), json_handler(report))
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="hollow-progress", daemon=True).start()
 
