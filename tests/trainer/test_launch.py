@@ -1,6 +1,12 @@
 """The local launcher (`paratrain run`), with stand-in ranks."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 
 from paratrain import launch
 from paratrain.api import apply_overrides, parse_job
@@ -36,3 +42,50 @@ def test_the_rank_that_died_is_reported_not_the_peer_that_saw_it():
     assert launch.root_failure([None, 75]) == (1, 75)  # alone, the peer failure is what there is to report
     assert launch.root_failure([2, 75, None]) == (0, 2)
     assert launch.root_failure([0, None]) is None
+
+
+def _ranks(*programs: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", program], start_new_session=True) for program in programs]
+
+
+def _ctrl_c_every(seconds: float, times: int) -> threading.Thread:
+    def press():
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(seconds)
+
+    thread = threading.Thread(target=press, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ctrl_c_while_the_launcher_polls_its_ranks_always_stops_them(tmp_path):
+    """A KeyboardInterrupt raised inside `Popen.poll()` could leave its wait lock held, and the stop then waited
+    forever (a suite run hung 600 s there). Ctrl-C is a flag now: a burst of them, landing anywhere in the loop, ends
+    in a stop that reaps every rank."""
+    sleeper = "import time; time.sleep(120)"
+    for _ in range(20):
+        procs = _ranks(sleeper, sleeper)
+        view = launch.ProgressView(tmp_path / "no-events.jsonl", live=False)
+        with launch.CtrlC() as ctrl_c:
+            presses = _ctrl_c_every(0.0005, 3)
+            assert launch.watch_gang(procs, view, ctrl_c) == (-1, 130)
+            presses.join()
+        assert all(p.returncode is not None for p in procs)
+        assert not any(p._waitpid_lock.locked() for p in procs)
+
+
+def test_a_second_ctrl_c_kills_ranks_that_are_still_saving(tmp_path):
+    """The first Ctrl-C gives the ranks SAVE_GRACE_SECONDS; a second one kills a rank that ignores SIGTERM now."""
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    procs = [subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True, stdout=subprocess.PIPE)]
+    procs[0].stdout.readline()  # its SIGTERM handler is in place
+    view = launch.ProgressView(tmp_path / "no-events.jsonl", live=False)
+    before, started = signal.getsignal(signal.SIGINT), time.monotonic()
+    with launch.CtrlC() as ctrl_c:
+        presses = _ctrl_c_every(1.0, 2)
+        assert launch.watch_gang(procs, view, ctrl_c) == (-1, 130)
+        presses.join()
+    assert procs[0].returncode == -signal.SIGKILL
+    assert time.monotonic() - started < launch.SAVE_GRACE_SECONDS / 2
+    assert signal.getsignal(signal.SIGINT) is before  # restored

@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -107,18 +109,64 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def stop_gang(procs: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM every live rank, SIGKILL what is left after a grace period: nothing is left behind."""
+def stop_gang(procs: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS,
+              hurry: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after a grace period (or at once when `hurry()` turns true:
+    a second Ctrl-C): nothing is left behind."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.1)
     for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+class CtrlC:
+    """SIGINT as a count the launcher's loops read, instead of a KeyboardInterrupt raised between any two
+    bytecodes: one raised inside `Popen.poll()` can leave the Popen's wait lock held (CPython acquires it before
+    its try block), and the stop's `wait()` then blocks forever. Restores the previous handler on exit."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> CtrlC:
+        # Only the main thread may set handlers; elsewhere (a launcher called from a thread) Ctrl-C stays as it was.
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = signal.signal(signal.SIGINT, self._pressed) if main else None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _pressed(self, signum: int, frame: object) -> None:
+        self.count += 1
+
+
+def watch_gang(procs: list[subprocess.Popen], view: ProgressView, ctrl_c: CtrlC) -> tuple[int, int] | None:
+    """Follow the gang until a rank fails (its rank and exit code), all succeed (None) or Ctrl-C ((-1, 130)); what
+    is still running is stopped either way. Ctrl-C gives the ranks SAVE_GRACE_SECONDS to save the step in flight,
+    a second one kills them at once."""
+    failed = None
+    try:
+        while not ctrl_c.count:
+            view.poll()
+            codes = [p.poll() for p in procs]
+            if (failed := root_failure(codes)) or all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        if ctrl_c.count:
+            print(f"\nparatrain: stopping: the ranks save the step in flight first (up to {SAVE_GRACE_SECONDS:.0f} s;"
+                  " Ctrl-C again to kill them now)", file=sys.stderr)
+            stop_gang(procs, SAVE_GRACE_SECONDS, hurry=lambda: ctrl_c.count > 1)
+        else:
+            stop_gang(procs, STOP_GRACE_SECONDS)
+    return (-1, 130) if ctrl_c.count else failed
 
 
 class ProgressView:
@@ -363,29 +411,14 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
         print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
               f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
-    if own:
-        procs, unit = start_program(job, work, free_port()), "node"
-    else:
-        store = rendezvous_store()  # held while the gang runs
-        procs, unit = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory), "rank"
-    view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
-    failed: tuple[int, int] | None = None
-    interrupted = False
-    try:
-        while True:
-            view.poll()
-            codes = [p.poll() for p in procs]
-            if failed := root_failure(codes):
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        failed, interrupted = (-1, 130), True
-        print(f"\nparatrain: stopping: the ranks save the step in flight first (up to {SAVE_GRACE_SECONDS:.0f} s)",
-              file=sys.stderr)
-    finally:
-        stop_gang(procs, SAVE_GRACE_SECONDS if interrupted else STOP_GRACE_SECONDS)
+    with CtrlC() as ctrl_c:  # from the first start on: a Ctrl-C while ranks start still stops them
+        if own:
+            procs, unit = start_program(job, work, free_port()), "node"
+        else:
+            store = rendezvous_store()  # held while the gang runs
+            procs, unit = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory), "rank"
+        view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
+        failed = watch_gang(procs, view, ctrl_c)
     view.finish()
     if failed:
         rank, code = failed
