@@ -16,10 +16,9 @@ import os
 import socket
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from paratrain import contract
 from paratrain.api import API_GROUP_VERSION, PLURAL
 from paratrain.api.status import clip
 
@@ -35,6 +34,7 @@ MERGE_PATCH = "application/merge-patch+json"
 STRICT = {"fieldValidation": "Strict"}
 # The largest slow-start batch: pod creates or deletes in flight at once for one job (--write-concurrency).
 WRITE_CONCURRENCY = int(os.environ.get("PARATRAIN_WRITE_CONCURRENCY", "64"))
+RENDER_CHUNK = 64  # pods built at a time (the next chunk while one is created): two chunks in memory at most
 EVENT_MESSAGE_LIMIT = 1024
 # The Events posted lately, by what they say → count: (namespace, job uid, type, reason, message).
 POSTED_EVENTS_KEPT = 4096
@@ -115,13 +115,13 @@ def _owner_uids(obj: Mapping[str, Any]) -> set[str]:
 
 
 async def in_batches(items: Sequence[Any], call: Callable[[Any], Awaitable[Any]],
-                     limit: int | None = None) -> list[Any]:
-    """`call` on every item, concurrently in slow-start batches (1, 2, 4, ... up to `limit`, default
+                     limit: int | None = None, first: int = 1) -> list[Any]:
+    """`call` on every item, concurrently in slow-start batches (`first`, then doubling up to `limit`, default
     WRITE_CONCURRENCY); the first error raised stops it after its batch (the rest of that batch still finishes).
     Returns the results in order."""
     limit = max(1, limit or WRITE_CONCURRENCY)
     results: list[Any] = []
-    size = 1
+    size = max(1, min(first, limit))
     while len(results) < len(items):
         batch = items[len(results):len(results) + size]
         outcomes = await asyncio.gather(*(call(item) for item in batch), return_exceptions=True)
@@ -133,16 +133,16 @@ async def in_batches(items: Sequence[Any], call: Callable[[Any], Awaitable[Any]]
     return results
 
 
-async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int],
+async def create_gang(shared: Sequence[Mapping[str, Any]], ranks: Sequence[int],
+                      render_pods: Callable[[Sequence[int]], Sequence[Mapping[str, Any]]],
                       created: Callable[[str, str], None] = lambda name, uid: None) -> list[str]:
-    """The gang's shared objects, then the pods of `ranks`; returns the pods it created, and tells `created`
-    (name, uid) of each as soon as its create is answered.
+    """The gang's shared objects, then the pods of `ranks`, built by `render_pods` RENDER_CHUNK ranks at a time in a
+    worker thread, each chunk while the one before is created (a 4,096-pod gang never has all its pods in memory,
+    and building them never holds up the event loop); returns the pods it created, and tells `created` (name,
+    uid) of each as soon as its create is answered.
 
     Safe to repeat after a crash at any point: only what is missing gets created."""
-    wanted = {str(r) for r in ranks}
-    pods = [o for o in objects if o["kind"] == "Pod"
-            and (o["metadata"].get("labels") or {}).get(contract.LABEL_NODE_RANK) in wanted]
-    for obj in (o for o in objects if o["kind"] != "Pod"):
+    for obj in shared:
         await ensure(obj)
 
     async def create(pod: Mapping[str, Any]) -> str | None:
@@ -154,7 +154,23 @@ async def create_gang(objects: Sequence[Mapping[str, Any]], ranks: Iterable[int]
             created(pod["metadata"]["name"], uid)
             return pod["metadata"]["name"]
         return None
-    return [name for name in await in_batches(pods, create) if name]
+    chunks = [ranks[start:start + RENDER_CHUNK] for start in range(0, len(ranks), RENDER_CHUNK)]
+    names: list[str] = []
+    built = asyncio.ensure_future(asyncio.to_thread(render_pods, chunks[0])) if chunks else None
+    try:
+        for i in range(len(chunks)):
+            assert built is not None
+            pods = await built
+            # The next chunk is built while this one is created (its requests mostly wait on the API server).
+            built = asyncio.ensure_future(asyncio.to_thread(render_pods, chunks[i + 1])) if i + 1 < len(chunks) \
+                else None
+            # The slow start is the gang's, not the chunk's: later chunks go at full concurrency.
+            names += [name for name in await in_batches(pods, create, first=1 if i == 0 else WRITE_CONCURRENCY)
+                      if name]
+    finally:
+        if built is not None:
+            built.cancel()
+    return names
 
 
 async def delete_pods(namespace: str, names: Sequence[str],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -128,6 +128,21 @@ def trainer_error(termination_message: str | None, limit: int = 2000) -> str | N
         return clip(text.splitlines()[-1].strip(), limit)
     error = parsed.get("error") if isinstance(parsed, dict) else None
     return clip(error, limit) if isinstance(error, str) and error else None
+
+
+def _stopped_from_outside(pods: Iterable[PodView], failures: Sequence[Failure]) -> bool:
+    """Whether something outside stopped the gang: one of its pods deleted (terminating or gone: a drain, Kueue's
+    preemption, by hand) or marked DisruptionTarget. Only then is exit 76 (stopped, step saved) a stop."""
+    return any(p.terminating or p.disrupted for p in pods) or any(f.reason == "PodDeleted" for f in failures)
+
+
+def _unprompted(stop: Failure) -> Failure:
+    """Exit 76 that nothing outside asked for (the program stopped itself): counted like any failure, or a job
+    that keeps stopping itself would restart its gang forever."""
+    return stop.model_copy(update={
+        "reason": "Stopped", "preempted": False,
+        "message": f"pod {stop.pod} exited with code {stop.exit_code} ({describe_exit(stop.exit_code)}), but nothing "
+                   "stopped the gang from outside (no pod of it deleted, evicted or disrupted)"})
 
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
@@ -265,6 +280,9 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
         failures += [deleted(name) for name in vanished]
+    if failures and not _stopped_from_outside(current.values(), failures):
+        failures = [_unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f
+                    for f in failures]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 

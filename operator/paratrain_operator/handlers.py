@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import os
@@ -45,12 +46,23 @@ _resyncs: dict[observe.JobKey, asyncio.Task[None]] = {}  # each job's resync in 
 RETRIES, BACKOFF, TIMEOUT = 8, 5, 600
 
 
+class SpecDigestStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled state of a job as a digest of its spec, not a copy of the spec and the job's annotations:
+    such a copy of a large job passes the API server's 256 KiB limit on annotations, and kopf then retries the
+    refused patch forever, holding it in memory (about 4 MB per 1 MiB job, measured). Only `on.update(field="spec")`
+    reads it: a spec that changes changes the digest, under `spec`."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        spec = json.dumps(dict(body.get("spec") or {}), sort_keys=True, separators=(",", ":"), default=str)
+        return {"spec": {"sha256": hashlib.sha256(spec.encode()).hexdigest()}}
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     # The CR's status is this operator's (paratrain.api.status.JobStatus): kopf keeps its bookkeeping in
     # annotations, and our own Events replace kopf's log-line Events.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = SpecDigestStorage(prefix=API_GROUP)
     settings.posting.enabled = False
     # Reconnect periodically even if a stream goes silent.
     settings.watching.server_timeout = 300

@@ -11,6 +11,7 @@ plain dicts, so whatever the renderer builds reaches the API unchanged (no clien
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
@@ -30,26 +31,54 @@ MAX_CONNECTIONS = 64  # requests in flight at once (aiohttp's pool); more wait f
 # One watch event at most: etcd stores objects of up to 1.5 MiB, and JSON can escape each byte as six (\u003c).
 MAX_EVENT_BYTES = 10 << 20
 log = logging.getLogger("paratrain.operator")
+_NAMESPACED = re.compile(r"/apis?/(?:[^/]+/)*?namespaces/([^/?]+)/")
 
 
 class RateLimiter:
-    """A token bucket: `burst` requests at once, then `qps` a second. qps <= 0: no limit."""
+    """A token bucket (`burst` requests at once, then `qps` a second; qps <= 0: no limit) shared fairly between
+    namespaces, as the API server's own priority and fairness shares its capacity between flows: while requests
+    wait, tokens go round-robin to the namespaces that have some waiting, in the order they asked. One tenant's
+    4,096 pod creates then delay another tenant's status write by one request per busy namespace, not by the whole
+    queue, and a tenant alone still gets the whole budget."""
 
     def __init__(self, qps: float, burst: int):
         self.qps, self.burst = qps, max(1, burst)
         self._tokens, self._at = float(self.burst), time.monotonic()
+        self._waiting: dict[str | None, collections.deque[asyncio.Future[None]]] = {}  # insertion order: the turn
+        self._server: asyncio.Task[None] | None = None
 
-    async def acquire(self) -> None:
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.qps)
+        self._at = now
+
+    async def acquire(self, namespace: str | None = None) -> None:
         if self.qps <= 0:
             return
-        while True:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.qps)
-            self._at = now
-            if self._tokens >= 1:
+        self._refill()
+        if not self._waiting and self._tokens >= 1:  # nobody queued: no turn to keep
+            self._tokens -= 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(namespace, collections.deque()).append(granted)
+        if self._server is None or self._server.done() or self._server.get_loop() is not granted.get_loop():
+            self._server = asyncio.create_task(self._serve())
+        await granted  # a cancelled waiter's token is skipped by _serve (the future is done)
+
+    async def _serve(self) -> None:
+        while self._waiting:
+            self._refill()
+            if self._tokens < 1:
+                await asyncio.sleep((1 - self._tokens) / self.qps)
+                continue
+            namespace = next(iter(self._waiting))
+            queue = self._waiting.pop(namespace)
+            granted = queue.popleft()
+            if queue:
+                self._waiting[namespace] = queue  # back of the line: the next namespace is served next
+            if not granted.done():
                 self._tokens -= 1
-                return
-            await asyncio.sleep((1 - self._tokens) / self.qps)
+                granted.set_result(None)
 
 
 class ApiError(Exception):
@@ -61,6 +90,12 @@ class ApiError(Exception):
     def transient(self) -> bool:
         """Worth retrying as is: throttling, server errors, no connection (status 0)."""
         return self.status in TRANSIENT or self.status == 0
+
+
+def namespace_of(path: str) -> str | None:
+    """The namespace a request acts in (None: cluster-scoped), the flow the rate limiter shares fairly by."""
+    match = _NAMESPACED.match(path)
+    return match[1] if match else None
 
 
 def api_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,
@@ -139,7 +174,7 @@ class Kube:
             content_type = "application/json"
         for delay in (*RETRY_DELAYS, None):
             try:
-                await self.limiter.acquire()
+                await self.limiter.acquire(namespace_of(path))
                 return await self._once(method, path, body, params, content_type)
             except ApiError as exc:
                 if not exc.transient or delay is None or self.stopped:

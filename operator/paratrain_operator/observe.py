@@ -71,6 +71,7 @@ class PodView:
     termination_message: str | None = None
     node: str | None = None  # the node it was bound to
     gone_by: str | None = None  # deletionTimestamp: when a deleted pod's grace period ends
+    disrupted: bool = False  # a DisruptionTarget condition: evicted, preempted or its node shutting down
     uid: str = ""
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
 
@@ -134,6 +135,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         termination_message=term.get("message"),
         node=(pod.get("spec") or {}).get("nodeName"),
         gone_by=meta.get("deletionTimestamp"),
+        disrupted=any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+                      for c in status.get("conditions") or []),
         uid=meta.get("uid", ""),
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )
@@ -399,11 +402,19 @@ class Expectations:
 
 
 class JobCache:
-    """The newest body seen of each job. resourceVersions are compared as numbers only to keep the newer of two
-    bodies; correctness never rests on it (writes are conditional on the body's resourceVersion)."""
+    """The newest body seen of each job, as much of it as the operator reads: apiVersion, kind, spec, status and
+    the metadata it names (a tenant's megabytes of annotations stay out). A spec over `max_spec_bytes` (the
+    platform's maxSpecBytes) is not kept either: its size is, and the job's pass refuses it. resourceVersions are
+    compared as numbers only to keep the newer of two bodies; correctness never rests on it (writes are conditional
+    on the body's resourceVersion)."""
 
-    def __init__(self) -> None:
+    KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "labels", "creationTimestamp",
+                     "deletionTimestamp")
+
+    def __init__(self, max_spec_bytes: int | None = None) -> None:
+        self.max_spec_bytes = max_spec_bytes
         self._bodies: dict[JobKey, dict[str, Any]] = {}
+        self._oversized: dict[JobKey, int] = {}
 
     def offer(self, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -411,16 +422,31 @@ class JobCache:
         held = self._bodies.get(key)
         if held is None or held["metadata"].get("uid") != meta.get("uid") or \
                 as_int(meta.get("resourceVersion"), 0) >= as_int(held["metadata"].get("resourceVersion"), 0):
-            self._bodies[key] = copy.deepcopy(dict(body))  # kopf's Body is a live view
+            # Copied: kopf's Body is a live view.
+            spec = copy.deepcopy(dict(body.get("spec") or {}))
+            size = len(json.dumps(spec, separators=(",", ":"), default=str))
+            if self.max_spec_bytes is not None and size > self.max_spec_bytes:
+                self._oversized[key], spec = size, {}
+            else:
+                self._oversized.pop(key, None)
+            self._bodies[key] = {
+                "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                "metadata": {k: copy.deepcopy(meta[k]) for k in self.KEPT_METADATA if k in meta},
+                "spec": spec, "status": copy.deepcopy(dict(body.get("status") or {}))}
 
     def get(self, key: JobKey) -> dict[str, Any] | None:
         return self._bodies.get(key)
+
+    def oversized(self, key: JobKey) -> int | None:
+        """The size of the job's spec when it is over the limit (and so not kept), else None."""
+        return self._oversized.get(key)
 
     def items(self) -> list[tuple[JobKey, dict[str, Any]]]:
         return list(self._bodies.items())
 
     def forget(self, key: JobKey) -> None:
         self._bodies.pop(key, None)
+        self._oversized.pop(key, None)
 
 
 async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ torch watchdog and other defaults (each dropped when the user sets the same name
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,8 +132,12 @@ def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: s
     return dict(job.spec.pod.annotations) | own
 
 
-def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> GangPlan:
+def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0,
+              ranks: Collection[int] | None = None) -> GangPlan:
+    """The gang's plan; its `nodes` only those of `ranks` when given (each node copies the spec's env and
+    annotations: a batch of a 4,096-pod gang plans its own nodes, not all of them)."""
     name, gang = job.metadata.name, job.spec.scheduling.gang
+    wanted = range(job.spec.nodes) if ranks is None else sorted(set(ranks))
     labels = gang_labels(name)
     # A native PodGroup is one scheduling instance, so each gang attempt gets a fresh one; Volcano's and
     # scheduler-plugins' groups are reused across attempts.
@@ -144,7 +148,7 @@ def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0) -> GangPl
                  labels=pod_labels(job, labels, attempt, rank, pod_group),
                  annotations=pod_annotations(job, attempt, rank, pod_group),
                  env=node_env(job, namespace, attempt, rank))
-        for rank in range(job.spec.nodes))
+        for rank in wanted if 0 <= rank < job.spec.nodes)
     return GangPlan(job_name=name, namespace=namespace, attempt=attempt, service=contract.service_name(name),
                     config_map=f"{name}-spec", labels=labels, gang=gang, scheduler_name=SCHEDULER_NAMES.get(gang),
                     pod_group=pod_group, owner=owner_reference(job), nodes=nodes)

@@ -21,18 +21,19 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from paratrain.api import ParallelTrainJob, SpecError, layout_label, parse_job
-from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform
+from paratrain.api import ParallelTrainJob, Problem, SpecError, layout_label, parse_job
+from paratrain.api.memory import parse_bytes
+from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
 from . import apply, gang, metrics, observe, status
 from .clock import from_iso, now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
 from .observe import JobKey, PodView
-from .render import native_pod_group, render_job, superseded
+from .render import gang_objects, gang_pods, native_pod_group, superseded
 
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
@@ -53,7 +54,7 @@ GANG_RECHECK_SECONDS = 60.0
 PLATFORM = load_platform(os.environ["PARATRAIN_PLATFORM"]) if os.environ.get("PARATRAIN_PLATFORM") else Platform()
 
 pods = observe.PodCache()  # replaced at startup (handlers.configure) by one for the served namespaces
-jobs = observe.JobCache()
+jobs = observe.JobCache(max_spec_bytes=parse_bytes(PLATFORM.max_spec_bytes))
 expectations = observe.Expectations()
 _progress: dict[JobKey, tuple[str, dict[str, Any]]] = {}  # rank 0's pod → its last report
 _superseded_gone: dict[JobKey, int] = {}  # the attempt whose predecessor's objects are deleted
@@ -205,10 +206,12 @@ async def _pass(body: dict[str, Any]) -> str | None:
         log.debug("%s/%s: waiting for the watch to show %d of our own creates/deletes", namespace, name,
                   len(unseen))
         return prev.get("phase")
-    objects: list[dict[str, Any]] = []
+    gang_build: GangBuild | None = None
     job: ParallelTrainJob | None = None
     filled: list[str] = []  # what the platform's jobDefaults filled in
     try:
+        if (size := jobs.oversized(key)) is not None:  # not kept: refused before it is read
+            raise SpecError([Problem("spec", spec_size_problem(size, PLATFORM) or "")])
         job, filled = as_the_operator_takes_it(parse_job(job_document(body)), PLATFORM)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
@@ -217,9 +220,11 @@ async def _pass(body: dict[str, Any]) -> str | None:
         if decision.create_ranks:
             try:
                 # Off the event loop: thousands of pods take seconds of CPU, during which the Lease, the liveness
-                # probe and every other job's pass would otherwise wait.
-                objects = await asyncio.to_thread(render_job, job, namespace, decision.state.attempt, PLATFORM,
-                                                  decision.create_ranks)
+                # probe and every other job's pass would otherwise wait. The pods are built batch by batch as they
+                # are created (apply.create_gang); the first one here, so that a spec the renderer cannot build
+                # fails the job before anything is created.
+                gang_build = await asyncio.to_thread(GangBuild.of, job, namespace, decision.state.attempt,
+                                                     decision.create_ranks)
             except Exception as exc:  # noqa: BLE001 (a spec the renderer cannot build fails the job, visibly)
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)
                 decision = gang.fail(state, views, failure, now)
@@ -228,7 +233,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if written is None:
         return None  # the job was deleted meanwhile
     try:
-        await _act(written, decision, objects, views)
+        await _act(written, decision, gang_build, views)
         await _delete_superseded(key, job, decision, views)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
@@ -241,11 +246,29 @@ async def _pass(body: dict[str, Any]) -> str | None:
         decision = gang.fail(decision.state, views, rejected, now)
         written = await _persist_rejection(written, decision, job, views, filled)
         if written is not None:
-            await _act(written, decision, [], views)
+            await _act(written, decision, None, views)
     metrics.record_phase(namespace, name, decision.state.phase or gang.PENDING)
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+@dataclass(frozen=True)
+class GangBuild:
+    """What a pass creates: the gang's shared objects, built, and its pods, built on demand by rank."""
+
+    job: ParallelTrainJob
+    namespace: str
+    attempt: int
+    shared: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, job: ParallelTrainJob, namespace: str, attempt: int, ranks: Sequence[int]) -> GangBuild:
+        gang_pods(job, namespace, attempt, ranks[:1])  # a spec the renderer cannot build fails here
+        return cls(job, namespace, attempt, gang_objects(job, namespace, attempt, PLATFORM))
+
+    def pods(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        return gang_pods(self.job, self.namespace, self.attempt, ranks)
 
 
 async def _delete_superseded(key: JobKey, job: ParallelTrainJob | None, decision: Decision,
@@ -428,13 +451,13 @@ def _progress_of(body: Mapping[str, Any], state: GangState, views: Sequence[PodV
     return read[1] if read and read[0] == rank0.name and state.phase == gang.RUNNING else None
 
 
-async def _act(body: dict[str, Any], decision: Decision, objects: Sequence[dict[str, Any]],
+async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild | None,
                views: Sequence[PodView]) -> None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     key = (namespace, name)
-    if decision.create_ranks and objects:
-        created = await apply.create_gang(objects, decision.create_ranks,
+    if decision.create_ranks and gang_build:
+        created = await apply.create_gang(gang_build.shared, decision.create_ranks, gang_build.pods,
                                           created=lambda pod, uid: expectations.created(key, pod, uid))
         if created:
             log.info("%s/%s: created %d pods: %s", namespace, name, len(created), _names(created))

@@ -68,7 +68,8 @@ def to_yaml_stream(objects: list[dict[str, Any]]) -> str:
 
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("paratrain_operator", "templates"), undefined=jinja2.StrictUndefined,
-    autoescape=False, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    autoescape=False, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+    auto_reload=False)  # templates ship with the package: no stat of the file per pod
 _TEMPLATES.filters["tojson"] = to_json  # replaces jinja2's HTML-escaping tojson
 
 
@@ -212,11 +213,17 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
 
 def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,
                platform: Platform | None = None, ranks: Collection[int] | None = None) -> list[dict[str, Any]]:
-    """The objects of gang attempt `attempt`, in creation order: ConfigMap, Service, NetworkPolicy (unless the
-    platform turns it off), Workload and PodGroup (per the gang scheduler), Pods (only those of `ranks`, if given:
-    a pass that replaces one pod builds one, not the whole gang)."""
+    """The objects of gang attempt `attempt`, in creation order: its shared objects (gang_objects), then its Pods
+    (only those of `ranks`, if given: a pass that replaces one pod builds one, not the whole gang)."""
+    return gang_objects(job, namespace, attempt, platform) + gang_pods(job, namespace, attempt, ranks)
+
+
+def gang_objects(job: ParallelTrainJob, namespace: str, attempt: int = 0,
+                 platform: Platform | None = None) -> list[dict[str, Any]]:
+    """What gang attempt `attempt`'s pods need first, in creation order: ConfigMap, Service, NetworkPolicy (unless
+    the platform turns it off), Workload and PodGroup (per the gang scheduler)."""
     platform = platform or Platform()
-    plan = plan_gang(job, namespace, attempt)
+    plan = plan_gang(job, namespace, attempt, ranks=())
     objects = [config_map(plan, job), service(plan)]
     if platform.network_policy.enabled:
         objects.append(network_policy(plan, platform.network_policy))
@@ -224,7 +231,14 @@ def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,
         objects.append(workload(plan, job.spec))
     if plan.pod_group:
         objects.append(pod_group(plan, job.spec))
-    return objects + [pod(plan, node, job.spec) for node in plan.nodes if ranks is None or node.rank in ranks]
+    return objects
+
+
+def gang_pods(job: ParallelTrainJob, namespace: str, attempt: int = 0,
+              ranks: Collection[int] | None = None) -> list[dict[str, Any]]:
+    """The Pods of gang attempt `attempt` (of `ranks` only, if given), by rank."""
+    plan = plan_gang(job, namespace, attempt, ranks)
+    return [pod(plan, node, job.spec) for node in plan.nodes]
 
 
 def native_pod_group(job: ParallelTrainJob, namespace: str, attempt: int) -> dict[str, Any] | None:
@@ -232,7 +246,7 @@ def native_pod_group(job: ParallelTrainJob, namespace: str, attempt: int) -> dic
     gang is `kubernetes`."""
     if job.spec.scheduling.gang != "kubernetes":
         return None
-    group = pod_group(plan_gang(job, namespace, attempt), job.spec)
+    group = pod_group(plan_gang(job, namespace, attempt, ranks=()), job.spec)
     return {"apiVersion": group["apiVersion"], "kind": group["kind"],
             "metadata": {"name": group["metadata"]["name"], "namespace": namespace}}
 

@@ -124,14 +124,21 @@ def test_a_namespace_rule_that_is_not_a_namespace_pattern_is_refused():
 
 def test_the_platform_caps_a_jobs_pods_and_the_weight_of_its_gang():
     """Issue 31: one job's gang was rendered whole in the operator's memory (1,024 pods with 240 KB of annotations
-    peaked at 266 MiB against a 512 Mi limit, and the standby then took the same job and failed the same way)."""
-    heavy = {"annotations": {f"note-{i}": "x" * 60_000 for i in range(3)}}
-    require_cluster_ready(parse_job(host_job("team-a", **heavy)), Platform())  # one pod of 180 KB: fine
-    many = job(image="x/y:1", nodes=1024, parallelism={"data": 1024}, training={"batchSize": 1024}, pod=heavy)
-    with pytest.raises(SpecError, match=r"spec: the gang would weigh about 17\d\.\d+ MiB .*1024 pods.*"
+    peaked at 266 MiB against a 512 Mi limit, and the standby then took the same job and failed the same way), and
+    every job's whole body was kept, however large."""
+    heavy = {"annotations": {f"note-{i}": "x" * 20_000 for i in range(3)}}
+    require_cluster_ready(parse_job(host_job("team-a", **heavy)), Platform())  # one pod of 60 KB: fine
+    many = job(image="x/y:1", nodes=4096, parallelism={"data": 4096}, training={"batchSize": 4096}, pod=heavy)
+    with pytest.raises(SpecError, match=r"spec: the gang would weigh about 2\d\d\.\d+ MiB .*4096 pods.*"
                                         r"maxGangBytes \(64\.00 MiB\)"):
         require_cluster_ready(parse_job(many), Platform())
     require_cluster_ready(parse_job(many), Platform.model_validate({"maxGangBytes": "256Mi"}))
-    with pytest.raises(SpecError, match=r"spec\.nodes: 1024 pods is more than the platform allows a job .*maxNodes, "
+    with pytest.raises(SpecError, match=r"spec\.nodes: 4096 pods is more than the platform allows a job .*maxNodes, "
                                         r"512"):
         require_cluster_ready(parse_job(many), Platform.model_validate({"maxNodes": 512, "maxGangBytes": "1Gi"}))
+    # One job's spec, whatever its nodes: the operator keeps every job's spec in memory.
+    huge = host_job("team-a", env=[{"name": f"NOTE_{i}", "value": "x" * 30_000} for i in range(3)])
+    with pytest.raises(SpecError, match=r"spec: the spec is 8\d\.\d+ KiB of JSON, more than the platform's "
+                                        r"maxSpecBytes \(64\.00 KiB\)"):
+        require_cluster_ready(parse_job(huge), Platform())
+    require_cluster_ready(parse_job(huge), Platform.model_validate({"maxSpecBytes": "1Mi"}))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from paratrain.api import parse_job
-from paratrain_operator import apply, kube, reconcile
+from paratrain_operator import apply, handlers, kube, observe, reconcile
 from paratrain_operator.clock import now, to_iso
 from paratrain_operator.gang import RUNNING, Decision, Event, GangState
 from paratrain_operator.observe import PodView
@@ -53,8 +54,19 @@ class Api:
         if method == "DELETE":
             return self.objects.pop(name)
         if method == "PATCH":
-            self.objects[name].update(copy.deepcopy(body))
+            merge_patch(self.objects[name], copy.deepcopy(body))
         return copy.deepcopy(self.objects[name])
+
+
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386, as the API server applies a merge patch."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = value
 
 
 @pytest.fixture
@@ -151,3 +163,73 @@ def test_a_gang_found_not_placed_whole_is_read_again_in_its_first_minute(api: Ap
     assert condition["status"] == ("True" if corrected else "False")
     assert (("GET", group) in [(m, p.rsplit("/", 1)[-1]) for m, p, _ in api.requests]) == corrected
     assert events(api) == []  # the Warning was posted when the gang started running, not again
+
+
+def test_a_large_gang_is_built_batch_by_batch_as_it_is_created(api: Api):
+    """A 600-pod gang: its pods are built RENDER_CHUNK at a time, each chunk only once the one before last is
+    created, so the operator never holds the whole gang's pods (1 GiB for 4,096 pods with large annotations); every
+    pod is still created once, in rank order, and a repeated pass creates nothing."""
+    job = parse_job({**JOB, "spec": {"nodes": 600, "parallelism": {"data": 600}, "training": {"batchSize": 600}}})
+    build = reconcile.GangBuild.of(job, "ml", 0, tuple(range(600)))
+    built: list[tuple[int, int]] = []  # (pods built in the call, pods created before it)
+
+    def render(ranks):
+        built.append((len(ranks), sum(o.get("kind") == "Pod" for o in api.objects.values())))
+        return build.pods(ranks)
+    created = asyncio.run(apply.create_gang(build.shared, tuple(range(600)), render))
+    assert created == [f"job-0-{r}" for r in range(600)]
+    chunk = apply.RENDER_CHUNK
+    assert [n for n, _ in built] == [chunk] * (600 // chunk) + [600 % chunk]
+    assert all(created_before >= (i - 1) * chunk for i, (_, created_before) in enumerate(built))
+    assert [o["kind"] for o in api.objects.values()][:2] == ["ConfigMap", "Service"]  # before any pod
+    assert asyncio.run(apply.create_gang(build.shared, tuple(range(600)), render)) == []  # all exist: none again
+
+
+def test_a_job_over_max_spec_bytes_is_not_kept_and_fails_naming_the_limit(api: Api, monkeypatch: pytest.MonkeyPatch):
+    """Issue 31: hundreds of near-1.5 MiB jobs, even suspended, filled the operator's memory (each whole body was
+    kept). Now the cache keeps only what the operator reads (a tenant's annotations stay out) and no spec over the
+    platform's maxSpecBytes: that job's pass fails it, saying why, without reading it."""
+    jobs = observe.JobCache(max_spec_bytes=64 << 10)
+    monkeypatch.setattr(reconcile, "jobs", jobs)
+    cache = observe.PodCache(["ml"])
+    cache._replace("ml", [])  # listed: nothing there
+    monkeypatch.setattr(reconcile, "pods", cache)
+    note = {"annotations": {"note": "<" * 400_000}, "managedFields": [{"manager": "kubectl"}]}
+    spec = {"nodes": 1, "training": {"batchSize": 8}, "pod": {"env": [{"name": "BLOB", "value": "x" * 300_000}]}}
+    body = {**copy.deepcopy(JOB), "metadata": {**JOB["metadata"], **note}, "spec": spec}
+    api.objects["job"] = copy.deepcopy(body)
+    jobs.offer(body)
+    kept = jobs.get(("ml", "job"))
+    assert kept["spec"] == {} and jobs.oversized(("ml", "job")) > 300_000
+    assert len(json.dumps(kept)) < 1000  # neither the annotations nor the spec
+    assert asyncio.run(reconcile._pass(kept)) == "Failed"
+    status = api.objects["job"]["status"]
+    assert status["phase"] == "Failed" and "maxSpecBytes (64.00 KiB)" in status["failure"]["message"], status
+    assert not [r for r in api.requests if r[0] == "POST" and "/pods" in r[1]]  # nothing created
+
+    smaller = {**body, "metadata": {**body["metadata"], "resourceVersion": "8"}, "spec": {"nodes": 1}}
+    jobs.offer(smaller)  # fixed by its owner: kept again
+    assert jobs.oversized(("ml", "job")) is None and jobs.get(("ml", "job"))["spec"] == {"nodes": 1}
+
+
+def test_kopf_keeps_a_digest_of_the_spec_not_a_copy_of_the_job():
+    """kopf's own last-handled state was a copy of the spec and the annotations in an annotation: for a 1 MiB job the
+    API server refused that patch (annotations hold 256 KiB), and kopf retried it forever, holding it in memory.
+    Now it is a digest: small whatever the job, the same for the same spec, different when the spec changes, and the
+    change shows under `spec` (what `on.update(field="spec")` reacts to)."""
+    import kopf
+    from kopf._cogs.structs import diffs  # kopf's own diff, as its processing computes the update's cause
+
+    storage = handlers.SpecDigestStorage(prefix="paratrain.dev")
+    huge = {**copy.deepcopy(JOB), "metadata": {**JOB["metadata"], "annotations": {"note": "y" * 200_000}},
+            "spec": {"nodes": 1, "pod": {"env": [{"name": f"V{i}", "value": "x" * 28_000} for i in range(38)]}}}
+    essence = storage.build(body=kopf.Body(huge))
+    patch = kopf.Patch()
+    storage.store(body=kopf.Body(huge), patch=patch, essence=essence)
+    assert len(json.dumps(dict(patch))) < 500
+    reordered = {**huge, "metadata": {**huge["metadata"], "labels": {"a": "b"}},
+                 "spec": dict(reversed(list(huge["spec"].items())))}
+    assert storage.build(body=kopf.Body(reordered)) == essence  # labels, annotations and key order do not count
+    changed = {**huge, "spec": {**huge["spec"], "nodes": 2}}
+    diff = diffs.diff(essence, storage.build(body=kopf.Body(changed)))
+    assert diff and all(op.field[0] == "spec" for op in diff)

@@ -136,7 +136,7 @@ def test_a_failed_delete_leaves_the_deletes_that_went_out_expected(monkeypatch: 
     body = {"metadata": {"name": "job", "namespace": "ns", "uid": JOB_UID}}
     decision = reconcile.Decision(reconcile.GangState(), delete_pods=("job-0-0", "job-0-1", "job-0-2"))
     with pytest.raises(apply.Refused):
-        asyncio.run(reconcile._act(body, decision, [], views))
+        asyncio.run(reconcile._act(body, decision, None, views))
     assert sorted(reconcile.expectations.unseen(("ns", "job"), views)) == ["job-0-0", "job-0-2"]
 
 
@@ -268,6 +268,34 @@ def test_the_rate_limiter_lets_a_burst_through_then_paces():
         return time.monotonic() - start
     elapsed = asyncio.run(main())
     assert 0.15 <= elapsed < 2.0  # 10 at once, then 10 more at 50/s: about 0.2 s
+
+
+def test_the_rate_limiter_shares_its_budget_fairly_between_namespaces():
+    """One tenant's 100 queued creates do not hold back another tenant's request: tokens go round-robin to the
+    namespaces with requests waiting, and a cancelled request's turn is not spent."""
+    async def main() -> tuple[list[str], int]:
+        limiter, order = kube.RateLimiter(qps=200, burst=1), []
+
+        async def call(namespace: str) -> None:
+            await limiter.acquire(namespace)
+            order.append(namespace)
+
+        flood = [asyncio.create_task(call("big")) for _ in range(100)]
+        await asyncio.sleep(0.02)  # the flood is queued (a few granted)
+        granted_before = len(order)
+        cancelled = asyncio.create_task(call("gone"))
+        small = [asyncio.create_task(call("small")) for _ in range(3)]
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(*flood, *small)
+        return order, granted_before
+    order, granted_before = asyncio.run(main())
+    first_small = order.index("small")
+    assert order[first_small:first_small + 6:2] == ["small"] * 3, order  # every other grant, from its first on
+    assert first_small <= granted_before + 2 and "gone" not in order and len(order) == 103, (granted_before, order)
+    assert kube.namespace_of("/api/v1/namespaces/team-a/pods") == "team-a"
+    assert kube.namespace_of("/apis/paratrain.dev/v1alpha1/namespaces/b/paralleltrainjobs/x/status") == "b"
+    assert kube.namespace_of("/api/v1/pods") is None and kube.namespace_of("/api/v1/nodes/n1") is None
 
 
 def test_slow_start_batches_double_and_stop_after_a_failing_batch():

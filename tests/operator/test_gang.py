@@ -93,23 +93,46 @@ def test_a_permanent_exit_code_fails_the_job_without_a_restart(code):
     assert set(decision.delete_pods) == {"job-0-0", "job-0-2"}  # a failed job holds no GPUs
 
 
-def test_a_preempted_gang_restarts_without_spending_its_backoff_limit():
-    """Exit 76: the ranks were stopped (SIGTERM) and saved the step in flight; even with the budget spent the
-    gang restarts, and the restart is not counted."""
+@pytest.mark.parametrize("outside", [dict(terminating=True), dict(disrupted=True)])
+def test_a_preempted_gang_restarts_without_spending_its_backoff_limit(outside):
+    """Exit 76: the ranks were stopped (SIGTERM) and saved the step in flight. With a pod of the gang deleted (a drain,
+    Kueue's preemption) or marked DisruptionTarget, the stop came from outside: even with the budget spent the gang
+    restarts, and the restart is not counted."""
     spent = replace(RUNNING, restarts=2, attempt=2)
     pods = gang_of("Failed", "Failed", "Running", attempt=2, exit_code=contract.EXIT_PREEMPTED)
+    pods[1] = replace(pods[1], **outside)
     decision = decide(pods, spent)
     s = decision.state
     assert (s.phase, s.attempt, s.restarts, s.reason) == ("Restarting", 3, 2, "Preempted")
     assert s.last_stop.reason == "Preempted" and s.failure is None  # a stop is not a failure
     assert "not counted against backoffLimit" in s.message
     assert [e.reason for e in decision.events] == ["Preempted"]
-    assert set(decision.delete_pods) == {"job-2-0", "job-2-1", "job-2-2"}
+    assert set(decision.delete_pods) == {"job-2-0", "job-2-2"} | (set() if outside.get("terminating") else {"job-2-1"})
     # A real failure beside a preemption is the root cause, and it is counted.
-    mixed = [pod(0, "Failed", exit_code=contract.EXIT_PREEMPTED, finished_at="2026-11-29T11:59:00Z"),
+    mixed = [pod(0, "Failed", exit_code=contract.EXIT_PREEMPTED, finished_at="2026-11-29T11:59:00Z", **outside),
              pod(1, "Failed", exit_code=1, finished_at="2026-11-29T11:59:01Z"), pod(2)]
     counted = decide(mixed, RUNNING).state
     assert (counted.restarts, counted.failure.pod, counted.failure.exit_code) == (1, "job-0-1", 1)
+
+
+def test_a_gang_that_stops_itself_is_counted_and_bounded():
+    """Exit 76 with nothing stopping the gang from outside (no pod deleted, gone or disrupted: the program sent
+    itself SIGTERM, or exits 76 of its own accord) is a failure like any other: counted, and the budget ends it.
+    Uncounted, such a job would restart its gang forever."""
+    stopped = gang_of("Failed", "Failed", "Failed", exit_code=contract.EXIT_PREEMPTED)
+    s = decide(stopped, RUNNING).state
+    assert (s.phase, s.restarts, s.failure.reason, s.failure.exit_code) == ("Restarting", 1, "Stopped", 76)
+    assert "nothing stopped the gang from outside" in s.failure.message and s.last_stop is None
+    spent = decide(gang_of("Failed", "Failed", "Failed", attempt=2, exit_code=contract.EXIT_PREEMPTED),
+                   replace(RUNNING, restarts=2, attempt=2)).state
+    assert (spent.phase, spent.reason) == ("Failed", "BackoffLimitExceeded")
+
+
+def test_a_vanished_pod_makes_its_peers_exit_76_a_stop():
+    """The drained pod already gone (its deletion finished), its peers saved and exited 76: still a stop."""
+    peers = [pod(0, "Failed", exit_code=contract.EXIT_PREEMPTED), pod(2, "Failed", exit_code=contract.EXIT_PREEMPTED)]
+    s = decide(peers, replace(RUNNING, restarts=2)).state
+    assert (s.phase, s.restarts, s.failure) == ("Restarting", 2, None) and s.last_stop.preempted
 
 
 def test_the_backoff_limit_ends_the_restarts():
@@ -253,6 +276,10 @@ def test_pod_view_reads_labels_exit_codes_and_why_a_pod_waits():
                                   "message": "Scheduling is blocked due to non-empty scheduling gates"}]}})
     assert held.queued and held.waiting == ("QueuedByKueue: Kueue has not admitted the gang yet (LocalQueue team-a, "
                                             "pod group job-0)")
+    assert not view.disrupted and not held.disrupted
+    drained = observe.pod_view({"metadata": {"name": "x"}, "status": {"phase": "Running", "conditions": [
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]}})
+    assert drained.disrupted
 
 
 def test_classify():

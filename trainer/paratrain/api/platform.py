@@ -92,6 +92,11 @@ class Platform(_Model):
         "The most a job's gang may weigh in the operator's memory, estimated as spec.nodes times the size of its "
         "spec (each pod carries the spec's env, annotations and volumes): 1,024 pods with 240 KB of annotations "
         "peaked at 266 MiB, against the operator's 512 Mi limit."))
+    max_spec_bytes: str = Field("64Ki", pattern=BYTES, max_length=32, description=(
+        "The most one job's spec may weigh (its JSON). The operator keeps every job's spec in memory, suspended "
+        "and finished ones too; a larger spec is refused and not kept. Beyond about 100 KiB a job breaks before "
+        "it reaches the operator anyway: kubectl apply and the operator's handler state each copy the spec into "
+        "the job's annotations, which may hold 256 KiB in all."))
     checkpoint_bandwidth: str = Field("512Mi", pattern=BYTES, max_length=32, description=(
         "Bytes per second one node writes, then hashes, a checkpoint at on the storage jobs checkpoint to. A "
         "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
@@ -177,6 +182,15 @@ def load_platform(path: str | Path) -> Platform:
         raise SpecError([Problem(f"{path}: " + ".".join(map(str, e["loc"])), e["msg"]) for e in exc.errors()]) from None
 
 
+def spec_size_problem(size: int, platform: Platform) -> str | None:
+    """Why a spec of `size` bytes of JSON is refused, or None."""
+    limit = parse_bytes(platform.max_spec_bytes)
+    if size <= limit:
+        return None
+    return (f"the spec is {human(size)} of JSON, more than the platform's maxSpecBytes ({human(limit)}): the "
+            "operator keeps every job's spec in memory; move large env values and files to a ConfigMap or a volume")
+
+
 def gang_bytes(spec: Spec) -> int:
     """What the operator holds per gang it renders: every pod carries the spec's env, annotations and volumes."""
     return spec.nodes * len(json.dumps(spec.dump(), separators=(",", ":")))
@@ -196,6 +210,8 @@ def platform_problems(spec: Spec, platform: Platform, namespace: str | None = No
     if platform.max_nodes is not None and spec.nodes > platform.max_nodes:
         out.append(("spec.nodes", f"{spec.nodes} pods is more than the platform allows a job (the operator's "
                                   f"platform.maxNodes, {platform.max_nodes})"))
+    if problem := spec_size_problem(len(json.dumps(spec.dump(), separators=(",", ":"))), platform):
+        out.append(("spec", problem))
     if (gang := gang_bytes(spec)) > (limit := parse_bytes(platform.max_gang_bytes)):
         out.append(("spec", f"the gang would weigh about {human(gang)} in the operator ({spec.nodes} pods, each "
                             f"carrying the spec's {human(gang // spec.nodes)}), more than the platform's "
