@@ -15,6 +15,7 @@ final progress to $PARATRAIN_TERMINATION_LOG when set. Behaviour comes from the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,11 +72,12 @@ def json_handler(answer: Callable[[BaseHTTPRequestHandler], Any]) -> type[BaseHT
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
             body = json.dumps(answer(self)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the reader gave up (its timeout)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
             pass

@@ -7,6 +7,7 @@ figures in docs/benchmarks.md) and tests/operator/test_scale.py (the counts CI h
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ class Start:
     gang_bytes: int  # the gang's own pods, as JSON
     seconds_to_running: float
     pod_post_seconds: float  # a pod POST's mean time from request to answer (through the proxy)
+    cores_while_creating: dict[str, float]  # CPU each process used from the CR to the last create, in cores
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,8 +125,11 @@ class ScaleRig:
         self.plane.create_namespace(namespace)
         mark, began = len(self.proxy.log), time.monotonic()
         watch_before = self._watch_bytes()
+        assert self.operator and self.operator.process
+        cpu = CpuUse(self.operator.process.pid)
         self.submit(namespace, name, size, **spec)
         posts = self.wait_created(namespace, size, since=mark)
+        cores = cpu.cores()
         last_created = max(r[5] for r in posts)
         passes_at_created = self.passes(namespace, name)
         wait_for(lambda: self.status(namespace, name).get("phase") == "Running", 300, f"{namespace} Running",
@@ -149,10 +154,59 @@ class ScaleRig:
             gang_bytes=sum(len(json.dumps(p, separators=(",", ":"))) for p in self.pods(namespace)),
             seconds_to_running=round(running - began, 3),
             pod_post_seconds=round(sum(r[5] - r[4] for r in posts) / len(posts), 4),
+            cores_while_creating=cores,
         )
 
     def _watch_bytes(self) -> int:
         return sum(r[3] for r in self.proxy.log if "watch=true" in r[1])
+
+
+class CpuUse:
+    """The cores each process of the rig used since this was made: the control plane's (by name), the operator's
+    and this process's (the counting proxy and the hollow kubelets run here)."""
+
+    CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller")
+
+    def __init__(self, operator_pid: int):
+        pids: dict[str, list[int]] = {"operator": [operator_pid], "proxy and hollow kubelets": [os.getpid()]}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    name = (entry / "comm").read_text().strip()
+                except OSError:
+                    continue
+                if name in self.CONTROL_PLANE:
+                    pids.setdefault(name, []).append(int(entry.name))
+        self.pids, self.began = pids, time.monotonic()
+        self.start = self._seconds()
+
+    def _seconds(self) -> dict[str, float]:
+        out = {}
+        for name, pids in self.pids.items():
+            total = 0.0
+            for pid in pids:
+                try:
+                    total += cpu_seconds(pid)
+                except OSError:  # gone meanwhile
+                    pass
+            out[name] = total
+        return out
+
+    def cores(self) -> dict[str, float]:
+        elapsed, now = max(time.monotonic() - self.began, 1e-6), self._seconds()
+        return {name: round((now[name] - self.start[name]) / elapsed, 2) for name in self.pids}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_kib(pid: int, field: str) -> int:
+    """A /proc/PID/status field in KiB (VmRSS, VmHWM)."""
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith(f"{field}:"))
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
