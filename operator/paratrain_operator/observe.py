@@ -30,6 +30,7 @@ import aiohttp
 
 from paratrain import contract
 from paratrain.api import API_GROUP_VERSION, PLURAL, kueue
+from paratrain.api.platform import spec_bytes
 from paratrain.api.status import FAILED, PENDING, SUCCEEDED
 
 from .kube import ApiError, api_path, client
@@ -424,7 +425,7 @@ class JobCache:
                 as_int(meta.get("resourceVersion"), 0) >= as_int(held["metadata"].get("resourceVersion"), 0):
             # Copied: kopf's Body is a live view.
             spec = copy.deepcopy(dict(body.get("spec") or {}))
-            size = len(json.dumps(spec, separators=(",", ":"), default=str))
+            size = spec_bytes(spec)
             if self.max_spec_bytes is not None and size > self.max_spec_bytes:
                 self._oversized[key], spec = size, {}
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -191,9 +192,9 @@ def spec_size_problem(size: int, platform: Platform) -> str | None:
             "operator keeps every job's spec in memory; move large env values and files to a ConfigMap or a volume")
 
 
-def gang_bytes(spec: Spec) -> int:
-    """What the operator holds per gang it renders: every pod carries the spec's env, annotations and volumes."""
-    return spec.nodes * len(json.dumps(spec.dump(), separators=(",", ":")))
+def spec_bytes(spec: Mapping[str, Any]) -> int:
+    """A spec's weight: the size of its compact JSON (what maxSpecBytes and maxGangBytes measure)."""
+    return len(json.dumps(spec, separators=(",", ":"), default=str))
 
 
 def allowed_in(rule: bool | list[str], namespace: str) -> bool:
@@ -210,9 +211,11 @@ def platform_problems(spec: Spec, platform: Platform, namespace: str | None = No
     if platform.max_nodes is not None and spec.nodes > platform.max_nodes:
         out.append(("spec.nodes", f"{spec.nodes} pods is more than the platform allows a job (the operator's "
                                   f"platform.maxNodes, {platform.max_nodes})"))
-    if problem := spec_size_problem(len(json.dumps(spec.dump(), separators=(",", ":"))), platform):
+    size = spec_bytes(spec.dump())
+    if problem := spec_size_problem(size, platform):
         out.append(("spec", problem))
-    if (gang := gang_bytes(spec)) > (limit := parse_bytes(platform.max_gang_bytes)):
+    # What the operator holds per gang it renders: every pod carries the spec's env, annotations and volumes.
+    if (gang := spec.nodes * size) > (limit := parse_bytes(platform.max_gang_bytes)):
         out.append(("spec", f"the gang would weigh about {human(gang)} in the operator ({spec.nodes} pods, each "
                             f"carrying the spec's {human(gang // spec.nodes)}), more than the platform's "
                             f"maxGangBytes ({human(limit)}): make spec.pod's env and annotations smaller, or use "
