@@ -31,6 +31,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -268,6 +269,7 @@ def main() -> None:
         run(plane, workdir, sizes, args)
     finally:
         plane.close()
+    shutil.rmtree(workdir)  # kept where the run failed: its logs
 
 
 def run(plane: ControlPlane, workdir: Path, sizes: list[int], args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -167,6 +168,7 @@ def main() -> None:
             rig.close()
     finally:
         plane.close()
+    shutil.rmtree(workdir)  # kept where the run failed: its logs
     out = Path(args.out)
     out.write_text(json.dumps(results, indent=1) + "\n")
     write_section("operator_tenants", table(results))

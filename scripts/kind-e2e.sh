@@ -65,6 +65,27 @@ if ! bash scripts/docker.sh start; then
   echo "kind-e2e: no Docker daemon answers here and none could be started (scripts/docker.sh start, above)" >&2
   exit 3
 fi
+# Room on the disk first: a disk that fills while `kind load` copies the trainer image onto the workers fails the
+# page half-way, and everything else writing to that disk with it. Measured here with the images built: 30.1 GiB
+# at the peak (kind's tar of the 5.3 GB trainer image, then each worker's copy and its unpacked layers); building
+# the trainer image takes 5.3 GB more. Docker's data and kind's tar in TMPDIR are counted together (one file system
+# here; where they are two, each is asked for the whole, which errs on the safe side).
+if docker image inspect "$TRAINER_IMAGE" >/dev/null 2>&1; then
+  MIN_FREE_GIB="${KIND_E2E_MIN_FREE_GIB:-32}"
+else
+  MIN_FREE_GIB="${KIND_E2E_MIN_FREE_GIB:-38}"
+fi
+free_gib() { df --output=avail -BG "$1" 2>/dev/null | tail -1 | tr -dc '0-9'; }
+docker_root="$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)"
+for where in "$docker_root" "${TMPDIR:-/tmp}"; do
+  have="$(free_gib "$where")"
+  if [ -n "$have" ] && [ "$have" -lt "$MIN_FREE_GIB" ]; then
+    echo "kind-e2e: FAILED: $where has ${have} GiB free; the walkthrough needs about $MIN_FREE_GIB GiB (docs/kind.md," \
+      "Sizing): free some (docker image prune; old kind clusters: kind get clusters) or set KIND_E2E_MIN_FREE_GIB" >&2
+    [ "$docker_before" != none ] || bash scripts/docker.sh stop
+    exit 1
+  fi
+done
 KUBECONFIG="$(mktemp -t paratrain-kind-kubeconfig.XXXXXX)"
 export KUBECONFIG
 WORK="$(mktemp -d -t paratrain-kind-e2e.XXXXXX)"

@@ -15,8 +15,8 @@
 # (no images, no isolation), and each PersistentVolumeClaim is bound to a directory under DIR/nodes/pvc. A try-out
 # cluster, not a production one.
 # DIR also holds: pki/ (CA, serving and client certificates, the service-account signing key), one log per
-# component (DIR/logs/), pids, and ports. Gang scheduling is on: the GenericWorkload feature gate and the
-# scheduling.k8s.io/v1beta1 API (Workload, PodGroup).
+# component (DIR/logs/), pids, ports, and etcd's data (or a link to it in /dev/shm: store_dir below). Gang
+# scheduling is on: the GenericWorkload feature gate and the scheduling.k8s.io/v1beta1 API (Workload, PodGroup).
 set -euo pipefail
 
 usage() { echo "usage: $0 up DIR [--nodes N] | down DIR | env DIR" >&2; exit 2; }
@@ -45,6 +45,32 @@ stop_all() {
   done
   for pid in $(cat "$DIR/pids"); do kill -9 "$pid" 2>/dev/null || true; done
   rm -f "$DIR/pids"
+}
+
+# etcd's data in memory (/dev/shm, where it has room): a store on the disk stalls, and fails once the disk is
+# full, whenever something else on the machine fills or floods that disk (seen: a kind e2e beside the live tests
+# loading a 5 GB image onto its nodes). DIR/etcd is then a link to it, removed with it.
+ETCD_MEMORY_MIN_KIB=$((4 * 1024 * 1024))
+store_dir() {
+  sweep_stale_stores
+  if [[ -d /dev/shm && -w /dev/shm ]] && \
+     (( $(df --output=avail -k /dev/shm 2>/dev/null | tail -1 || echo 0) >= ETCD_MEMORY_MIN_KIB )); then
+    ln -s "$(mktemp -d /dev/shm/paratrain-etcd.XXXXXX)" "$DIR/etcd"
+  fi
+}
+# Stores that a killed run left in memory: older than 10 minutes (not one being started beside this one) with no
+# file open by any process (a live etcd holds its WAL and db open).
+sweep_stale_stores() {
+  local store
+  for store in $(find /dev/shm -maxdepth 1 -name 'paratrain-etcd.*' -user "$(id -u)" -mmin +10 2>/dev/null); do
+    find /proc/[0-9]*/fd -maxdepth 1 -lname "$store/*" 2>/dev/null | grep -q . || rm -rf "$store"
+  done
+}
+remove_store() {
+  if [[ -L "$DIR/etcd" ]]; then
+    rm -rf "$(readlink "$DIR/etcd")"
+  fi
+  rm -rf "$DIR/etcd"
 }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -133,7 +159,8 @@ readyz() {
 
 # etcd, then kube-apiserver, on ports picked now; returns 1 when either does not come up.
 start_store_and_apiserver() {
-  rm -rf "$DIR/etcd"
+  remove_store
+  store_dir
   API_PORT="$(free_port)"
   local etcd_port etcd_peer
   etcd_port="$(free_port)"
@@ -141,7 +168,7 @@ start_store_and_apiserver() {
   printf 'apiserver=%s\netcd=%s\n' "$API_PORT" "$etcd_port" > "$DIR/ports"
 
   # --unsafe-no-fsync: a throwaway store; fsync on every write makes the tests wait on the disk.
-  start etcd "$BIN/etcd" --name test --data-dir "$DIR/etcd" --unsafe-no-fsync \
+  start etcd "$BIN/etcd" --name test --data-dir "$(readlink -m "$DIR/etcd")" --unsafe-no-fsync \
     --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
     --initial-cluster "test=http://127.0.0.1:$etcd_peer" --log-level warn
@@ -234,7 +261,7 @@ start_nodes() {  # the try-out nodes: the test kubelet as a process, until `down
 
 case "$cmd" in
   up) up ;;
-  down) stop_all ;;
+  down) stop_all; remove_store ;;
   env)
     echo "export KUBECONFIG=$DIR/kubeconfig"
     echo "export PATH=$(bash "$HERE/testbin.sh" --path):\$PATH"

@@ -30,6 +30,15 @@ def shown(output: str, each: int = 15000) -> str:
     return output[max(0, cut - each):cut] + "\n[...]\n" + output[-each:]
 
 
+def failed_step(output: str) -> str:
+    """The last step the script began and its last words before the diagnostics, for the one line a CI summary
+    shows."""
+    before = output.split("---- diagnostics ----")[0].splitlines()
+    steps = [line[4:] for line in before if line.startswith("==> ")]
+    last = [line.strip() for line in before if line.strip()][-3:]
+    return f"in step {steps[-1] if steps else '(before the first)'!r}: " + " | ".join(last)[-600:]
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(4800)
@@ -40,4 +49,5 @@ def test_kind_walkthrough_and_real_kubelet_checks() -> None:
     print(shown(result.stdout))  # pytest shows it where the test fails
     if result.returncode == NO_DOCKER:
         pytest.skip(f"kind e2e: no Docker daemon can be started here: {result.stdout.strip()[-1500:]}")
-    assert result.returncode == 0, f"{SCRIPT.name} failed (exit {result.returncode}); see its output for the diagnostics"
+    assert result.returncode == 0, (f"{SCRIPT.name} failed (exit {result.returncode}) {failed_step(result.stdout)}; "
+                                    "its output above has the diagnostics")

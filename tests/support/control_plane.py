@@ -72,6 +72,8 @@ class KubeApi:
         if "client-certificate" in user:
             self.tls.load_cert_chain(user["client-certificate"], user["client-key"])
         self._token = user.get("token")
+        # What the owner of the server can say about it when it does not answer (ControlPlane.health).
+        self.health: Callable[[], str] = lambda: ""
 
     def request(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> ApiResponse:
@@ -88,6 +90,8 @@ class KubeApi:
             except ValueError:
                 body = {"message": raw.decode(errors="replace")}
             return ApiResponse(exc.code, body)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{method} {path}: no answer in 30 s. {self.health()}") from exc
 
     def watch(self, path: str, **query: str) -> http.client.HTTPResponse:
         """A watch of `path` (`resourceVersion`, `timeoutSeconds`… in `query`): a response to read line by line
@@ -159,9 +163,26 @@ class ControlPlane:
             raise ControlPlaneUnavailable(f"scripts/test-cluster.sh up failed ({proc.returncode}):\n{proc.stderr}")
         self.kubeconfig = workdir / "kubeconfig"
         self.api = KubeApi(self.kubeconfig)
+        self.api.health = self.health
         # The namespace controller and service-account controller must be running before tests create pods.
         wait_for(lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default").ok, 60,
                  "the default ServiceAccount (controller-manager up)")
+
+    def health(self) -> str:
+        """Whether each component still runs, the room left where etcd and the logs write, and the end of the
+        etcd and kube-apiserver logs: what tells a server that is gone from one that is starved."""
+        pids = (self.workdir / "pids").read_text().split() if (self.workdir / "pids").exists() else []
+        names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+        alive = [f"{name} {'runs' if Path(f'/proc/{pid}').exists() else 'has exited'}"
+                 for name, pid in zip(names, pids)]
+        room = [f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free at {where}"
+                for where in {self.workdir, (self.workdir / "etcd").resolve()} if where.exists()]
+        logs = []
+        for name in ("etcd", "kube-apiserver"):
+            log = self.workdir / "logs" / f"{name}.log"
+            if log.exists():
+                logs.append(f"{name}.log ends:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-5:]))
+        return "; ".join(alive + room) + "\n" + "\n".join(logs)
 
     def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
