@@ -137,6 +137,31 @@ if MUTANT:
             return built
 
         deepspeed_engine.build_deepspeed_engine = _sabotaged_build
+    elif MUTANT.startswith("asleep:"):
+        # asleep:<rank>:<step> — from that (0-based) step on, that rank falls asleep before its next tensor-parallel
+        # all-reduce (DTensor's, from a row-parallel layer) and never joins it: a hung rank its TP peers wait on.
+        import time
+
+        import torch.distributed._functional_collectives as funcol
+
+        from paratrain.train import loop
+
+        _, sleepy_rank, sleepy_step = MUTANT.split(":")
+        original_lr_at, original_all_reduce = loop.lr_at, funcol.all_reduce
+        armed = []
+
+        def _lr_at(step, t):
+            if step == int(sleepy_step) and os.environ["RANK"] == sleepy_rank:
+                armed.append(step)
+            return original_lr_at(step, t)
+
+        def _all_reduce(*args, **kwargs):
+            if armed:
+                print(f"mutant: rank {sleepy_rank} falls asleep at {time.time():.3f}", flush=True)
+                time.sleep(3600)
+            return original_all_reduce(*args, **kwargs)
+
+        loop.lr_at, funcol.all_reduce = _lr_at, _all_reduce
     elif MUTANT.startswith("overflow:"):
         # overflow:<rank>:<step> — that rank's gradients become inf in that (0-based) training step, as an fp16
         # overflow does; the loss itself stays finite. Every rank must skip the step.

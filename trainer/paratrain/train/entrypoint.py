@@ -91,7 +91,8 @@ def train_main(spec_path: str) -> int:
             what = (f"a collective timed out (spec.runPolicy.collectiveTimeoutSeconds="
                     f"{job.spec.run_policy.collective_timeout_seconds}): a rank is hung or too slow"
                     if _is_timeout(exc) else "a peer failed")
-            log.error("%s (%s: %s); the gang should restart", what, type(exc).__name__, exc)
+            said = "; ".join([str(exc), *getattr(exc, "__notes__", [])])
+            log.error("%s (%s: %s); the gang should restart", what, type(exc).__name__, said)
             return contract.EXIT_RETRYABLE
         raise
 
@@ -129,21 +130,14 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int:
-    import torch
+    """The gang's set-up around the run: the device, the rendezvous, the process group and its preflight; a
+    collective's timeout gets the roll call's answer (which ranks are hung) in its notes."""
     import torch.distributed as dist
 
-    from .checkpoint import Checkpointer
-    from .data import load_corpus
     from .parallel.dims import ParallelDims
-    from .loop import Trainer
-    from .models.hf_config import init_problem
-    from .models.registry import model_config
-    from .build import build_engine
-    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
     from .parallel.precision import check_device_supports
-    from .preemption import Preempted, StopRequest
-    from .preflight import PREFLIGHT_SECONDS, join, prove_fabric
-    from .progress import ProgressReporter, TensorBoardWriter, write_json
+    from .preflight import PREFLIGHT_SECONDS, ROLL_CALL_SECONDS, describe_silent, join, prove_fabric, roll_call, \
+        wait_everywhere
 
     spec = job.spec
     device, backend = pick_device(job, local_rank)
@@ -156,76 +150,101 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
                             device_id=device if backend == "nccl" else None)
     try:
         prove_fabric(device, hosts, preflight_seconds)
-        corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
-                             spec.training.seed, spec.model.block_size)
-        if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
-            raise ValueError(f"spec.model.init: {problem}")
-        if spec.data.vocab_size and spec.data.vocab_size != corpus.vocab_size:
-            raise ValueError(f"spec.data.vocabSize: {spec.data.vocab_size}, but the data's vocabulary is "
-                             f"{corpus.vocab_size} ({spec.data.source} {spec.data.path or ''})".rstrip())
-        if problem := memory_problem(spec, corpus.vocab_size):  # the operator may not know the data's vocabulary
-            raise ValueError(f"spec.resources.gpuMemory: {problem}")
-        torch.manual_seed(dims.dropout_seed(spec.training.seed))
-        reporter = None
-        if rank == 0:
-            port = os.environ.get(contract.ENV_PROGRESS_PORT)
-            tensorboard = TensorBoardWriter(str(_resolve(spec.logging.tensorboard))) if spec.logging.tensorboard \
-                else None
-            reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
-                                        os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
-                                        tensorboard)
-            log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, layout_label(spec),
-                     world, device, backend, describe_checkpoints(spec))
-        checkpointer = None
-        if spec.checkpoint.path:
-            checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
-                                        spec.checkpoint.keep, spec.checkpoint.async_save)
-        with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
-            engine = build_engine(spec, dims, device, corpus.vocab_size)
-            # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
-            stop = StopRequest()
-            try:
-                result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop).run()
-            except Preempted as stopped:
-                if reporter:
-                    reporter.close()  # the last progress becomes the pod's termination message
-                where = "its checkpoint is written" if stopped.saved else "no checkpoint (spec.checkpoint.path unset)"
-                log.warning("preempted at step %d: %s; exiting %d", stopped.step, where, contract.EXIT_PREEMPTED)
-                return contract.EXIT_PREEMPTED
-        tensor_peaks: list = [None] * world
-        dist.all_gather_object(tensor_peaks, peak_tensor_bytes())
-        state_bytes: list = [None] * world
-        dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
-        peak_memory, peak_memory_kind = peak_memory_bytes(device)
-        peak_memories: list = [None] * world
-        dist.all_gather_object(peak_memories, peak_memory)
-        metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
-        if rank == 0:
-            flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
-            given_peak = os.environ.get(contract.ENV_PEAK_FLOPS)
-            peak_flops = device_peak_flops(device, float(given_peak) if given_peak else None)
-            achieved = flops_per_token * result.tokens_per_second  # the whole job's model FLOP/s
-            utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
-            reporter.emit("performance", modelFlopsPerToken=flops_per_token, achievedFlopsPerSecond=achieved,
-                          mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
-            if metrics_out:
-                write_json(metrics_out, {
-                    "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
-                    "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
-                    "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
-                    "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
-                    "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,
-                    "peak_flops_per_device": peak_flops, "mfu": utilisation,
-                    "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
-                    "peak_tensor_bytes": tensor_peaks,
-                    "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
-                                          "optimizer": result.optimizer_seconds},
-                })
-            reporter.close()
-        dist.barrier()
-        return contract.EXIT_OK
+        wait_everywhere(timeout)
+        return _run(job, rank, world, device, dims)
+    except Exception as exc:
+        if is_peer_failure(exc) and _is_timeout(exc):
+            wait = min(ROLL_CALL_SECONDS, spec.run_policy.collective_timeout_seconds)
+            exc.add_note(describe_silent(roll_call(store, rank, world, wait), wait))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
+    """The run, once the gang is proven: data, engine, training, the final report."""
+    import torch
+    import torch.distributed as dist
+
+    from .checkpoint import Checkpointer
+    from .data import load_corpus
+    from .loop import Trainer
+    from .models.hf_config import init_problem
+    from .models.registry import model_config
+    from .build import build_engine
+    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
+    from .preemption import Preempted, StopRequest
+    from .progress import ProgressReporter, TensorBoardWriter, write_json
+
+    spec = job.spec
+    corpus = load_corpus(spec.data.source, spec.data.path, spec.data.val_fraction, spec.model.vocab_size,
+                         spec.training.seed, spec.model.block_size)
+    if spec.model.init and (problem := init_problem(spec.model, corpus.vocab_size)):
+        raise ValueError(f"spec.model.init: {problem}")
+    if spec.data.vocab_size and spec.data.vocab_size != corpus.vocab_size:
+        raise ValueError(f"spec.data.vocabSize: {spec.data.vocab_size}, but the data's vocabulary is "
+                         f"{corpus.vocab_size} ({spec.data.source} {spec.data.path or ''})".rstrip())
+    if problem := memory_problem(spec, corpus.vocab_size):  # the operator may not know the data's vocabulary
+        raise ValueError(f"spec.resources.gpuMemory: {problem}")
+    torch.manual_seed(dims.dropout_seed(spec.training.seed))
+    reporter = None
+    if rank == 0:
+        port = os.environ.get(contract.ENV_PROGRESS_PORT)
+        tensorboard = TensorBoardWriter(str(_resolve(spec.logging.tensorboard))) if spec.logging.tensorboard \
+            else None
+        reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
+                                    os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
+                                    tensorboard)
+        log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, layout_label(spec),
+                 world, device, dist.get_backend(), describe_checkpoints(spec))
+    checkpointer = None
+    if spec.checkpoint.path:
+        checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
+                                    spec.checkpoint.keep, spec.checkpoint.async_save)
+    with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
+        engine = build_engine(spec, dims, device, corpus.vocab_size)
+        # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
+        stop = StopRequest()
+        try:
+            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop).run()
+        except Preempted as stopped:
+            if reporter:
+                reporter.close()  # the last progress becomes the pod's termination message
+            where = "its checkpoint is written" if stopped.saved else "no checkpoint (spec.checkpoint.path unset)"
+            log.warning("preempted at step %d: %s; exiting %d", stopped.step, where, contract.EXIT_PREEMPTED)
+            return contract.EXIT_PREEMPTED
+    tensor_peaks: list = [None] * world
+    dist.all_gather_object(tensor_peaks, peak_tensor_bytes())
+    state_bytes: list = [None] * world
+    dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
+    peak_memory, peak_memory_kind = peak_memory_bytes(device)
+    peak_memories: list = [None] * world
+    dist.all_gather_object(peak_memories, peak_memory)
+    metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
+    if rank == 0:
+        flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
+        given_peak = os.environ.get(contract.ENV_PEAK_FLOPS)
+        peak_flops = device_peak_flops(device, float(given_peak) if given_peak else None)
+        achieved = flops_per_token * result.tokens_per_second  # the whole job's model FLOP/s
+        utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
+        reporter.emit("performance", modelFlopsPerToken=flops_per_token, achievedFlopsPerSecond=achieved,
+                      mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
+        if metrics_out:
+            write_json(metrics_out, {
+                "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
+                "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
+                "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
+                "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
+                "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,
+                "peak_flops_per_device": peak_flops, "mfu": utilisation,
+                "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
+                "peak_tensor_bytes": tensor_peaks,
+                "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
+                                      "optimizer": result.optimizer_seconds},
+            })
+        reporter.close()
+    dist.barrier()
+    return contract.EXIT_OK
 
 
 def _resolve(path: str):

@@ -1,12 +1,14 @@
-"""The gang's preflight, around the process group's start: every rank checks in at the rendezvous store, then the
-backend's fabric carries one all-reduce and a barrier, each within PREFLIGHT_SECONDS (or the job's shorter
-collectiveTimeoutSeconds).
+"""The gang's liveness, around the process group: every rank checks in at the rendezvous store, then each link
+the job uses carries one all-reduce and a barrier (the backend's, and on GPUs the gloo link that checkpoints use),
+each within PREFLIGHT_SECONDS (or the job's shorter collectiveTimeoutSeconds); every process group created after
+that waits the job's collectiveTimeoutSeconds; and after a collective times out, a roll call names the ranks that
+no longer answer.
 
 A rank that never arrives (its pod did not start, or cannot reach rank 0's address) or a fabric that cannot carry
-an all-reduce (a wrong NCCL_SOCKET_IFNAME, an InfiniBand port down) then fails the job within that bound, the ranks
-and hosts named, as an infrastructure failure the operator retries, rather than as a hang until the collective
-timeout, or as a first step that never ends. NCCL opens its communicators lazily, at the first collective: this is
-that collective, under its own short timeout.
+an all-reduce (a wrong NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME, an InfiniBand port down) then fails the job within
+that bound, the ranks and hosts named, as an infrastructure failure the operator retries, rather than as a hang
+until the collective timeout, or as a first step that never ends. NCCL opens its communicators lazily, at the
+first collective: this is that collective, under its own short timeout.
 """
 
 from __future__ import annotations
@@ -52,27 +54,82 @@ def join(rank: int, world: int, timeout: float) -> tuple[dist.Store, list[str]]:
     return store, [store.get(_key(r)).decode() for r in range(world)]
 
 
+# What to check where a link fails: the variable that picks its interface.
+_LINK_HINTS = {"nccl": "NCCL_SOCKET_IFNAME, or the InfiniBand/RoCE ports", "gloo": "GLOO_SOCKET_IFNAME"}
+
+
+def fabric_links(backend: str, device: torch.device) -> list[tuple[str, torch.device]]:
+    """Each (backend, device) the job's collectives use: the job's backend, and gloo on the host where that is
+    another link (checkpoints' group is gloo: DCP's plans are Python objects)."""
+    return [(backend, device)] + ([("gloo", torch.device("cpu"))] if backend != "gloo" else [])
+
+
 def prove_fabric(device: torch.device, hosts: list[str], timeout: float) -> None:
-    """One all-reduce and a barrier over every rank, on the job's backend, within `timeout` seconds; their sum must
-    be exact. Raises FabricError."""
+    """On each of the job's links, one all-reduce and a barrier over every rank within `timeout` seconds; their sum
+    must be exact. Raises FabricError."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    backend = dist.get_backend()
     started = time.monotonic()
-    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-    probe = torch.ones(1, device=device)
-    try:
-        dist.all_reduce(probe, group=group)
-        dist.barrier(group=group)
-    except Exception as exc:  # noqa: BLE001 (any failure here is the fabric's)
-        raise FabricError(f"rank {rank} on {hosts[rank]}: the {backend} all-reduce over {world} ranks on "
-                          f"{len(set(hosts))} host(s) did not complete within {timeout:g} s: {exc}") from None
-    if probe.item() != world:
-        raise FabricError(f"rank {rank} on {hosts[rank]}: the {backend} all-reduce summed to {probe.item():g}, "
-                          f"not {world}: the fabric corrupts data")
-    dist.destroy_process_group(group)
+    links = fabric_links(dist.get_backend(), device)
+    for backend, on in links:
+        group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+        probe = torch.ones(1, device=on)
+        try:
+            dist.all_reduce(probe, group=group)
+            dist.barrier(group=group)
+        except Exception as exc:  # noqa: BLE001 (any failure here is the fabric's)
+            raise FabricError(f"rank {rank} on {hosts[rank]}: the {backend} all-reduce over {world} ranks on "
+                              f"{len(set(hosts))} host(s) did not complete within {timeout:g} s (check "
+                              f"{_LINK_HINTS.get(backend, 'the network')}): {exc}") from None
+        if probe.item() != world:
+            raise FabricError(f"rank {rank} on {hosts[rank]}: the {backend} all-reduce summed to "
+                              f"{probe.item():g}, not {world}: the fabric corrupts data")
+        dist.destroy_process_group(group)
     if rank == 0:
         log.info("preflight: %d ranks on %d host(s) (%s) joined and all-reduced over %s in %.1f s", world,
-                 len(set(hosts)), ", ".join(sorted(set(hosts))), backend, time.monotonic() - started)
+                 len(set(hosts)), ", ".join(sorted(set(hosts))), " and ".join(b for b, _ in links),
+                 time.monotonic() - started)
+
+
+def wait_everywhere(timeout: datetime.timedelta) -> None:
+    """Every process group created from now on waits `timeout` for a collective: the mesh's dp/tp/pp subgroups,
+    the checkpoints' gloo group, and the groups DeepSpeed and FSDP make for themselves, none of which take a
+    timeout from the world group (each would otherwise wait c10d's defaults: 10 minutes on NCCL, 30 on gloo).
+    c10d reads these two module defaults whenever a group is created without a timeout of its own."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+ROLL_CALL_SECONDS = 30.0
+
+
+def roll_call(store: dist.Store, rank: int, world: int, wait: float) -> list[int]:
+    """After a collective timed out: this rank answers, then waits up to `wait` seconds for the others (each
+    rank blocked behind the hung one times out in turn and answers too). Returns the ranks that did not answer:
+    hung, or still blocked. The store is rank 0's; where it is gone too, no rank is named."""
+    deadline = time.monotonic() + wait
+    try:
+        store.set_timeout(datetime.timedelta(seconds=wait))  # a store whose host is stopped answers nothing
+        store.set(_roll_call_key(rank), "here")
+        while True:
+            silent = [r for r in range(world) if not store.check([_roll_call_key(r)])]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.2)
+    except (RuntimeError, ValueError):  # the store's host is gone
+        return []
+
+
+def describe_silent(silent: list[int], wait: float) -> str:
+    if not silent:
+        return "every rank answered the roll call (none is hung: a link is slow or lost)"
+    return (f"rank(s) {_ranges(silent)} did not answer the roll call within {wait:g} s: hung, or blocked waiting "
+            "on a hung rank")
+
+
+def _roll_call_key(rank: int) -> str:
+    return f"paratrain/roll-call/{rank}"
 
 
 def _ranges(ranks: list[int]) -> str:
