@@ -89,3 +89,43 @@ def test_a_second_ctrl_c_kills_ranks_that_are_still_saving(tmp_path):
     assert procs[0].returncode == -signal.SIGKILL
     assert time.monotonic() - started < launch.SAVE_GRACE_SECONDS / 2
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+HOLD_THE_RUN = """
+import json, sys, time
+from pathlib import Path
+from paratrain import launch
+from paratrain.api import parse_job
+with launch.one_run_at_a_time(parse_job(json.loads(sys.argv[1])), Path(sys.argv[2])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_run_in_a_live_runs_workdir_or_checkpoints_is_refused_naming_it(monkeypatch, tmp_path, capsys):
+    """A sweep's second `paratrain run` of one job: refused while the first lives (its pid named), with the field
+    to change; accepted once it has ended, however it ended (here SIGKILL: nothing left to clean up)."""
+    import json
+
+    from paratrain import cli
+
+    ckpt = tmp_path / "ckpt"
+    job = {**TINY_JOB, "spec": {**TINY_JOB["spec"], "checkpoint": {"path": str(ckpt), "interval": 5}}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(json.dumps(job))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_RUN, json.dumps(job), str(tmp_path / "first")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(launch.subprocess, "Popen", ProbeRank)
+        assert cli.main(["run", str(job_file), "--workdir", str(tmp_path / "first"), "--no-progress"]) == 1
+        said = capsys.readouterr().err
+        assert "--workdir" in said and f"in use by a live run (pid {holder.pid}, job parity" in said, said
+        assert cli.main(["run", str(job_file), "--workdir", str(tmp_path / "second"), "--no-progress"]) == 1
+        said = capsys.readouterr().err
+        assert f"spec.checkpoint.path: {ckpt} is in use by a live run (pid {holder.pid}" in said, said
+        assert "--set spec.checkpoint.path=DIR" in said
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(["run", str(job_file), "--workdir", str(tmp_path / "first"), "--no-progress"]) == 0

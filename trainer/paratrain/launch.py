@@ -7,6 +7,8 @@ others and exits with that rank's code.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -393,6 +395,37 @@ def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
     return min(bad, key=lambda failure: failure[1] == contract.EXIT_RETRYABLE) if bad else None
 
 
+RUN_LOCK = ".paratrain-run.lock"
+
+
+@contextlib.contextmanager
+def one_run_at_a_time(job: ParallelTrainJob, work: Path):
+    """Held while a local run lives: its work directory (logs, events, the progress it shows) and its checkpoint
+    directory are its own. A second run of the same job, as in a sweep of `--set` overrides, is refused naming the
+    live run, rather than given a directory of its own: a rerun in the same place is how a run resumes from its
+    checkpoints, and two runs writing one checkpoint directory would each resume from the other's steps. An flock:
+    released by the kernel when the run's process ends however it ends, so a crash leaves no stale lock."""
+    places = [("--workdir", work, "give this run its own --workdir")]
+    if job.spec.checkpoint.path and not job.spec.entrypoint:
+        places.append(("spec.checkpoint.path", Path(job.spec.checkpoint.path).resolve(),
+                       "give this run its own (--set spec.checkpoint.path=DIR)"))
+    with contextlib.ExitStack() as held:
+        for field, where, fix in places:
+            where.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(where / RUN_LOCK, "a+"))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                raise SpecError([Problem(field, f"{where} is in use by a live run ({holder}): {fix}, or wait for "
+                                                "that run to end")]) from None
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()}, job {job.metadata.name}, --workdir {work}")
+            lock.flush()
+        yield
+
+
 def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: str | None = None,
               progress: bool = True, peak_flops: float | None = None, measure_memory: bool = False,
               mounts: list[str] = ()) -> int:
@@ -402,8 +435,13 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
         print(f"paratrain: volume {volume.name} ({volume.mount_path} in pods) is {volumes[volume.name]}",
               file=sys.stderr)
     preflight(job)
+    with one_run_at_a_time(job, work):
+        return _run_gang(job, work, metrics_out, progress, peak_flops, measure_memory)
+
+
+def _run_gang(job: ParallelTrainJob, work: Path, metrics_out: str | None, progress: bool,
+              peak_flops: float | None, measure_memory: bool) -> int:
     spec, own = job.spec, job.spec.entrypoint
-    work.mkdir(parents=True, exist_ok=True)
     if own:  # what it trains, its devices and its checkpoints are the program's business
         print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {' '.join(own.command + own.args)} on "
               f"{spec.nodes} local node(s) of {spec.procs_per_node}; logs in {work / 'logs'}", file=sys.stderr)
