@@ -51,3 +51,29 @@ def test_mfu_needs_a_known_peak_and_is_logged_as_an_event(dp2_metrics, tmp_path)
     assert performance["modelFlopsPerToken"] == metrics["model_flops_per_token"]
     assert performance["achievedFlopsPerSecond"] == metrics["achieved_flops_per_second"]
     assert performance["peakMemoryBytes"] == max(metrics["peak_memory_bytes"])
+
+
+def test_tokens_per_second_leaves_out_a_runs_first_steps():
+    """The first steps pay for lazy set-up: a run of 10 steps whose first takes 5 s and the rest 1 s runs at
+    100 tokens/s, not 10 x 100 / 14; a run of 2 steps still counts its second; of 1 step, that step."""
+    from paratrain.train.perf import SteadyRate
+
+    rate = SteadyRate(tokens_per_step=100)
+    for seconds in [5.0, 2.0, 1.5] + [1.0] * 7:
+        rate.add(seconds)
+    assert rate.skipped == 3 and rate.tokens_per_second == pytest.approx(100.0)
+    short = SteadyRate(tokens_per_step=100)
+    short.add(4.0)
+    assert short.skipped == 0 and short.tokens_per_second == pytest.approx(25.0)
+    short.add(1.0)
+    assert short.skipped == 1 and short.tokens_per_second == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                        ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12),
+                                        ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L4", 121e12),
+                                        ("NVIDIA L40S", 362e12), ("NVIDIA GeForce RTX 3090", None)])
+def test_each_gpu_is_read_as_its_own_model(name, peak):
+    from paratrain.train.perf import peak_flops_of
+
+    assert peak_flops_of(name) == peak

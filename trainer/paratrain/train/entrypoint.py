@@ -233,6 +233,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
             write_json(metrics_out, {
                 "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
                 "val_losses": result.val_losses, "tokens_per_second": result.tokens_per_second,
+                "tokens_per_second_skips_steps": result.rate_skips_steps,
                 "skipped_steps": result.skipped_steps, "resumed_from_step": result.start_step,
                 "model_state_bytes": state_bytes, "layout": layout_label(spec), "world_size": world,
                 "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,

@@ -16,6 +16,7 @@ from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .parallel.dims import ParallelDims
 from .parallel.tensor_parallel import reseeded
+from .perf import SteadyRate
 from .preemption import Preempted, StopRequest
 from .progress import ProgressReporter
 
@@ -50,7 +51,8 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)  # global, unscaled, before clipping
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # at steady state (perf.SteadyRate)
+    rate_skips_steps: int = 0  # the run's first steps SteadyRate left out
     # This run's steps (not those before a resume), summed; each part ends in a .item(), which waits for the device.
     forward_backward_seconds: float = 0.0
     optimizer_seconds: float = 0.0
@@ -173,7 +175,7 @@ class Trainer:
                 f"already finished: {self.checkpointer.root} holds the step-{r.start_step} checkpoint of this job's "
                 f"{t.steps} steps, so nothing was trained. To train longer raise spec.training.steps; to start "
                 "afresh move that directory away or give spec.checkpoint.path another one"))
-        tokens_per_step = t.batch_size * self.spec.model.block_size
+        rate = SteadyRate(t.batch_size * self.spec.model.block_size)
         self._emit("start", step=r.start_step, startStep=r.start_step, totalSteps=t.steps)
         train_time, t_last = 0.0, time.perf_counter()
         for step in range(r.start_step, t.steps):
@@ -190,11 +192,12 @@ class Trainer:
                 local_loss, self.device, flags=(self._timed_save_due(train_time), asked_to_stop))
             dt = time.perf_counter() - t0
             train_time += dt
+            rate.add(dt)
             r.losses.append(loss)
             r.grad_norms.append(outcome.grad_norm)
             r.skipped_steps += not outcome.applied
             done = step + 1
-            tps = tokens_per_step * (done - r.start_step) / train_time
+            tps = rate.tokens_per_second
             eta = (t.steps - done) * train_time / (done - r.start_step)
             log_now = time.perf_counter() - t_last > 10 or done == t.steps
             t_last = time.perf_counter() if log_now else t_last
@@ -212,7 +215,7 @@ class Trainer:
             if self.checkpointer and due and done < t.steps:
                 self.save(done)
                 self._saved_at = train_time
-        r.tokens_per_second = tokens_per_step * (t.steps - r.start_step) / train_time if train_time else 0.0
+        r.tokens_per_second, r.rate_skips_steps = rate.tokens_per_second, rate.skipped
         if r.start_step < t.steps or not r.val_losses or r.val_losses[-1][0] != t.steps:
             r.val_losses.append((t.steps, self.evaluate()))
         if self.checkpointer and r.start_step < t.steps:

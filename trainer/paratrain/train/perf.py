@@ -21,12 +21,37 @@ PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # SXM
     ("A100", 312e12),
     ("L40S", 362e12),
     ("L4", 121e12),
     ("V100", 125e12),  # fp16 (no bf16)
 )
+
+
+class SteadyRate:
+    """Tokens per second at steady state: over a run's steps after its first few, which also pay for lazy set-up
+    (NCCL communicators opened at the first collective, kernels picked, the allocator growing its pools) and would
+    understate a short run's speed. A run (or a resumed one) skips min(SKIP, half of its steps so far)."""
+
+    SKIP = 3
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.step_seconds: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+
+    @property
+    def skipped(self) -> int:
+        return min(self.SKIP, len(self.step_seconds) // 2)
+
+    @property
+    def tokens_per_second(self) -> float:
+        counted = self.step_seconds[self.skipped:]
+        return self.tokens_per_step * len(counted) / sum(counted) if counted and sum(counted) > 0 else 0.0
 
 
 def model_flops_per_token(cfg: ModelConfig) -> int:
@@ -129,8 +154,12 @@ def device_peak_flops(device: torch.device, given: float | None) -> float | None
         return given
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for model, flops in PEAK_FLOPS if model in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The table's dense 16-bit peak for a GPU named so (torch.cuda.get_device_name), None where unlisted."""
+    return next((flops for model, flops in PEAK_FLOPS if model in device_name), None)
 
 
 def mfu(flops_per_token: int, tokens_per_second: float, peak_flops: float | None, devices: int) -> float | None:
