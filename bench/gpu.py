@@ -7,7 +7,8 @@ each peak against the memory model's prediction.
 Variants (each a `paratrain run` of synthetic data, so no dataset is needed, for --steps steps):
 - bf16 against fp32, and activation checkpointing none against selective, on one GPU;
 - with 2+ GPUs, DDP over all of them against ZeRO-3 (FSDP2 with tensor parallel 2 from 4 GPUs; DeepSpeed on 2).
-Each runs 4 sequences per GPU, halved until the memory model predicts it fits 85% of the GPU (`fit_batch`).
+Each runs 4 sequences per GPU, halved until the memory model predicts it fits the GPU's usable memory
+(`fit_batch`: the operator's rule, memory.Headroom).
 
 Model: Llama 3.2 1B's shape (`preset: llama3-1b`, 16 layers, 2048 wide, untied head) with a 128,256-token
 vocabulary and 2,048 tokens of context. FLOPs per token are perf.model_flops_per_token: 6N + 12·L·H·Q·T (N the
@@ -33,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from paratrain.api.load import parse_job
-from paratrain.api.memory import human, predict
+from paratrain.api.memory import Headroom, human, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128_256
@@ -89,12 +90,14 @@ def job_for(overrides: dict, dry_run: bool, steps: int) -> dict:
 
 
 def fit_batch(job: dict, device_bytes: int) -> dict:
-    """Halve the batch until the memory model predicts every rank's peak under 85% of the device's memory (the
-    allocator's cache and the CUDA context take the rest): the same script runs on a 40 GB or an 80 GB GPU."""
+    """Halve the batch until the memory model predicts every rank's peak within the device's usable memory, by the
+    rule the operator and `validate --memory` apply (memory.Headroom: the job's gpuMemoryReserve for the CUDA
+    context, NCCL and workspaces, then gpuMemoryFragmentation): the same script runs on a 40 GB or an 80 GB GPU."""
     spec = job["spec"]
     while spec["training"]["batchSize"] > spec["parallelism"].get("data", 1):
-        peak = max(r.peak_bytes for r in predict(parse_job(job).spec, spec["model"]["vocabSize"]))
-        if peak <= 0.85 * device_bytes:
+        parsed = parse_job(job).spec
+        peak = max(r.peak_bytes for r in predict(parsed, spec["model"]["vocabSize"]))
+        if peak <= Headroom.of(parsed).usable(device_bytes):
             break
         spec["training"]["batchSize"] //= 2
     return job

@@ -122,3 +122,11 @@ def test_paratrain_device_cpu_runs_a_gpu_job_on_the_cpu(monkeypatch):
     """How the tests' stand-in kubelet runs GPU jobs on a machine without GPUs."""
     monkeypatch.setenv(contract.ENV_DEVICE, "cpu")
     assert pick_device(parse_job(gpu_job()), local_rank=0) == (torch.device("cpu"), "gloo")
+
+
+def test_cuda_ranks_default_to_expandable_segments_unless_the_pod_says_otherwise():
+    from paratrain.train.entrypoint import allocator_defaults
+
+    assert allocator_defaults({}) == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_defaults({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}) == {}
+    assert allocator_defaults({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == {}  # the older name

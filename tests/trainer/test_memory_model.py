@@ -78,14 +78,19 @@ def validate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_validate_prints_each_stage_and_refuses_more_than_the_gpu_holds(tmp_path):
-    fits = validate(tmp_path, "--gpu-memory", "1GiB")
+    fits = validate(tmp_path, "--gpu-memory", "3GiB")
     assert fits.returncode == 0, fits.stderr
     assert "rank 0 (stage 0): peak" in fits.stdout and "rank 1 (stage 1): peak" in fits.stdout
-    assert "activations" in fits.stdout and "fits in 1.00 GiB" in fits.stdout
-    over = validate(tmp_path, "--gpu-memory", "2MiB")
+    assert "activations" in fits.stdout
+    assert ("fits in 972.80 MiB usable of 3.00 GiB: 2.00 GiB reserved (gpuMemoryReserve), then 5% for fragmentation "
+            "(gpuMemoryFragmentation), per device") in fits.stdout
+    over = validate(tmp_path, "--gpu-memory", "2GiB")  # all of it the default reserve
     assert over.returncode == 1
-    assert "more than the 2.00 MiB given; its biggest term is" in over.stderr
-    as_json = json.loads(validate(tmp_path, "--json").stdout)
+    assert "more than the 0 B usable of 2.00 GiB: 2.00 GiB reserved" in over.stderr, over.stderr
+    assert "its biggest term is" in over.stderr
+    as_json = json.loads(validate(tmp_path, "--json", "--gpu-memory", "3GiB").stdout)
+    assert as_json["usable_bytes"] == int(1 * 2**30 * 0.95) and as_json["reserve_bytes"] == 2 * 2**30
+    assert as_json["fragmentation"] == 0.05
     assert [r["rank"] for r in as_json["ranks"]] == [0, 1]
     assert all(r["peak_bytes"] >= sum(r["terms"].values()) - r["terms"]["grads"] for r in as_json["ranks"])
     bad = validate(tmp_path, "--gpu-memory", "80XB")
@@ -109,8 +114,29 @@ def test_a_job_over_its_gpu_memory_is_refused_before_any_pod_exists():
         require_cluster_ready(parse_job(job))
     assert "spec.resources.gpuMemory: rank 0 is predicted to need" in str(refused.value)
     assert "its biggest term is activations" in str(refused.value)
-    job["spec"]["resources"] = {"gpuMemory": "1Gi"}
+    job["spec"]["resources"] = {"gpuMemory": "3Gi"}
     require_cluster_ready(parse_job(job))
+
+
+def test_the_headroom_is_the_jobs_or_the_platforms_and_decides_the_fit():
+    """The same peak against the same device: refused where the reserve and the fragmentation leave too little,
+    admitted where the job, or the platform's jobDefaults, keep less aside."""
+    from paratrain.api import SpecError, require_cluster_ready
+    from paratrain.api.platform import Platform, as_the_operator_takes_it
+
+    job = job_of("dp1")
+    peak = max(r.peak_bytes for r in predict(parse_job(job).spec, JOB["spec"]["model"]["vocabSize"]))
+    device = 2 * 2**30 + int(peak / 0.95) - 2**20  # the default headroom leaves just under the peak
+    job["spec"]["resources"] = {"gpuMemory": str(device)}
+    with pytest.raises(SpecError, match=r"usable of .*: 2\.00 GiB reserved \(gpuMemoryReserve\), then 5% for "
+                                        r"fragmentation"):
+        require_cluster_ready(parse_job(job))
+    job["spec"]["resources"] |= {"gpuMemoryFragmentation": 0.0}
+    require_cluster_ready(parse_job(job))
+    job["spec"]["resources"] = {"gpuMemory": str(device)}
+    platform = Platform.model_validate({"jobDefaults": {"resources": {"gpuMemoryReserve": "1Gi"}}})
+    taken, filled = as_the_operator_takes_it(parse_job(job), platform)
+    assert taken.spec.resources.gpu_memory_reserve == "1Gi" and "spec.resources.gpuMemoryReserve" in filled
 
 
 def test_a_job_whose_vocabulary_is_in_the_data_is_refused_by_its_ranks(tmp_path):

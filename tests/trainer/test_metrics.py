@@ -30,6 +30,7 @@ def test_peak_memory_is_measured_on_every_rank(dp2_metrics):
     assert len(dp2_metrics["peak_memory_bytes"]) == 2
     # A process that imported torch and trained holds tens of MB at least.
     assert all(b > 10 * 2**20 for b in dp2_metrics["peak_memory_bytes"])
+    assert dp2_metrics["peak_reserved_bytes"] == [None, None]  # no allocator reserves on CPU
 
 
 def test_step_time_is_split_into_forward_backward_and_optimizer(dp2_metrics):

@@ -82,7 +82,7 @@ def _verdicts(job, platform, out) -> bool:
 
 def _memory(job, args: argparse.Namespace) -> int:
     """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory."""
-    from .api.memory import fit_problem, human, parse_bytes, predict
+    from .api.memory import Headroom, fit_problem, human, parse_bytes, predict
     from .launch import data_vocab
 
     try:
@@ -101,9 +101,13 @@ def _memory(job, args: argparse.Namespace) -> int:
                                  "not on this machine: give it with --vocab-size N or spec.data.vocabSize (128256 for "
                                  "Llama 3's tokenizer)")])
     ranks = predict(job.spec, vocab)
-    problem = fit_problem(ranks, limit) if limit is not None else None
+    headroom = Headroom.of(job.spec)
+    problem = fit_problem(ranks, limit, headroom) if limit is not None else None
     if args.json:
-        print(json.dumps({"limit_bytes": limit, "fits": problem is None, "ranks": [
+        print(json.dumps({"limit_bytes": limit, "reserve_bytes": headroom.reserve_bytes,
+                          "fragmentation": headroom.fragmentation,
+                          "usable_bytes": headroom.usable(limit) if limit is not None else None,
+                          "fits": problem is None, "ranks": [
             {"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
              "terms": {k: v for k, v in r.terms.items() if not k.startswith("_")}} for r in ranks]}, indent=1))
     elif args.memory:
@@ -121,7 +125,7 @@ def _memory(job, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     if limit is not None and args.memory and not args.json:
-        print(f"fits in {human(limit)} per device")
+        print(f"fits in {headroom.describe(limit)}, per device")
     return 0
 
 

@@ -229,25 +229,50 @@ def _peak(terms: dict[str, int], pipelined: bool) -> int:
     return max(backward, step)
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """What of a device's memory the model's peak may use: the device less `reserve_bytes` (the CUDA context and
+    kernels, about 0.5-1 GiB on H100-class GPUs; NCCL's buffers, NCCL_BUFFSIZE's 4 MiB per channel and peer; cuBLAS
+    and cuDNN workspaces), less `fragmentation` of the rest (memory the caching allocator holds but cannot hand
+    out). spec.resources.gpuMemoryReserve and gpuMemoryFragmentation; the platform's jobDefaults may set both."""
+
+    reserve_bytes: int
+    fragmentation: float
+
+    @classmethod
+    def of(cls, spec) -> Headroom:
+        return cls(parse_bytes(spec.resources.gpu_memory_reserve), spec.resources.gpu_memory_fragmentation)
+
+    def usable(self, device_bytes: int) -> int:
+        return max(0, int((device_bytes - self.reserve_bytes) * (1 - self.fragmentation)))
+
+    def describe(self, device_bytes: int) -> str:
+        return (f"{human(self.usable(device_bytes))} usable of {human(device_bytes)}: {human(self.reserve_bytes)} "
+                f"reserved (gpuMemoryReserve), then {self.fragmentation:.0%} for fragmentation "
+                "(gpuMemoryFragmentation)")
+
+
 def memory_problem(spec, vocab_size: int, limit: int | None = None) -> str | None:
-    """Why the job does not fit `limit` bytes per device (default: spec.resources.gpuMemory), naming the rank and its
-    biggest term; None if it fits or no limit is set."""
+    """Why the job does not fit `limit` bytes per device (default: spec.resources.gpuMemory) less the spec's
+    headroom, naming the rank and its biggest term; None if it fits or no limit is set."""
     limit = limit if limit is not None else (parse_bytes(spec.resources.gpu_memory) if spec.resources.gpu_memory
                                              else None)
-    return None if limit is None else fit_problem(predict(spec, vocab_size), limit)
+    return None if limit is None else fit_problem(predict(spec, vocab_size), limit, Headroom.of(spec))
 
 
-def fit_problem(ranks: list[RankMemory], limit: int) -> str | None:
-    """Why `ranks` (predict's) do not fit `limit` bytes per device, naming the worst rank and its biggest term."""
-    over = [r for r in ranks if r.peak_bytes > limit]
+def fit_problem(ranks: list[RankMemory], device_bytes: int, headroom: Headroom) -> str | None:
+    """Why `ranks` (predict's) do not fit what `headroom` leaves usable of `device_bytes` per device, naming the
+    worst rank and its biggest term."""
+    usable = headroom.usable(device_bytes)
+    over = [r for r in ranks if r.peak_bytes > usable]
     if not over:
         return None
     worst = max(over, key=lambda r: r.peak_bytes)
     term, size = worst.biggest()
     return (f"rank {worst.rank} is predicted to need {human(worst.peak_bytes)} of device memory, more than the "
-            f"{human(limit)} given; its biggest term is {term} ({human(size)}). `paratrain validate --memory` shows "
-            "every term; more tensor or pipeline parallelism, ZeRO, activation checkpointing or smaller micro-steps "
-            "(gradientAccumulation) shrink them")
+            f"{headroom.describe(device_bytes)}; its biggest term is {term} ({human(size)}). `paratrain validate "
+            "--memory` shows every term; more tensor or pipeline parallelism, ZeRO, activation checkpointing or "
+            "smaller micro-steps (gradientAccumulation) shrink them")
 
 
 def stop_save_seconds(spec, vocab_size: int, bytes_per_second: int) -> tuple[float, float]:

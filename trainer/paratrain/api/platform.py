@@ -48,6 +48,8 @@ class DefaultResources(_Model):
     memory: str | None = Field(None, pattern=QUANTITY, max_length=32)
     shm_size: str | None = Field(None, pattern=QUANTITY, max_length=32)
     gpu_resource: ExtendedResource | None = None
+    gpu_memory_reserve: str | None = Field(None, pattern=BYTES, max_length=32)
+    gpu_memory_fragmentation: float | None = Field(None, ge=0, le=0.5)
     extra: dict[ExtendedResource, Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=dict, max_length=16)
 
 
@@ -146,7 +148,7 @@ def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], lis
 
     take("spec.image", doc, "image", Spec.model_fields["image"].default, defaults.image)
     res, sched, pod = doc["resources"], doc["scheduling"], doc["pod"]
-    for field in ("cpu", "memory", "shm_size", "gpu_resource"):
+    for field in ("cpu", "memory", "shm_size", "gpu_resource", "gpu_memory_reserve", "gpu_memory_fragmentation"):
         alias = ResourcesSpec.model_fields[field].alias
         take(f"spec.resources.{alias}", res, alias, ResourcesSpec.model_fields[field].default,
              getattr(defaults.resources, field))

@@ -249,6 +249,12 @@ class ResourcesSpec(_Model):
         "more (`paratrain validate --memory` shows the terms): by the operator before any pod exists where the "
         "spec gives the vocabulary (data.vocabSize, or synthetic data), else by every rank once it has read the "
         "data, before the model is built. Unset: not checked."))
+    gpu_memory_reserve: str = Field("2Gi", pattern=BYTES, max_length=32, description=(
+        "Device memory the check keeps out of gpuMemory for what is not the trainer's tensors: the CUDA context "
+        "and its kernels, NCCL's buffers, cuBLAS and cuDNN workspaces. The platform's jobDefaults may set it."))
+    gpu_memory_fragmentation: float = Field(0.05, ge=0, le=0.5, description=(
+        "The share of what is left that the check keeps for the allocator's fragmentation (reserved but not "
+        "allocated memory). The platform's jobDefaults may set it."))
 
 
 class RunPolicy(_Model):

@@ -47,11 +47,22 @@ def device_type(job: ParallelTrainJob) -> str:
     return "cuda"
 
 
+def allocator_defaults(env: dict[str, str]) -> dict[str, str]:
+    """The CUDA caching allocator's settings the trainer defaults to, where the pod or shell sets none:
+    expandable segments, which grow one mapping instead of caching blocks of fixed sizes, so memory freed by
+    one shape serves the next (long runs, pipeline microbatches and varying loss pieces fragment less; PyTorch's
+    own advice for out-of-memory errors with much reserved but unallocated memory)."""
+    if env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return {}
+    return {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+
+
 def pick_device(job: ParallelTrainJob, local_rank: int):
     """(device, backend): this rank's GPU with NCCL when the spec asks for GPUs, else the CPU with gloo."""
     import torch
 
     if device_type(job) == "cuda":
+        os.environ.update(allocator_defaults(os.environ))  # read when the allocator starts: before any allocation
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
@@ -172,7 +183,8 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     from .models.hf_config import init_problem
     from .models.registry import model_config
     from .build import build_engine
-    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, tensor_peak
+    from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, peak_reserved_bytes, \
+        tensor_peak
     from .preemption import Preempted, StopRequest
     from .progress import ProgressReporter, TensorBoardWriter, write_json
 
@@ -220,6 +232,8 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     peak_memory, peak_memory_kind = peak_memory_bytes(device)
     peak_memories: list = [None] * world
     dist.all_gather_object(peak_memories, peak_memory)
+    peaks_reserved: list = [None] * world
+    dist.all_gather_object(peaks_reserved, peak_reserved_bytes(device))
     metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
     if rank == 0:
         flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
@@ -228,7 +242,8 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
         achieved = flops_per_token * result.tokens_per_second  # the whole job's model FLOP/s
         utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
         reporter.emit("performance", modelFlopsPerToken=flops_per_token, achievedFlopsPerSecond=achieved,
-                      mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind)
+                      mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind,
+                      peakReservedBytes=None if None in peaks_reserved else max(peaks_reserved))
         if metrics_out:
             write_json(metrics_out, {
                 "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
@@ -239,6 +254,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
                 "model_flops_per_token": flops_per_token, "achieved_flops_per_second": achieved,
                 "peak_flops_per_device": peak_flops, "mfu": utilisation,
                 "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
+                "peak_reserved_bytes": peaks_reserved,
                 "peak_tensor_bytes": tensor_peaks,
                 "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
                                       "optimizer": result.optimizer_seconds},

@@ -65,6 +65,12 @@ def model_flops_per_token(cfg: ModelConfig) -> int:
     return 6 * n + 12 * cfg.layers * cfg.embed_dim * cfg.block_size  # H·Q = embedDim
 
 
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """On CUDA the allocator's peak of reserved memory (its cache included: what the device actually gave up, and
+    what an out-of-memory error counts against); None on CPU, where no allocator reserves."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """(bytes, what was measured): on CUDA the allocator's peak (torch.cuda.max_memory_allocated: tensors, not the
     allocator's cache or the CUDA context); on CPU the process's peak resident set (getrusage's ru_maxrss, KiB on
