@@ -196,7 +196,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="a step-* checkpoint, or a checkpoint directory (its newest complete checkpoint); "
                         "default: the job's checkpoint.path as `paratrain run` writes it (runs/<name>/volumes)")
     export.add_argument("--out", required=True, type=Path, metavar="HF_DIR",
-                        help="where config.json, model.safetensors and tokenizer.json (token data) go")
+                        help="where config.json, model.safetensors (or its shards and index) and tokenizer.json "
+                        "(token data) go")
+    export.add_argument("--max-shard-size", default="5GB", metavar="BYTES",
+                        help="the most one weights file holds (default 5GB, as transformers' save_pretrained); "
+                        "larger models are written as shards with model.safetensors.index.json")
+    export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the weights' type on disk (default fp32, as trained; bf16 halves the files)")
 
     sub.add_parser("crd", help="print the ParallelTrainJob CustomResourceDefinition")
 
@@ -296,8 +302,14 @@ def _export(job, args: argparse.Namespace) -> int:
         if not local.spec.checkpoint.path:
             raise SpecError([Problem("--checkpoint", "the job sets no spec.checkpoint.path: name the checkpoint")])
         checkpoint = Path(local.spec.checkpoint.path)
+    from .api.memory import parse_bytes
+
     try:
-        out, ckpt, manifest = export_checkpoint(job, checkpoint, args.out)
+        max_shard_bytes = parse_bytes(args.max_shard_size)
+    except ValueError as exc:
+        raise SpecError([Problem("--max-shard-size", str(exc))]) from None
+    try:
+        out, ckpt, manifest = export_checkpoint(job, checkpoint, args.out, max_shard_bytes, args.dtype)
     except ValueError as exc:  # CheckpointError, or a checkpoint of another model than the job's
         print(f"paratrain export: {exc}", file=sys.stderr)
         return 1

@@ -57,6 +57,32 @@ def test_exported_model_gives_paratrains_logits_in_transformers(family, tmp_path
         torch.testing.assert_close(hf_logits(tmp_path), model(tokens()), rtol=1e-4, atol=1e-5)  # logits ~0.4; observed ~1e-7
 
 
+def test_a_model_over_the_shard_size_is_written_in_shards_with_an_index_transformers_loads(tmp_path):
+    """--max-shard-size 20 KB and --dtype bf16 on the tiny Llama (43 KB in bf16): shards as transformers names
+    them, each within the limit, an index naming every tensor; transformers loads them in bf16 and gives the fp32
+    model's logits within bf16's rounding; spec.model.init reads them back; a later single-file export into the
+    same directory leaves no shard behind."""
+    j = job("llama")
+    model = paratrain_model(j)
+    export_hf(j, model.state_dict(), tmp_path, max_shard_bytes=20_000, dtype="bf16")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all((tmp_path / f).stat().st_size < 20_000 + 4096 for f in files)  # a safetensors header beside
+    assert index["metadata"]["total_size"] == 2 * sum(t.numel() for t in model.state_dict().values())
+    assert not (tmp_path / "model.safetensors").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert hf.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens()).logits.float(), model(tokens()), rtol=0.05, atol=0.05)
+    again = paratrain_model(j, seed=2)
+    load_hf_into(again, tmp_path)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor.bfloat16().float())
+    export_hf(j, model.state_dict(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 @pytest.mark.parametrize("family", MODELS)
 def test_exported_special_token_ids_lie_in_the_vocabulary(family, tmp_path):
     """GPT-2's defaults name token 50256, which a character vocabulary lacks (transformers warned at every load of the
@@ -180,6 +206,17 @@ def test_paratrain_export_turns_a_tensor_parallel_checkpoint_into_a_transformers
                               "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf2")],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "no complete checkpoint" in refused.stderr, refused.stderr
+    sharded = subprocess.run([sys.executable, "-m", "paratrain.cli", "export", str(tmp_path / "job.yaml"), *sets,
+                              "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"),
+                              "--max-shard-size", "20KB", "--dtype", "bf16"], capture_output=True, text=True,
+                             timeout=300)
+    assert sharded.returncode == 0, sharded.stderr
+    assert "model-00001-of-" in sharded.stdout and "model.safetensors.index.json" in sharded.stdout
+    assert "model.safetensors," not in sharded.stdout  # the earlier single file replaced
+    bad = subprocess.run([sys.executable, "-m", "paratrain.cli", "export", str(tmp_path / "job.yaml"), *sets,
+                          "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf3"),
+                          "--max-shard-size", "big"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "--max-shard-size" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("family", MODELS)

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from ..api import ParallelTrainJob
 from .checkpoint import MANIFEST, full_model_state, newest_sound
-from .models.hf import export_hf
+from .models.hf import DEFAULT_SHARD_BYTES, export_hf
 from .models.hf_config import TOKENIZER_FILE
 
 
-def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, Path, dict]:
+def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: str | Path,
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str = "fp32") -> tuple[Path, Path, dict]:
     """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
     under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
     reads one. Returns the directory, the checkpoint exported and its manifest (step, layout)."""
     ckpt = newest_sound(checkpoint)
     data = job.spec.data
     tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    out = export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None)
+    out = export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None,
+                    max_shard_bytes, dtype)
     return out, ckpt, json.loads((ckpt / MANIFEST).read_text())

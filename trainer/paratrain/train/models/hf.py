@@ -1,6 +1,6 @@
 """Hugging Face interop: a full paratrain model state dict ↔ `LlamaForCausalLM` / `GPT2LMHeadModel` weights.
 
-    export_hf(job, model_state, "out/")       # config.json + model.safetensors (+ tokenizer.json)
+    export_hf(job, model_state, "out/")       # config.json + model.safetensors or shards (+ tokenizer.json)
     spec.model.init: out/                      # train from such a directory (load_hf_into, every layout)
 
 Llama's tensors are renamed only (llama.py follows HF's rotate_half RoPE, so q/k need no permutation). GPT-2 keeps
@@ -23,7 +23,7 @@ from torch import nn
 
 from ...api import ParallelTrainJob
 from ..parallel.tensors import copy_into, full_shape_of
-from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, config_json, weight_shards
+from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, config_json, weight_shards
 from .registry import build_model, model_config
 
 # (paratrain name, Hugging Face name) as regular expression and replacement, per family.
@@ -133,10 +133,18 @@ def load_hf_into(model: nn.Module, directory: str | Path) -> None:
             copy_into(param, full.float())
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (max_shard_size="5GB")
+
+
 def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_dir: str | Path,
-              tokenizer_json: str | Path | None = None) -> Path:
-    """Write a full (unsharded) paratrain model state as a Hugging Face model directory: config.json,
-    model.safetensors (fp32) and, if given, tokenizer.json. Returns the directory."""
+              tokenizer_json: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              dtype: str = "fp32") -> Path:
+    """Write a full (unsharded) paratrain model state as a Hugging Face model directory: config.json, the weights
+    in `dtype` (fp32 or bf16) as model.safetensors, or where they pass `max_shard_bytes` as shards
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout: each shard filled in
+    order up to the limit, a tensor larger than it alone in its own), and, if given, tokenizer.json. Weight files
+    of an earlier export there are replaced. Returns the directory."""
     from safetensors.torch import save_file
 
     spec = job.spec
@@ -150,16 +158,46 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
                          f"(differs at {', '.join(wrong[:5])}): export needs every parameter, unsharded")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):  # replace a link, never write through one
+    for name in (CONFIG_FILE, TOKENIZER_FILE):  # replace a link, never write through one
         if (out / name).is_symlink():
             (out / name).unlink()
-    (out / CONFIG_FILE).write_text(json.dumps(config_json(spec.model, vocab_size), indent=2) + "\n")
-    tensors = {k: v.detach().to("cpu", torch.float32) for k, v in to_hf(spec.model.family, model_state).items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    for old in [out / WEIGHTS_FILE, out / WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:
+        if old.is_symlink() or old.exists():  # an earlier export's weights: one set of weights in a directory
+            old.unlink()
+    config = config_json(spec.model, vocab_size) | {"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    tensors = to_hf(spec.model.family, model_state)
+    shards = shard_names(tensors, max_shard_bytes, DTYPES[dtype].itemsize)
+    files = sorted(set(shards.values()))
+    for file in files:
+        save_file({name: tensors[name].detach().to("cpu", DTYPES[dtype]) for name, f in shards.items() if f == file},
+                  str(out / file), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(t.numel() for t in tensors.values()) * DTYPES[dtype].itemsize
+        (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards},
+                                                    indent=2) + "\n")
     if tokenizer_json:
         shutil.copyfile(tokenizer_json, out / TOKENIZER_FILE)
     _usual_modes(out)
     return out
+
+
+def shard_names(tensors: dict[str, torch.Tensor], max_shard_bytes: int, itemsize: int) -> dict[str, str]:
+    """Tensor name → its file: every tensor in model.safetensors where all fit in `max_shard_bytes`, else shards
+    filled in order (a tensor larger than the limit alone in its own), named as transformers names them."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], WEIGHTS_FILE)
+    return {name: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, group in enumerate(groups)
+            for name in group}
 
 
 def _usual_modes(out: Path) -> None:
