@@ -4,6 +4,8 @@ import hashlib
 import io
 import json
 import pickle
+import shutil
+import threading
 
 import pytest
 import torch
@@ -249,3 +251,48 @@ def test_metadata_asking_for_a_load_transform_is_refused(saved, tmp_path):
     tamper_metadata(ckpt, transform)
     with pytest.raises(CheckpointError, match="asks for transforms"):
         full_model_state(ckpt)
+
+
+def test_old_checkpoints_leave_at_once_and_are_deleted_off_the_training_path(one_rank_group, tmp_path, monkeypatch):
+    """keep 2: the third save's commit renames the oldest aside (no longer a candidate, never a half-deleted
+    checkpoint) and deletes it in a thread the save does not wait for; the next save, or the run's end (wait),
+    finds it gone."""
+    from paratrain.train import checkpoint
+
+    checkpointer = Checkpointer(tmp_path, rank=0, world_size=1, layout="dp1·tp1·pp1 z0 fp32", keep=2)
+    deleting, release = [], threading.Event()
+
+    def slow_remove(paths):
+        deleting.extend(p.name for p in paths)
+        release.wait(30)
+        for path in paths:
+            shutil.rmtree(path)
+
+    monkeypatch.setattr(checkpoint, "_remove_all", slow_remove)
+    engine = RecordingEngine(torch.arange(4.0))
+    for step in (1, 2, 3):
+        trainer(checkpointer, engine).save(step)  # returns while step 1's removal is still held
+    assert [p.name for p in checkpointer.candidates()] == ["step-00000003", "step-00000002"]
+    assert deleting == [".pruned-step-00000001"] and (tmp_path / ".pruned-step-00000001").exists()
+    release.set()
+    checkpointer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_files_are_hashed_as_they_are_written_not_read_back(one_rank_group, tmp_path, monkeypatch, asynchronous):
+    """The manifest's digests are the files' SHA-256s, taken while DCP wrote them: nothing is read back to hash
+    it (at 8B that was about 100 GB per save on the training path)."""
+    from paratrain.train import checkpoint
+
+    read_back = []
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path, **kw: read_back.append(path) or "x")
+    checkpointer = Checkpointer(tmp_path, rank=0, world_size=1, layout="dp1·tp1·pp1 z0 fp32",
+                                asynchronous=asynchronous)
+    trainer(checkpointer, RecordingEngine(torch.arange(4.0))).save(3)
+    checkpointer.wait()
+    assert read_back == []
+    manifest = json.loads((tmp_path / "step-00000003" / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in (tmp_path / "step-00000003").iterdir()} - {"manifest.json"}
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((tmp_path / "step-00000003" / name).read_bytes()).hexdigest() == digest, name

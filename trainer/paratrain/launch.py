@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -398,6 +400,17 @@ def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
 RUN_LOCK = ".paratrain-run.lock"
 
 
+def _lock_file(field: str, where: Path) -> Path:
+    """Where the lock on `where` lives: in the work directory itself (paratrain's own); for a checkpoint
+    directory, which holds only checkpoints, in this user's runtime directory, named by the path's hash."""
+    if field == "--workdir":
+        where.mkdir(parents=True, exist_ok=True)
+        return where / RUN_LOCK
+    locks = Path(tempfile.gettempdir()) / f"paratrain-{os.getuid()}"
+    locks.mkdir(mode=0o700, exist_ok=True)
+    return locks / f"checkpoints-{hashlib.sha256(str(where).encode()).hexdigest()[:24]}.lock"
+
+
 @contextlib.contextmanager
 def one_run_at_a_time(job: ParallelTrainJob, work: Path):
     """Held while a local run lives: its work directory (logs, events, the progress it shows) and its checkpoint
@@ -411,8 +424,7 @@ def one_run_at_a_time(job: ParallelTrainJob, work: Path):
                        "give this run its own (--set spec.checkpoint.path=DIR)"))
     with contextlib.ExitStack() as held:
         for field, where, fix in places:
-            where.mkdir(parents=True, exist_ok=True)
-            lock = held.enter_context(open(where / RUN_LOCK, "a+"))
+            lock = held.enter_context(open(_lock_file(field, where), "a+"))
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -32,14 +32,14 @@ if FAULT and "RANK" in os.environ:
         # Matched by step, not by the temporary name, so a writer that skips the rename is still caught.
         step_name = checkpoint.step_dir_name(crash_step)
         if phase == "file":
-            original_sha256 = checkpoint.sha256_file
+            original_commit = checkpoint.Checkpointer._commit
 
-            def sha256_file(path):
-                if RANK == crash_rank and path.parent.name.endswith(step_name):
-                    _die()  # the rank file is complete; the manifest is not written yet
-                return original_sha256(path)
+            def _commit(self, step, meta):
+                if RANK == crash_rank and self._tmp(step).name.endswith(step_name):
+                    _die()  # the rank's files are complete (and hashed as written); no manifest yet
+                return original_commit(self, step, meta)
 
-            checkpoint.sha256_file = sha256_file
+            checkpoint.Checkpointer._commit = _commit
         elif phase == "manifest":
             original_fsync_dir = checkpoint._fsync_dir
 

@@ -23,7 +23,9 @@ file is kept for inspection). Another layout is not refused: it is resharded on 
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import hashlib
 import io
 import json
 import logging
@@ -31,6 +33,7 @@ import math
 import os
 import pickle
 import shutil
+import threading
 import warnings
 import zipfile
 from concurrent.futures import Future
@@ -43,11 +46,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..token_shards import sha256_file  # the one streaming file hash (token shards and checkpoint files alike)
 
 log = logging.getLogger("paratrain.checkpoint")
 MANIFEST = "manifest.json"
+PRUNED = ".pruned-"  # an old checkpoint renamed aside, being deleted (Checkpointer._prune)
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 2  # 1: one torch.save file per rank, loadable only into the layout that wrote it
 MODEL_PREFIX = "engine.model."  # where the model's tensors sit among DCP's flattened keys
@@ -258,6 +263,63 @@ def _dcp_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing each file as it is written: the manifest's digests without reading every
+    file back (about 100 GB per save at 8B). A file written other than front to back (a seek) is left to be hashed
+    after. Renames (the metadata file's) carry the digest along."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+        if stream.in_order:
+            with self._lock:
+                self.digests[Path(path).name] = stream.sha.hexdigest()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if (digest := self.digests.pop(Path(path).name, None)) is not None:
+                self.digests[Path(new_path).name] = digest
+
+
+class _HashingStream:
+    """The file object DCP writes to, passing every call through and hashing the bytes written, in order."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.sha, self.in_order = raw, hashlib.sha256(), True
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.raw.write(data)
+
+    def seek(self, *args) -> int:
+        self.in_order = False
+        return self.raw.seek(*args)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
 @dataclass
 class Checkpointer:
     root: Path
@@ -270,6 +332,8 @@ class Checkpointer:
     # save's background thread never interleaves with training's collectives on the default group.
     group: dist.ProcessGroup | None = None
     _pending: tuple[Future, int, dict] | None = field(default=None, repr=False)
+    _pruner: threading.Thread | None = field(default=None, repr=False)
+    _hashing: HashingFileSystem | None = field(default=None, repr=False)  # the save in flight's writer
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -285,11 +349,13 @@ class Checkpointer:
         tmp = self._tmp(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for debris in self.root.glob(".tmp-step-*"):  # of a crash mid-write, at whatever step
+            self._join_pruner()
+            for debris in [*self.root.glob(".tmp-step-*"), *self.root.glob(f"{PRUNED}*")]:  # of a crash mid-write
                 shutil.rmtree(debris, ignore_errors=True)
             tmp.mkdir()
         dist.barrier(group=self.group)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer.fs = self._hashing = HashingFileSystem()
         if self.asynchronous:
             # async_save stages the state into CPU memory before it returns: training may go on changing it.
             self._pending = (dcp.async_save(state, storage_writer=writer, process_group=self.group), step, meta)
@@ -301,6 +367,7 @@ class Checkpointer:
     def wait(self) -> int | None:
         """Collective: finish an async save in flight (its files, then the manifest and rename) and return its
         step; None if none was in flight."""
+        self._join_pruner()
         if self._pending is None:
             return None
         future, step, meta = self._pending
@@ -310,14 +377,16 @@ class Checkpointer:
         return step
 
     def _commit(self, step: int, meta: dict) -> None:
-        """Hash the files DCP wrote (each rank a share), then rank 0 writes the manifest and renames into place."""
+        """The digest of every file DCP wrote (each rank hashed its own as it wrote them; a file none did is read
+        back, each rank a share), then rank 0 writes the manifest and renames into place."""
         tmp, final = self._tmp(step), self.root / step_dir_name(step)
         names = self._rank0_says(sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None)
-        digests: list[Any] = [None] * self.world_size
-        mine = {name: sha256_file(tmp / name) for name in names[self.rank::self.world_size]}
-        dist.all_gather_object(digests, mine, group=self.group)
+        files = self._gathered(self._hashing.digests if self._hashing else {}, names)
+        self._hashing = None
+        if rest := [name for name in names if name not in files]:  # the same list on every rank
+            files |= self._gathered({name: sha256_file(tmp / name) for name in rest[self.rank::self.world_size]},
+                                    names)
         if self.rank == 0:
-            files = {name: digest for share in digests for name, digest in share.items()}
             manifest = {"format": FORMAT_VERSION, "step": step, "worldSize": self.world_size, "layout": self.layout,
                         "files": files, **meta}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
@@ -329,9 +398,34 @@ class Checkpointer:
             self._prune()
         dist.barrier(group=self.group)
 
+    def _gathered(self, digests: dict[str, str], names: list[str]) -> dict[str, str]:
+        """Collective: every rank's digests of the files among `names`, merged."""
+        shares: list[Any] = [None] * self.world_size
+        dist.all_gather_object(shares, digests, group=self.group)
+        return {name: digest for share in shares for name, digest in share.items() if name in names}
+
     def _prune(self) -> None:
+        """Rank 0, after a commit: the checkpoints past `keep` stop being candidates at once (renamed aside, so a
+        crash mid-delete leaves debris, never a damaged checkpoint to skip), and are deleted off the training path,
+        in a thread: at 8B each is about 100 GB of files, which every rank would otherwise wait for."""
+        self._join_pruner()
+        doomed = []
         for old in self.candidates()[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+            aside = old.with_name(PRUNED + old.name)
+            try:
+                old.rename(aside)
+            except OSError:
+                aside = old
+            doomed.append(aside)
+        if doomed:
+            self._pruner = threading.Thread(target=_remove_all, args=(doomed,), name="paratrain-prune", daemon=True)
+            self._pruner.start()
+
+    def _join_pruner(self) -> None:
+        """Before the next save, and at the end of a run: the previous prune has finished."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def candidates(self) -> list[Path]:
         return candidates(self.root)
@@ -401,6 +495,11 @@ class Checkpointer:
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
                                   "away to resume from an earlier checkpoint.") from None
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def candidates(root: Path) -> list[Path]:
