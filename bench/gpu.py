@@ -4,18 +4,23 @@ each peak against the memory model's prediction.
     bash bench/gpu.sh                 # on a machine with CUDA GPUs: under 10 minutes on one GPU
     bash bench/gpu.sh --dry-run       # anywhere: the same variants on a tiny model on the CPU (tested in the suite)
 
-Variants (each a `paratrain run` of synthetic data, so no dataset is needed, for --steps steps):
-- bf16 against fp32, and activation checkpointing none against selective, on one GPU;
-- with 2+ GPUs, DDP over all of them against ZeRO-3 (FSDP2 with tensor parallel 2 from 4 GPUs; DeepSpeed on 2).
-Each runs 4 sequences per GPU, halved until the memory model predicts it fits the GPU's usable memory
-(`fit_batch`: the operator's rule, memory.Headroom).
+Variants (each a `paratrain run` of synthetic data, so no dataset is needed, for --steps steps, each stopped and
+reported after --variant-timeout):
+- on one GPU, every variant it can run: bf16; fp32 with TF32 tensor cores (spec.tf32, how fp32 is run on GPUs);
+  bf16 with selective and with full activation checkpointing;
+- with 2+ GPUs (torchrun-style, one process each), DDP over all of them and ZeRO-3 (FSDP2 with tensor parallel 2
+  from 4 GPUs; DeepSpeed on 2-3).
+Each runs the largest per-GPU batch (a power of two up to 64) the memory model predicts within 85% of the GPU's
+usable memory (`fit_batch`: the operator's rule, memory.Headroom). A driver too old for torch's CUDA build is
+named as such.
 
 Model: Llama 3.2 1B's shape (`preset: llama3-1b`, 16 layers, 2048 wide, untied head) with a 128,256-token
 vocabulary and 2,048 tokens of context. FLOPs per token are perf.model_flops_per_token: 6N + 12·L·H·Q·T (N the
 parameters outside the embedding, L layers, H·Q = embedDim, T the context; no recompute counted), MFU their rate
 over the GPU's dense bf16 peak from perf.PEAK_FLOPS (989 TFLOP/s for an H100 SXM), printed with the results.
-Peak memory is the allocator's peak of live tensors (torch.cuda.max_memory_allocated), the quantity
-paratrain.api.memory predicts; each result carries `predicted_peak_bytes` and their ratio.
+Tokens/s and MFU are at steady state (the steps after each run's first: perf.SteadyRate). Peak memory is the
+allocator's peak of live tensors (torch.cuda.max_memory_allocated), the quantity paratrain.api.memory predicts;
+each result carries `predicted_peak_bytes` and their ratio, and the allocator's reserved peak beside it.
 
 Writes bench/results/gpu.json (dry run: bench/results/gpu-dry-run.json, or --out).
 """
@@ -49,11 +54,12 @@ DRY_MODEL = {"preset": "debug", "blockSize": 64, "vocabSize": 256}
 
 
 def variants(gpus: int) -> dict[str, dict]:
-    """name → spec overrides (dotted keys)."""
+    """name → spec overrides (dotted keys): every variant one GPU runs, then with 2+ GPUs the multi-GPU ones."""
     out = {
         "bf16": {},
-        "fp32": {"precision": "fp32"},
+        "fp32-tf32": {"precision": "fp32", "tf32": True},  # fp32 as GPU users run it: TF32 tensor cores
         "bf16-selective-ac": {"training.activationCheckpointing": "selective"},
+        "bf16-full-ac": {"training.activationCheckpointing": "full"},
     }
     if gpus >= 2:
         out["bf16-ddp"] = {"parallelism.data": gpus}
@@ -89,17 +95,24 @@ def job_for(overrides: dict, dry_run: bool, steps: int) -> dict:
     return job
 
 
-def fit_batch(job: dict, device_bytes: int) -> dict:
-    """Halve the batch until the memory model predicts every rank's peak within the device's usable memory, by the
-    rule the operator and `validate --memory` apply (memory.Headroom: the job's gpuMemoryReserve for the CUDA
-    context, NCCL and workspaces, then gpuMemoryFragmentation): the same script runs on a 40 GB or an 80 GB GPU."""
+def fit_batch(job: dict, device_bytes: int, share: float = 0.85, most: int = 64) -> dict:
+    """The largest per-GPU batch (a power of two, at most `most`) whose predicted peak stays within `share` of the
+    device's usable memory, by the rule the operator and `validate --memory` apply (memory.Headroom: the job's
+    gpuMemoryReserve for the CUDA context, NCCL and workspaces, then gpuMemoryFragmentation); at least 1. The same
+    script fills a 40 GB or a 141 GB GPU alike."""
     spec = job["spec"]
-    while spec["training"]["batchSize"] > spec["parallelism"].get("data", 1):
+    dp = spec["parallelism"].get("data", 1)
+
+    def fits(per_gpu: int) -> bool:
+        spec["training"]["batchSize"] = per_gpu * dp
         parsed = parse_job(job).spec
         peak = max(r.peak_bytes for r in predict(parsed, spec["model"]["vocabSize"]))
-        if peak <= Headroom.of(parsed).usable(device_bytes):
-            break
-        spec["training"]["batchSize"] //= 2
+        return peak <= share * Headroom.of(parsed).usable(device_bytes)
+
+    per_gpu = 1
+    while per_gpu * 2 <= most and fits(per_gpu * 2):
+        per_gpu *= 2
+    spec["training"]["batchSize"] = per_gpu * dp
     return job
 
 
@@ -115,7 +128,7 @@ def _cpu_bf16() -> bool:
     return True
 
 
-def run(name: str, job: dict, work: Path, dry_run: bool) -> dict:
+def run(name: str, job: dict, work: Path, dry_run: bool, timeout: float) -> dict:
     run_dir = work / name
     run_dir.mkdir(parents=True)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
@@ -123,19 +136,26 @@ def run(name: str, job: dict, work: Path, dry_run: bool) -> dict:
            str(run_dir / "metrics.json"), "--workdir", str(run_dir / "work"), "--no-progress"]
     if dry_run:
         cmd.append("--measure-memory")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s (--variant-timeout)"}
     if proc.returncode:
         return {"error": proc.stderr[-3000:]}
     metrics = json.loads((run_dir / "metrics.json").read_text())
     measured = max(metrics["peak_tensor_bytes"])
+    reserved = metrics["peak_reserved_bytes"]
     predicted = max(r.peak_bytes for r in predict(parse_job(job).spec, job["spec"]["model"]["vocabSize"]))
     return {"layout": metrics["layout"], "world_size": metrics["world_size"],
             "batch_size": job["spec"]["training"]["batchSize"],
-            "tokens_per_second": metrics["tokens_per_second"], "mfu": metrics["mfu"],
+            "tokens_per_second": metrics["tokens_per_second"],
+            "steps_left_out_of_the_rate": metrics["tokens_per_second_skips_steps"], "mfu": metrics["mfu"],
             "model_flops_per_token": metrics["model_flops_per_token"],
             "peak_flops_per_device": metrics["peak_flops_per_device"],
             "peak_tensor_bytes": measured, "predicted_peak_bytes": predicted,
-            "predicted_over_measured": predicted / measured, "final_loss": metrics["losses"][-1]}
+            "predicted_over_measured": predicted / measured,
+            "peak_reserved_bytes": None if None in reserved else max(reserved),
+            "final_loss": metrics["losses"][-1]}
 
 
 def device_memory() -> int:
@@ -144,10 +164,26 @@ def device_memory() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def gpu_count() -> int:
+def gpu_count() -> tuple[int, str | None]:
+    """(CUDA GPUs torch sees, why it sees none where a driver is there but unusable): a driver older than this
+    torch's CUDA build is named as such, not taken for a machine without GPUs."""
+    import shutil
+    import warnings
+
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        return count, None
+    driver = [str(w.message) for w in said if "driver" in str(w.message).lower()]
+    if driver:
+        return 0, (f"the NVIDIA driver here is too old for this torch (CUDA {torch.version.cuda}), or broken: "
+                   f"{driver[0].strip()}")
+    if shutil.which("nvidia-smi"):
+        return 0, f"nvidia-smi is here but torch (CUDA {torch.version.cuda}) sees no GPU: check the driver"
+    return 0, None
 
 
 def main() -> int:
@@ -155,10 +191,13 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU: checks the script runs")
     parser.add_argument("--steps", type=int, default=None, help="steps per variant (default 20; dry run 3)")
     parser.add_argument("--out", help="default: bench/results/gpu.json (dry run: gpu-dry-run.json)")
+    parser.add_argument("--variant-timeout", type=float, default=None, metavar="S",
+                        help="seconds one variant may run before it is stopped and reported (default 600; dry run 300)")
     args = parser.parse_args()
-    gpus = gpu_count()
+    gpus, why_none = gpu_count()
     if not args.dry_run and gpus == 0:
-        print("gpu.py: no CUDA GPU here; `bash bench/gpu.sh --dry-run` checks the script on the CPU", file=sys.stderr)
+        print(f"gpu.py: {why_none or 'no CUDA GPU here'}; `bash bench/gpu.sh --dry-run` checks the script on the "
+              "CPU", file=sys.stderr)
         return 2
     steps = args.steps or (3 if args.dry_run else 20)
     chosen = variants(2 if args.dry_run else gpus)
@@ -168,24 +207,30 @@ def main() -> int:
             job = job_for(overrides, args.dry_run, steps)
             if not args.dry_run:
                 job = fit_batch(job, device_memory())
-            results[name] = run(name, job, Path(tmp), args.dry_run)
+            timeout = args.variant_timeout or (300 if args.dry_run else 600)
+            results[name] = run(name, job, Path(tmp), args.dry_run, timeout)
             r = results[name]
             if "error" in r:
                 print(f"{name}: FAILED\n{r['error']}", file=sys.stderr)
                 continue
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown)"
-            print(f"{name:22} {r['layout']:24} {r['tokens_per_second']:>10,.0f} tok/s  MFU {mfu:>8}  peak "
-                  f"{human(r['peak_tensor_bytes'])} (model {human(r['predicted_peak_bytes'])}, "
-                  f"{r['predicted_over_measured']:.2f}x)")
+            reserved = f", reserved {human(r['peak_reserved_bytes'])}" if r["peak_reserved_bytes"] else ""
+            print(f"{name:22} {r['layout']:24} batch {r['batch_size']:>3} {r['tokens_per_second']:>10,.0f} tok/s  "
+                  f"MFU {mfu:>8}  peak {human(r['peak_tensor_bytes'])} (model {human(r['predicted_peak_bytes'])}, "
+                  f"{r['predicted_over_measured']:.2f}x){reserved}")
     ok = {k: v for k, v in results.items() if "error" not in v}
-    if "bf16" in ok and "fp32" in ok:
-        print(f"bf16 / fp32 tokens/s: {ok['bf16']['tokens_per_second'] / ok['fp32']['tokens_per_second']:.2f}x")
-    if "bf16" in ok and "bf16-selective-ac" in ok:
-        plain, selective = ok["bf16"], ok["bf16-selective-ac"]
-        print(f"selective AC / none: tokens/s {selective['tokens_per_second'] / plain['tokens_per_second']:.2f}x, "
-              f"peak {selective['peak_tensor_bytes'] / plain['peak_tensor_bytes']:.2f}x")
+    if "bf16" in ok and "fp32-tf32" in ok:
+        print(f"bf16 / fp32 (TF32) tokens/s: "
+              f"{ok['bf16']['tokens_per_second'] / ok['fp32-tf32']['tokens_per_second']:.2f}x")
+    for ac in ("selective", "full"):
+        if "bf16" in ok and f"bf16-{ac}-ac" in ok:
+            plain, checkpointed = ok["bf16"], ok[f"bf16-{ac}-ac"]
+            print(f"{ac} AC / none at their own batches: tokens/s "
+                  f"{checkpointed['tokens_per_second'] / plain['tokens_per_second']:.2f}x, peak "
+                  f"{checkpointed['peak_tensor_bytes'] / plain['peak_tensor_bytes']:.2f}x")
     flops_note = ("FLOPs per token: 6N + 12·L·H·Q·T (perf.model_flops_per_token); MFU against the device's dense "
-                  "bf16 peak (perf.PEAK_FLOPS), the same peak for fp32 runs")
+                  "bf16 peak (perf.PEAK_FLOPS), the same peak for fp32 (TF32) runs; tokens/s over the steps after "
+                  "each run's first (perf.SteadyRate)")
     print(flops_note)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / ("gpu-dry-run.json" if args.dry_run
                                                                          else "gpu.json")

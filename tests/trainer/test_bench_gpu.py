@@ -18,8 +18,34 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
-    assert set(report["results"]) == {"bf16", "fp32", "bf16-selective-ac", "bf16-ddp", "bf16-zero3-deepspeed"}
+    assert set(report["results"]) == {"bf16", "fp32-tf32", "bf16-selective-ac", "bf16-full-ac", "bf16-ddp",
+                                      "bf16-zero3-deepspeed"}
     for name, result in report["results"].items():
-        assert result["tokens_per_second"] > 0, name
+        assert result["tokens_per_second"] > 0 and result["steps_left_out_of_the_rate"] == 1, name  # 3 steps
         assert 0.85 <= result["predicted_over_measured"] <= 1.15, (name, result)
+        assert result["peak_reserved_bytes"] is None, name  # no allocator reserves on the CPU
     assert "6N + 12·L·H·Q·T" in proc.stdout and f"wrote {out}" in proc.stdout
+
+
+def test_the_batch_is_the_largest_the_memory_model_fits_in_85_percent_of_usable_memory():
+    """fit_batch on an 80 GiB GPU for the 1B Llama: the largest power-of-two batch predicted within 85% of the
+    usable memory (the operator's headroom), and its double is not."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu
+
+    from paratrain.api.load import parse_job
+    from paratrain.api.memory import Headroom, predict
+
+    device = 80 * 2**30
+    job = gpu.fit_batch(gpu.job_for({}, dry_run=False, steps=20), device)
+    spec = parse_job(job).spec
+    budget = 0.85 * Headroom.of(spec).usable(device)
+
+    def peak(batch: int) -> int:
+        job["spec"]["training"]["batchSize"] = batch
+        return max(r.peak_bytes for r in predict(parse_job(job).spec, gpu.VOCAB))
+
+    batch = spec.training.batch_size
+    assert batch >= 1 and peak(batch) <= budget < peak(2 * batch)

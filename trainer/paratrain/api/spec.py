@@ -468,6 +468,10 @@ class Spec(_Model):
         "stage and the pipeline schedule."))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "Mixed precision: bf16 or fp16 autocast with fp32 master weights (fp16 with dynamic loss scaling)."))
+    tf32: bool = Field(False, description=(
+        "On GPUs of Ampere or newer, fp32 matmuls run on TF32 tensor cores (a 10-bit mantissa; several times "
+        "faster): what fp32 jobs usually want for speed. Off by default, as in PyTorch: fp32 means fp32. No effect "
+        "on CPUs."))
     model: ModelSpec = Field(default_factory=ModelSpec, description=(
         "The model to train: a GPT or Llama shape, from a preset or field by field."))
     data: DataSpec = Field(default_factory=DataSpec, description=(

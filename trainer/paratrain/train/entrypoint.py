@@ -64,6 +64,8 @@ def pick_device(job: ParallelTrainJob, local_rank: int):
     if device_type(job) == "cuda":
         os.environ.update(allocator_defaults(os.environ))  # read when the allocator starts: before any allocation
         torch.cuda.set_device(local_rank)
+        torch.set_float32_matmul_precision("high" if job.spec.tf32 else "highest")  # "high": TF32 tensor cores
+        torch.backends.cudnn.allow_tf32 = job.spec.tf32
         return torch.device("cuda", local_rank), "nccl"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
     return torch.device("cpu"), "gloo"
