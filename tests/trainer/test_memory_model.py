@@ -2,7 +2,8 @@
 `--measure-memory` (each rank's peak bytes of live tensors, perf.LiveTensorBytes), and every rank's predicted peak
 must lie within ±15% of its measured one. The model is a 4-layer GPT (and Llama) of 64 wide, 64 tokens of context,
 a 256-token vocabulary and 16 sequences a step, in which activations, the loss's buffers and the model state all
-weigh: no term can be wrong by much without some layout failing. Then `paratrain validate --memory`."""
+weigh: no term can be wrong by much without some layout failing; and an 8k vocabulary whose loss runs in several
+pieces. Then `paratrain validate --memory`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ LAYOUTS = {
     "bf16": ({}, {}, {"precision": "bf16"}),
     "llama": ({}, {}, {"model": {"family": "llama", "kvHeads": 2}}),
     "llama-bf16-tp2": ({"tensor": 2}, {}, {"precision": "bf16", "model": {"family": "llama", "kvHeads": 2}}),
+    # The loss in pieces: an 8k vocabulary, 12,288 and 8,192 tokens a micro-step (3 and 2 pieces of 4,096).
+    "vocab8k-3pieces-bf16": ({}, {"batchSize": 192}, {"precision": "bf16", "model": {"vocabSize": 8192}}),
+    "vocab8k-2pieces-accumulation2": ({}, {"batchSize": 256, "gradientAccumulation": 2},
+                                      {"model": {"vocabSize": 8192}}),
+    "dp2xtp2-zero3-fsdp-accumulation2": ({"data": 2, "tensor": 2, "zeroStage": 3}, {"gradientAccumulation": 2}, {}),
 }
 
 
@@ -64,7 +70,7 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_one(name, tmp_path)
     job = job_of(name)
     _, metrics = run_job(tmp_path, job=job, args=["--measure-memory"])
     measured = metrics["peak_tensor_bytes"]
-    predicted = [rank.peak_bytes for rank in predict(parse_job(job).spec, JOB["spec"]["model"]["vocabSize"])]
+    predicted = [rank.peak_bytes for rank in predict(parse_job(job).spec, job["spec"]["model"]["vocabSize"])]
     errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
     assert all(abs(e) <= TOLERANCE for e in errors), (
         f"{name}: predicted {predicted}, measured {measured}, errors {[f'{e:+.1%}' for e in errors]}")

@@ -11,8 +11,8 @@ Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parall
 - activations: what a block saves for backward per token (`block_bytes`), times the tokens of the microbatches in
   flight (all of a step's for GPipe, p - stage for 1F1B), for the rank's layers; activation checkpointing keeps
   only each block's input (full) or its matmul and attention outputs (selective), plus one block rebuilt in backward.
-- loss: the last stage's log-softmax output, its gradient and the logits' gradient, fp32 over the vocabulary, for
-  4,096 tokens at a time (engine.cross_entropy), plus the logits themselves.
+- loss: the last stage's logits and the gradient buffer the loss fills as it runs (engine.ChunkedCrossEntropy),
+  plus one piece of 4,096 tokens' fp32 copy and logsumexp's temporary over the vocabulary.
 - buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket, pipeline receive buffers (one per microbatch),
   bf16 autocast's weight copies (2Ψ of matmul weights).
 The peak is taken at the start of backward (states + activations + loss + buffers, gradients already there under
@@ -184,16 +184,17 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
 
     if last:
+        # engine.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
+        # logits, else the logits' type) and one piece's fp32 copy with logsumexp's temporary of its size
         piece = min(micro_tokens, CE_CHUNK_TOKENS) * shape.vocab * FP32
         logits = micro_tokens * shape.vocab * (2 if half else FP32)
-        loss = 3 * piece + (piece if half else 0)  # log-softmax out, its grad, the logits' grad (+ fp32 copy)
+        grad = micro_tokens * shape.vocab * (2 if spec.precision == "bf16" else FP32)
+        loss = logits + grad + 2 * piece
         # ... and the final norm's input, output (its 16-bit copy under autocast) and statistics, which are freed
         # with them, before the first block's backward
         loss += micro_tokens * in_flight * (shape.embed_dim * (FP32 + (2 if half else FP32)) + 2 * FP32)
-        if micro_tokens > CE_CHUNK_TOKENS:  # pieces recomputed in backward; the logits and their grad stay whole
-            loss += 2 * logits
-        if pp > 1:  # the schedule keeps each in-flight microbatch's logits for its loss
-            loss += in_flight * logits
+        if pp > 1:  # the schedule keeps the other in-flight microbatches' logits, each with its gradient buffer
+            loss += (in_flight - 1) * (logits + grad)
         terms["loss"] = int(loss)
 
     buffers = 0
