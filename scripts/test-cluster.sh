@@ -59,11 +59,14 @@ store_dir() {
   fi
 }
 # Stores that a killed run left in memory: older than 10 minutes (not one being started beside this one) with no
-# file open by any process (a live etcd holds its WAL and db open).
+# file open by any process (a live etcd holds its WAL and db open). No pipe into `grep -q` here: under pipefail
+# the SIGPIPE it sends find on a match fails the pipeline, and a live store was deleted so.
 sweep_stale_stores() {
   local store
   for store in $(find /dev/shm -maxdepth 1 -name 'paratrain-etcd.*' -user "$(id -u)" -mmin +10 2>/dev/null); do
-    find /proc/[0-9]*/fd -maxdepth 1 -lname "$store/*" 2>/dev/null | grep -q . || rm -rf "$store"
+    if [[ -z "$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$store/*" -print -quit 2>/dev/null)" ]]; then
+      rm -rf "$store"
+    fi
   done
 }
 remove_store() {
