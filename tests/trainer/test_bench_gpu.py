@@ -30,10 +30,11 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
 def test_the_batch_is_the_largest_the_memory_model_fits_in_85_percent_of_usable_memory():
     """fit_batch on an 80 GiB GPU for the 1B Llama: the largest power-of-two batch predicted within 85% of the
     usable memory (the operator's headroom), and its double is not."""
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu
+    loader = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    gpu = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(gpu)
 
     from paratrain.api.load import parse_job
     from paratrain.api.memory import Headroom, predict

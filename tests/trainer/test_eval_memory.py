@@ -48,14 +48,14 @@ def test_the_loss_holds_one_piece_in_fp32_and_equals_the_whole_batch_loss(monkey
     expected_grad, logits.grad = logits.grad.clone(), None
 
     seen: list[int] = []
-    whole = F.cross_entropy
+    whole = engine._piece_loss
 
-    def recording(input: torch.Tensor, *args, **kwargs):  # noqa: A002 (F.cross_entropy's name)
-        seen.append(input.shape[0])
-        return whole(input, *args, **kwargs)
-    monkeypatch.setattr(F, "cross_entropy", recording)
+    def recording(piece: torch.Tensor, *args, **kwargs):
+        seen.append(piece.shape[0])
+        return whole(piece, *args, **kwargs)
+    monkeypatch.setattr(engine, "_piece_loss", recording)
     loss = engine.cross_entropy(logits, targets)
     loss.backward()
-    assert max(seen) == 10 and sum(seen) >= 48  # pieces of 10 tokens (recomputed in backward), never all 48
+    assert max(seen) == 10 and sum(seen) == 48  # pieces of 10 tokens, each once (its gradient with it), never all 48
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(logits.grad, expected_grad)
+    torch.testing.assert_close(logits.grad, expected_grad, rtol=2e-2, atol=1e-4)  # bf16: rounded once more
