@@ -232,10 +232,9 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     state_bytes: list = [None] * world
     dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
     peak_memory, peak_memory_kind = peak_memory_bytes(device)
-    peak_memories: list = [None] * world
-    dist.all_gather_object(peak_memories, peak_memory)
-    peaks_reserved: list = [None] * world
-    dist.all_gather_object(peaks_reserved, peak_reserved_bytes(device))
+    peaks: list = [None] * world
+    dist.all_gather_object(peaks, (peak_memory, peak_reserved_bytes(device)))  # one collective for both
+    peak_memories, peaks_reserved = [p[0] for p in peaks], [p[1] for p in peaks]
     metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
     if rank == 0:
         flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
