@@ -63,20 +63,19 @@ def test_a_rank_asleep_before_a_tensor_parallel_all_reduce_fails_the_gang_within
     assert "rank(s) 3 did not answer the roll call within 5 s" in log, log[-3000:]
 
 
-def test_groups_made_after_the_set_up_wait_the_jobs_timeout():
+def test_groups_made_after_the_set_up_wait_the_jobs_timeout(one_rank_group):
     """c10d gives a group made without a timeout its module default (30 minutes on gloo); the trainer sets that
-    default to the job's timeout once, so the mesh's, the checkpoints' and DeepSpeed's groups all wait it."""
+    default to the job's timeout once, so the mesh's, the checkpoints' and DeepSpeed's groups all wait it. The
+    session's one default group is used: a second init in the same process fails (xdist runs many modules in one)."""
     from torch.distributed import distributed_c10d
 
     saved = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         wait_everywhere(datetime.timedelta(seconds=7))
         group = dist.new_group(backend="gloo")
         assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=7)
+        dist.destroy_process_group(group)
     finally:
-        dist.destroy_process_group()
         distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = saved
 
 
