@@ -129,3 +129,32 @@ def test_a_second_run_in_a_live_runs_workdir_or_checkpoints_is_refused_naming_it
         holder.kill()
         holder.wait()
     assert cli.main(["run", str(job_file), "--workdir", str(tmp_path / "first"), "--no-progress"]) == 0
+
+
+def test_an_fp32_cpu_job_is_checked_without_loading_torch():
+    """Nothing to ask the device of an fp32 CPU job: the launcher (and `paratrain validate`) then leaves torch
+    unloaded, seconds of CPU that each rank pays again anyway."""
+    probe = ("import sys; from paratrain import launch; from paratrain.api import parse_job; "
+             "from tests.trainer.harness import TINY_JOB; "
+             "assert launch.device_problem(parse_job(TINY_JOB)) is None; "
+             "assert 'torch' not in sys.modules, 'torch loaded'")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_what_the_device_cannot_run_is_refused_before_launch_naming_the_field(monkeypatch):
+    import torch
+
+    from paratrain.train.parallel import precision
+
+    monkeypatch.delenv("PARATRAIN_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_job = parse_job(apply_overrides(TINY_JOB, ["spec.resources.gpusPerNode=1"]))
+    assert launch.device_problem(gpu_job).path == "spec.resources.gpusPerNode"
+
+    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)
+    deepspeed_fp16 = parse_job(apply_overrides(TINY_JOB, layout(data=2, zeroStage=2) + ["spec.precision=fp16"]))
+    problem = launch.device_problem(deepspeed_fp16)
+    assert problem.path == "spec.precision" and "native fp16" in problem.message
+    assert launch.device_problem(parse_job(apply_overrides(TINY_JOB, ["spec.precision=bf16"]))) is None

@@ -363,12 +363,6 @@ def cluster_notes(job: ParallelTrainJob) -> list[str]:
 def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts
     (`checksums`: hash a token directory's shards too, as broken_data does)."""
-    import torch
-
-    from .train.entrypoint import device_type
-    from .train.parallel.dims import ParallelDims
-    from .train.parallel.precision import check_device_supports
-
     spec = job.spec
     if spec.entrypoint:  # a program of its own checks what it reads
         return
@@ -379,14 +373,32 @@ def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
     if spec.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("spec.logging.tensorboard", "writing event files needs the tensorboard package "
                                 "(pip install tensorboard)"))
-    uses_deepspeed = ParallelDims.from_spec(spec).uses_deepspeed
-    try:
-        check_device_supports(spec.precision, torch.device(device_type(job)), uses_deepspeed)
-    except ValueError as exc:
-        path, _, message = str(exc).partition(": ")
-        problems.append(Problem(path, message))
+    if problem := device_problem(job):
+        problems.append(problem)
     if problems:
         raise SpecError(problems)
+
+
+def device_problem(job: ParallelTrainJob) -> Problem | None:
+    """What this machine's device would refuse of the spec: GPUs it does not have, a precision it cannot run.
+    torch is imported only to ask: fp32 on the CPU needs no question, and the import costs the launcher seconds of
+    CPU that every rank pays again."""
+    from .train.entrypoint import device_type
+
+    try:
+        device = device_type(job)
+        if job.spec.precision != "fp32":
+            import torch
+
+            from .train.parallel.dims import ParallelDims
+            from .train.parallel.precision import check_device_supports
+
+            check_device_supports(job.spec.precision, torch.device(device),
+                                  ParallelDims.from_spec(job.spec).uses_deepspeed)
+    except ValueError as exc:
+        path, _, message = str(exc).partition(": ")
+        return Problem(path, message)
+    return None
 
 
 def root_failure(codes: list[int | None]) -> tuple[int, int] | None:

@@ -34,11 +34,11 @@ def _env_int(name: str) -> int:
 
 def device_type(job: ParallelTrainJob) -> str:
     """"cuda" when the spec asks for GPUs (unless PARATRAIN_DEVICE=cpu forces the CPU), else "cpu"."""
-    import torch
-
     gpus = job.spec.resources.gpus_per_node
     if gpus == 0 or os.environ.get(contract.ENV_DEVICE) == "cpu":
         return "cpu"
+    import torch  # here, not above: the launcher asks too, and importing torch costs it seconds of CPU
+
     if not torch.cuda.is_available():
         # Permanent, not a silent fallback: a job sized for GPUs would train on CPU orders of magnitude slower.
         raise ValueError(f"spec.resources.gpusPerNode: the job asks for {gpus} GPU(s) per node, but no CUDA "
