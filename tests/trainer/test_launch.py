@@ -15,13 +15,14 @@ from .harness import TINY_JOB, layout
 
 
 class ProbeRank:
-    """Stands in for a rank: at the moment it is started, someone must already listen on its MASTER_PORT, or another
-    process could take that port before rank 0 binds it."""
+    """Stands in for a rank (launch.start_rank): at the moment it is started, someone must already listen on its
+    MASTER_PORT, or another process could take that port before rank 0 binds it."""
 
-    def __init__(self, cmd, env, **kwargs):
+    pid = -1
+
+    def __init__(self, spec_file, env, log):
         with socket.create_connection((env["MASTER_ADDR"], int(env["MASTER_PORT"])), timeout=5):
             pass
-        kwargs["stdout"].close()
 
     def poll(self) -> int:
         return 0
@@ -31,7 +32,7 @@ class ProbeRank:
 
 
 def test_the_rendezvous_port_is_listened_on_before_any_rank_starts(monkeypatch, tmp_path):
-    monkeypatch.setattr(launch.subprocess, "Popen", ProbeRank)
+    monkeypatch.setattr(launch, "start_rank", ProbeRank)
     job = parse_job(apply_overrides(TINY_JOB, layout(data=2)))
     assert launch.run_local(job, workdir=str(tmp_path), progress=False) == 0
 
@@ -42,6 +43,26 @@ def test_the_rank_that_died_is_reported_not_the_peer_that_saw_it():
     assert launch.root_failure([None, 75]) == (1, 75)  # alone, the peer failure is what there is to report
     assert launch.root_failure([2, 75, None]) == (0, 2)
     assert launch.root_failure([0, None]) is None
+
+
+def test_a_forked_rank_has_its_own_session_and_log_and_stops_with_the_gang(tmp_path):
+    """Ranks fork from the launcher's preloaded fork server: each still gets what exec gave it, a session of its
+    own (so the stop reaches whatever it started) and its output in its log, and the gang's stop ends it."""
+    job = parse_job(apply_overrides(TINY_JOB, layout(data=2) + ["spec.training.steps=100000"]))
+    store = launch.RendezvousStore()
+    procs = launch.start_gang(job, tmp_path, None, store.port)
+    try:
+        log = tmp_path / "logs" / "rank-0.log"  # rank 0 is the one that logs progress
+        deadline = time.monotonic() + 120
+        while "start step=0" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), log.read_text()
+            time.sleep(0.2)
+        assert "[rank 0] paratrain.progress INFO: start step=0" in log.read_text()
+        assert [os.getsid(p.pid) for p in procs] == [p.pid for p in procs]
+    finally:
+        launch.stop_gang(procs)
+        store.close()
+    assert all(p.poll() is not None for p in procs)
 
 
 def _ranks(*programs: str) -> list[subprocess.Popen]:
@@ -117,7 +138,7 @@ def test_a_second_run_in_a_live_runs_workdir_or_checkpoints_is_refused_naming_it
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(launch.subprocess, "Popen", ProbeRank)
+        monkeypatch.setattr(launch, "start_rank", ProbeRank)
         assert cli.main(["run", str(job_file), "--workdir", str(tmp_path / "first"), "--no-progress"]) == 1
         said = capsys.readouterr().err
         assert "--workdir" in said and f"in use by a live run (pid {holder.pid}, job parity" in said, said

@@ -33,14 +33,47 @@ STOP_GRACE_SECONDS = 5.0  # ranks left after another one failed: their gang is b
 SAVE_GRACE_SECONDS = 30.0  # Ctrl-C: the ranks save the step in flight first (train.preemption)
 
 
-def rendezvous_store():
-    """The gang's TCPStore, hosted by the launcher as torchrun's agent hosts it for a pod's workers (the workers'
+class RendezvousStore:
+    """The gang's TCPStore, hosted for it as torchrun's agent hosts it for a pod's workers (the workers'
     TORCHELASTIC_USE_AGENT_STORE makes every rank a client). It listens on a port the kernel picks when it binds, so
     no other process can take the port between choosing it and listening on it, as with a port chosen first and
-    bound later by rank 0. It serves until it is garbage-collected: hold it while the gang runs."""
-    import torch.distributed as dist  # here only: the rest of the launcher runs without torch
+    bound later by rank 0. Its host is a process forked like the ranks (start_rank), so the launcher itself never
+    loads torch; it serves until `close()`, or until the launcher is gone."""
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    def __init__(self, timeout: float = 120.0):
+        context = _fork_context()
+        self._ours, theirs = context.Pipe()
+        self._host = context.Process(target=_host_store, args=(theirs,), name="rendezvous-store")
+        self._host.start()
+        theirs.close()
+        if not self._ours.poll(timeout):
+            self.close()
+            raise RuntimeError(f"the rendezvous store did not start listening in {timeout:.0f} s")
+        self.port: int = self._ours.recv()
+
+    def close(self) -> None:
+        self._ours.close()  # the host's recv() ends: it exits
+        self._host.join(5)
+        if self._host.exitcode is None:
+            self._host.kill()
+            self._host.join()
+
+    def __enter__(self) -> RendezvousStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _host_store(launcher) -> None:
+    os.setsid()  # a terminal's Ctrl-C is the launcher's to handle: the ranks still reach the store as they save
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launcher.send(store.port)
+    with contextlib.suppress(EOFError):
+        launcher.recv()
+    os._exit(0)
 
 
 def _threads_per_rank(world: int) -> str:
@@ -48,7 +81,7 @@ def _threads_per_rank(world: int) -> str:
 
 
 def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, port: int,
-               peak_flops: float | None = None, measure_memory: bool = False) -> list[subprocess.Popen]:
+               peak_flops: float | None = None, measure_memory: bool = False) -> list[RankProcess]:
     """Every rank as a process, meeting at the rendezvous store on `port`."""
     spec = job.spec
     spec_file = workdir / contract.SPEC_FILE_NAME
@@ -70,10 +103,72 @@ def start_gang(job: ParallelTrainJob, workdir: Path, metrics_out: str | None, po
             env[contract.ENV_EVENTS_FILE] = str(events)
             if metrics_out:
                 env[contract.ENV_METRICS_OUT] = str(Path(metrics_out).resolve())
-        out = open(workdir / "logs" / f"rank-{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--spec", str(spec_file)],
-                                      env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(start_rank(spec_file, env, workdir / "logs" / f"rank-{rank}.log"))
     return procs
+
+
+# What every rank imports before its first step: about 7 s of CPU (torch alone 3.5), paid once per launcher by
+# its fork server instead of once per rank.
+RANK_MODULES = ["paratrain.train.entrypoint", "paratrain.train.build", "paratrain.train.checkpoint",
+                "paratrain.train.loop", "paratrain.train.preflight", "torch._dynamo"]
+
+
+class RankProcess:
+    """A rank forked from the launcher's fork server (multiprocessing's), with the part of Popen's interface the
+    launcher uses: pid, poll(), wait()."""
+
+    def __init__(self, process):
+        self._process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("rank", timeout)
+        return self._process.exitcode
+
+
+def start_rank(spec_file: Path, env: dict[str, str], log: Path) -> RankProcess:
+    """One rank, `paratrain train --spec SPEC` as a pod's worker runs it, in its own session with `env`, its output
+    in `log`. Forked from a server that has imported the trainer's modules (RANK_MODULES) and done nothing else: no
+    torch op (a fork after OpenMP ran can hang the child's first parallel region) and no CUDA call (CUDA does not
+    survive a fork), so GPU ranks fork from it too."""
+    process = _fork_context().Process(target=_rank_main, args=(str(spec_file), env, str(log)), name=log.stem)
+    process.start()
+    return RankProcess(process)
+
+
+def _fork_context():
+    """multiprocessing's fork server, started on first use with RANK_MODULES imported: the ranks and their store's
+    host fork from it."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver.set_forkserver_preload(RANK_MODULES)
+    return multiprocessing.get_context("forkserver")
+
+
+def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
+    """The forked rank: what exec would have given it (a new session, the env, stdout and stderr in the log,
+    no terminal input), then the trainer."""
+    os.setsid()
+    with open(log, "wb") as out, open(os.devnull, "rb") as nothing:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        os.dup2(nothing.fileno(), 0)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    # OpenMP read OMP_NUM_THREADS when the fork server loaded it, from the launcher's environment, not this rank's.
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    from .cli import exit_now
+    from .train.entrypoint import train_main
+
+    exit_now(train_main(spec_file))
 
 
 def start_program(job: ParallelTrainJob, workdir: Path, port: int) -> list[subprocess.Popen]:
@@ -113,20 +208,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def stop_gang(procs: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS,
+def stop_gang(procs: list[RankProcess | subprocess.Popen], grace: float = STOP_GRACE_SECONDS,
               hurry: Callable[[], bool] = lambda: False) -> None:
     """SIGTERM every live rank, SIGKILL what is left after a grace period (or at once when `hurry()` turns true:
     a second Ctrl-C): nothing is left behind."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            _signal_session(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not hurry():
         time.sleep(0.1)
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            _signal_session(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def _signal_session(pid: int, signum: int) -> None:
+    """Signal a rank and whatever it started (its session's process group). A rank forked a moment ago may not
+    have made its session yet: then the rank alone."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 class CtrlC:
@@ -151,7 +256,7 @@ class CtrlC:
         self.count += 1
 
 
-def watch_gang(procs: list[subprocess.Popen], view: ProgressView, ctrl_c: CtrlC) -> tuple[int, int] | None:
+def watch_gang(procs: list[RankProcess | subprocess.Popen], view: ProgressView, ctrl_c: CtrlC) -> tuple[int, int] | None:
     """Follow the gang until a rank fails (its rank and exit code), all succeed (None) or Ctrl-C ((-1, 130)); what
     is still running is stopped either way. Ctrl-C gives the ranks SAVE_GRACE_SECONDS to save the step in flight,
     a second one kills them at once."""
@@ -473,11 +578,12 @@ def _run_gang(job: ParallelTrainJob, work: Path, metrics_out: str | None, progre
         print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
               f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
-    with CtrlC() as ctrl_c:  # from the first start on: a Ctrl-C while ranks start still stops them
+    # From the first start on: a Ctrl-C while ranks start still stops them. The store serves until the gang stopped.
+    with CtrlC() as ctrl_c, contextlib.ExitStack() as serving:
         if own:
             procs, unit = start_program(job, work, free_port()), "node"
         else:
-            store = rendezvous_store()  # held while the gang runs
+            store = serving.enter_context(RendezvousStore())
             procs, unit = start_gang(job, work, metrics_out, store.port, peak_flops, measure_memory), "rank"
         view = ProgressView(work / "events.jsonl", live=progress and sys.stderr.isatty())
         failed = watch_gang(procs, view, ctrl_c)
