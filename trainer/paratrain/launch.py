@@ -163,8 +163,11 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
     os.environ.update(env)
     import torch
 
-    # OpenMP read OMP_NUM_THREADS when the fork server loaded it, from the launcher's environment, not this rank's.
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # OpenMP read OMP_NUM_THREADS when the fork server loaded it, from the launcher's environment, not this rank's
+    # (its first level, as OpenMP reads a nested "4,2").
+    threads = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     from .cli import exit_now
     from .train.entrypoint import train_main
 
