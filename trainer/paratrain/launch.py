@@ -1,5 +1,6 @@
 """`paratrain run`: a job's whole gang as local processes, each with the worker env torchrun gives pods' workers,
-meeting at a rendezvous store the launcher hosts, as torchrun's agent does.
+meeting at a rendezvous store hosted for them, as torchrun's agent hosts it. The ranks and the store's host fork
+from a fork server that imported the trainer once (start_rank).
 
 Shows a live progress line read from rank 0's event file, prints a summary, and if any rank fails stops the
 others and exits with that rank's code.
@@ -259,7 +260,8 @@ class CtrlC:
         self.count += 1
 
 
-def watch_gang(procs: list[RankProcess | subprocess.Popen], view: ProgressView, ctrl_c: CtrlC) -> tuple[int, int] | None:
+def watch_gang(procs: list[RankProcess | subprocess.Popen], view: ProgressView,
+               ctrl_c: CtrlC) -> tuple[int, int] | None:
     """Follow the gang until a rank fails (its rank and exit code), all succeed (None) or Ctrl-C ((-1, 130)); what
     is still running is stopped either way. Ctrl-C gives the ranks SAVE_GRACE_SECONDS to save the step in flight,
     a second one kills them at once."""
@@ -490,7 +492,7 @@ def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
 def device_problem(job: ParallelTrainJob) -> Problem | None:
     """What this machine's device would refuse of the spec: GPUs it does not have, a precision it cannot run.
     torch is imported only to ask: fp32 on the CPU needs no question, and the import costs the launcher seconds of
-    CPU that every rank pays again."""
+    CPU (the ranks have it from their fork server)."""
     from .train.entrypoint import device_type
 
     try:
