@@ -36,10 +36,6 @@ class BackgroundRun:
     proc: subprocess.Popen
     work: Path
 
-    @property
-    def spec_file(self) -> Path:
-        return self.work / "job.yaml"  # the launcher's copy, named on every rank's command line
-
     def last_step(self) -> int:
         events = self.work / "events.jsonl"
         if not events.exists():
@@ -56,14 +52,16 @@ class BackgroundRun:
             time.sleep(0.02)
 
     def rank_pids(self) -> dict[int, int]:
-        return {rank_of(pid): pid for pid in gang_processes(self.spec_file)}
+        """{rank: pid} of the live ranks: the process that leads its session (a rank's own children share its
+        log too)."""
+        return {rank: pid for pid, rank in gang_processes(self.work).items() if os.getsid(pid) == pid}
 
     def stderr(self) -> str:
         return (self.work.parent / "stderr.txt").read_text(errors="replace")
 
     def kill_all(self) -> None:
         """Test cleanup: whatever the launcher left (each rank leads its own process group)."""
-        for pid in gang_processes(self.spec_file):
+        for pid in gang_processes(self.work):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -95,28 +93,28 @@ def _read(path: str) -> bytes:
         return b""
 
 
-def gang_processes(spec_file: Path) -> list[int]:
-    """Live processes (not zombies) started with `--spec <spec_file>`: the ranks of that run."""
-    needle = os.fsencode(spec_file)
-    out = []
+def gang_processes(work: Path) -> dict[int, int]:
+    """{pid: rank} of the live processes (not zombies) writing to a rank log of the run in `work`
+    (logs/rank-N.log as their stdout): the ranks however the launcher started them, and whatever they started."""
+    logs = work.resolve() / "logs"
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        if needle in _read(f"/proc/{entry}/cmdline").split(b"\0"):
+        try:
+            stdout = Path(os.readlink(f"/proc/{entry}/fd/1"))
+        except OSError:
+            continue
+        if stdout.parent == logs and stdout.name.startswith("rank-") and stdout.suffix == ".log":
             stat = _read(f"/proc/{entry}/stat")
             if stat and stat.rsplit(b")", 1)[-1].split()[0] != b"Z":
-                out.append(int(entry))
+                out[int(entry)] = int(stdout.stem.removeprefix("rank-"))
     return out
-
-
-def rank_of(pid: int) -> int:
-    env = dict(item.split(b"=", 1) for item in _read(f"/proc/{pid}/environ").split(b"\0") if b"=" in item)
-    return int(env[b"RANK"])
 
 
 def processes_left(run: BackgroundRun, pids: dict[int, int]) -> list[str]:
     """What is still running of the gang: rank processes, and processes in any rank's process group."""
-    left = [f"rank process {pid}" for pid in gang_processes(run.spec_file)]
+    left = [f"rank {rank}'s process {pid}" for pid, rank in gang_processes(run.work).items()]
     for rank, pid in pids.items():
         try:
             os.killpg(pid, 0)  # each rank leads its own session and process group

@@ -14,12 +14,15 @@ import os
 
 FAULT = os.environ.get("PARATRAIN_TEST_FAULT")
 
-# Only trainer processes (which have the worker env), not the launcher.
-if FAULT and "RANK" in os.environ:
+# Patched in every process that starts with it (the launcher, its fork server, torchrun), and the rank asked at
+# each call: a rank forked from `paratrain run`'s fork server gets its RANK after this ran; other processes have none.
+if FAULT:
     import json
     import signal
 
-    RANK = int(os.environ["RANK"])
+    def _rank() -> int:
+        return int(os.environ.get("RANK", "-1"))
+
     kind, *args = FAULT.split(":")
 
     def _die() -> None:
@@ -35,7 +38,7 @@ if FAULT and "RANK" in os.environ:
             original_commit = checkpoint.Checkpointer._commit
 
             def _commit(self, step, meta):
-                if RANK == crash_rank and self._tmp(step).name.endswith(step_name):
+                if _rank() == crash_rank and self._tmp(step).name.endswith(step_name):
                     _die()  # the rank's files are complete (and hashed as written); no manifest yet
                 return original_commit(self, step, meta)
 
@@ -44,7 +47,7 @@ if FAULT and "RANK" in os.environ:
             original_fsync_dir = checkpoint._fsync_dir
 
             def _fsync_dir(path):
-                if RANK == crash_rank and path.name.endswith(step_name) and (path / checkpoint.MANIFEST).exists():
+                if _rank() == crash_rank and path.name.endswith(step_name) and (path / checkpoint.MANIFEST).exists():
                     _die()  # the manifest is written; the rename that makes the checkpoint exist is not done
                 return original_fsync_dir(path)
 
@@ -66,7 +69,7 @@ if FAULT and "RANK" in os.environ:
         def forward_backward(self, micro_batches):
             step = calls["fb"]
             calls["fb"] += 1
-            if RANK != storm_rank or not first <= step < first + count:
+            if _rank() != storm_rank or not first <= step < first + count:
                 return original_fb(self, micro_batches)
             real = self.scaler.scale
             self.scaler.scale = real * 2.0**100
