@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from paratrain import launch
 from paratrain.api import apply_overrides, parse_job
@@ -59,6 +60,7 @@ def test_a_forked_rank_has_its_own_session_and_log_and_stops_with_the_gang(tmp_p
             time.sleep(0.2)
         assert "[rank 0] paratrain.progress INFO: start step=0" in log.read_text()
         assert [os.getsid(p.pid) for p in procs] == [p.pid for p in procs]
+        assert [Path(f"/proc/{p.pid}/comm").read_text().strip() for p in procs] == ["paratrain-r0", "paratrain-r1"]
     finally:
         launch.stop_gang(procs)
         store.close()

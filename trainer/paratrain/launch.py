@@ -68,6 +68,7 @@ class RendezvousStore:
 
 def _host_store(launcher) -> None:
     os.setsid()  # a terminal's Ctrl-C is the launcher's to handle: the ranks still reach the store as they save
+    _name_process("paratrain-store")
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -156,6 +157,7 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
     """The forked rank: what exec would have given it (a new session, the env, stdout and stderr in the log,
     no terminal input), then the trainer."""
     os.setsid()
+    _name_process(f"paratrain-r{env['RANK']}")
     with open(log, "wb") as out, open(os.devnull, "rb") as nothing:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
@@ -173,6 +175,13 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
     from .train.entrypoint import train_main
 
     exit_now(train_main(spec_file))
+
+
+def _name_process(name: str) -> None:
+    """The name `top`, `ps -o comm` and `pgrep` show (Linux's comm, 15 bytes): a forked process's command line is
+    its fork server's, which says nothing of which rank it is."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
 
 
 def start_program(job: ParallelTrainJob, workdir: Path, port: int) -> list[subprocess.Popen]:
