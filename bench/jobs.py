@@ -57,7 +57,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[...,
     import torch
     import torch.distributed as dist
 
-    from paratrain.cli import exit_now
+    from paratrain.train.entrypoint import exit_now
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -53,7 +53,7 @@ def run_job(tmp: Path, overrides: list[str] = (), job: dict | None = None, expec
 
 def spawn_ranks(fn: Callable[..., None], nprocs: int, *args) -> None:
     """`fn(rank, *args)` in `nprocs` spawned processes (torch.multiprocessing), each ending as `paratrain train`
-    does (`cli.exit_now`: no interpreter teardown, where a gloo thread still joinable aborts the process now and
+    does (`entrypoint.exit_now`: no interpreter teardown, where a gloo thread still joinable aborts the process now and
     then) once `fn` returns. An exception in `fn` still fails the test with its traceback."""
     import torch.multiprocessing as mp
 
@@ -61,7 +61,7 @@ def spawn_ranks(fn: Callable[..., None], nprocs: int, *args) -> None:
 
 
 def _rank_then_exit(rank: int, fn: Callable[..., None], args: tuple) -> None:
-    from paratrain.cli import exit_now
+    from paratrain.train.entrypoint import exit_now
 
     fn(rank, *args)
     exit_now(0)

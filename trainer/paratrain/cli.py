@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(crd_manifest(), sort_keys=False, allow_unicode=True))
             return 0
         if args.command == "train":
-            from .train.entrypoint import train_main
+            from .train.entrypoint import exit_now, train_main
 
             exit_now(train_main(args.spec))
         if args.command == "prepare":
@@ -277,19 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 1 if args.command != "train" else EXIT_INVALID_SPEC
-
-
-def exit_now(code: int) -> None:
-    """End a trainer process with its exit code, skipping interpreter teardown: there, C++ threads of torch's
-    process groups can still be joinable and abort the process (SIGABRT: "terminate called without an active
-    exception"), so a rank that refused a checkpoint as an invalid spec would be reported as crashed. Everything
-    the run writes is closed before it returns. The tests' and benchmarks' spawned ranks end through it too."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _export(job, args: argparse.Namespace) -> int:

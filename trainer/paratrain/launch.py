@@ -171,8 +171,7 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
     threads = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    from .cli import exit_now
-    from .train.entrypoint import train_main
+    from .train.entrypoint import exit_now, train_main
 
     exit_now(train_main(spec_file))
 

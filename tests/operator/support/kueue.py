@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import socket
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,12 @@ class Kueue:
         # Server-side: the CRDs are larger than client-side apply's last-applied annotation may be.
         applied = plane.kubectl("apply", "--server-side", "-f", str(installed), timeout=120)
         assert applied.returncode == 0, applied.stderr
-        waited = plane.kubectl("wait", "--for", "condition=established", "--timeout=60s", "crd", "--all", timeout=90)
+        for _ in range(5):  # kubectl errors, rather than waits, on a CRD that has no status yet (kubernetes#66439)
+            waited = plane.kubectl("wait", "--for", "condition=established", "--timeout=60s", "crd", "--all",
+                                   timeout=90)
+            if waited.returncode == 0 or "accessor error" not in waited.stderr:
+                break
+            time.sleep(1)
         assert waited.returncode == 0, waited.stderr
 
         host, self.port, probe = host_address(), _free_port(), _free_port()
