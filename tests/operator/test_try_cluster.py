@@ -88,7 +88,7 @@ def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
     walkthrough = [line.split("  #")[0].rstrip().replace("/tmp/k8s", str(k8s))
                    for line in walkthrough_block().splitlines()]
     setup = [line for line in walkthrough if line.startswith(("bash scripts/test-cluster.sh up", "eval ",
-                                                              "kubectl apply -f manifests", "kubectl wait",
+                                                              "kubectl apply -f manifests", "until kubectl wait",
                                                               ".venv/bin/python -m paratrain_operator"))]
     assert len(setup) == 5, setup
     script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", "JOB=own-script", WAITS,
