@@ -156,7 +156,7 @@ def test_a_second_run_in_a_live_runs_workdir_or_checkpoints_is_refused_naming_it
 
 def test_an_fp32_cpu_job_is_checked_without_loading_torch():
     """Nothing to ask the device of an fp32 CPU job: the launcher (and `paratrain validate`) then leaves torch
-    unloaded, seconds of CPU that each rank pays again anyway."""
+    unloaded, seconds of CPU its ranks do not need it to spend (they have torch from their fork server)."""
     probe = ("import sys; from paratrain import launch; from paratrain.api import parse_job; "
              "from tests.trainer.harness import TINY_JOB; "
              "assert launch.device_problem(parse_job(TINY_JOB)) is None; "
