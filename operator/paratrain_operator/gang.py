@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from paratrain import contract
 from paratrain.api import kueue
 from paratrain.api import status as status_model
+from paratrain.api.spec import FailurePolicyRule
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
 from .clock import from_iso, to_iso
@@ -53,6 +54,7 @@ class Failure(status_model.Failure):
     # step in flight): not the job's failure, so its gang restart is not counted against backoffLimit.
     preempted: bool = Field(False, exclude=True)
     at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
+    rule: str | None = Field(None, exclude=True)  # the failure-policy rule that decided its action, if one did
 
     @model_validator(mode="before")
     @classmethod
@@ -75,6 +77,8 @@ def describe_exit(code: int) -> str:
         return "the trainer rejected the spec"
     if code == contract.EXIT_PREEMPTED:
         return "stopped by SIGTERM after checkpointing its last step"
+    if code == contract.EXIT_BUILD_OUT_OF_MEMORY:
+        return "out of device memory while building the model: the layout does not fit"
     if code in (126, 127):
         return "the image cannot run the command"
     if code > 128 and code - 128 in _SIGNALS:
@@ -106,13 +110,39 @@ def classify(pod: PodView) -> Failure | None:
         if code == contract.EXIT_PREEMPTED:
             return Failure(reason="Preempted", message=f"pod {pod.name} was stopped and checkpointed its last step "
                            f"(exit {code})", pod=pod.name, exit_code=code, preempted=True, at=pod.finished_at)
-        said = trainer_error(pod.termination_message) if code == contract.EXIT_INVALID_SPEC else None
+        said = trainer_error(pod.termination_message) if code in contract.EXPLAINED_EXIT_CODES else None
         return Failure(reason=pod.reason or "Error",
                        message=f"pod {pod.name} exited with code {code} ({describe_exit(code)})"
                        + (f": {said}" if said else ""),
                        pod=pod.name, exit_code=code, retryable=code not in contract.PERMANENT_EXIT_CODES,
                        at=pod.finished_at)
     return None
+
+
+def pod_conditions(pod: PodView) -> list[str]:
+    """What a failure-policy rule's podConditions can match on this pod."""
+    shown = {"DisruptionTarget": pod.disrupted, "OOMKilled": pod.oom_killed, "Evicted": pod.reason == "Evicted"}
+    return [name for name, present in shown.items() if present]
+
+
+# Where no rule of the job's own matches: a disruption (preemption, eviction, drain, node shutdown) is not the
+# job's failure, so its gang restart is not counted (the trainer's permanent exit codes are classify's).
+DEFAULT_RULES = (FailurePolicyRule(action="Ignore", pod_conditions=["DisruptionTarget"]),)
+
+
+def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePolicyRule]) -> Failure:
+    """The failure with the action of the first rule matching it (the job's rules, then DEFAULT_RULES): FailJob
+    makes it permanent, RestartGang counted, Ignore uncounted. A pod deleted from outside (no exit code, no view)
+    stays a stop: no rule turns a `kubectl delete pod` or a drain into the job's failure."""
+    conditions = pod_conditions(pod) if pod else []
+    named = [(f"spec.failurePolicy.rules[{i}]", rule) for i, rule in enumerate(rules)]
+    for where, rule in [*named, *(("the default rule", rule) for rule in DEFAULT_RULES)]:
+        if failure.reason != "PodDeleted" and rule.matches(failure.exit_code, conditions):
+            return failure.model_copy(update={
+                "retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
+                "rule": f"{where} ({rule.describe()})",
+                "message": f"{failure.message}; {where} ({rule.describe()}) applies"})
+    return failure
 
 
 def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:
@@ -146,9 +176,10 @@ def _unprompted(stop: Failure) -> Failure:
 
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
-    """Permanent failures decide the job; among retryable ones, a pod that was preempted (exit 76, it saved its
-    step) or merely saw its peer die (exit 75) is a consequence, not the cause; then the earliest."""
-    return min(failures, key=lambda f: (f.retryable, f.preempted, f.exit_code == contract.EXIT_RETRYABLE,
+    """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75) is a
+    consequence, not the cause, then one that was stopped (exit 76, it saved its step) or whose failure a rule
+    ignores; then the earliest. So a deleted or disrupted pod whose peers exit 75 restarts the gang uncounted."""
+    return min(failures, key=lambda f: (f.retryable, f.exit_code == contract.EXIT_RETRYABLE, f.preempted,
                                         f.at or "~", f.pod or ""))
 
 
@@ -203,6 +234,7 @@ class Policy:
     ttl_seconds_after_finished: int | None = None
     under_kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
     start_timeout_seconds: int = 1200
+    failure_rules: tuple[FailurePolicyRule, ...] = ()
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
@@ -211,7 +243,8 @@ class Policy:
                    active_deadline_seconds=rp.active_deadline_seconds,
                    ttl_seconds_after_finished=rp.ttl_seconds_after_finished,
                    under_kueue=bool(kueue.queue_name(job)),
-                   start_timeout_seconds=spec.scheduling.start_timeout_seconds)
+                   start_timeout_seconds=spec.scheduling.start_timeout_seconds,
+                   failure_rules=tuple(spec.failure_policy.rules))
 
 
 @dataclass(frozen=True)
@@ -276,13 +309,14 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         new = replace(state, phase=SUCCEEDED, completion_time=to_iso(now), reason="Succeeded", message=msg)
         return Decision(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
 
-    failures = [f for f in map(classify, current.values()) if f]
+    failed = [(pod, f) for pod in current.values() if (f := classify(pod))]
     if state.gang_created:
         vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failures += [deleted(name) for name in vanished]
-    if failures and not _stopped_from_outside(current.values(), failures):
-        failures = [_unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f
-                    for f in failures]
+        failed += [(None, deleted(name)) for name in vanished]
+    if failed and not _stopped_from_outside(current.values(), [f for _, f in failed]):
+        failed = [(pod, _unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f)
+                  for pod, f in failed]
+    failures = [with_policy(f, pod, policy.failure_rules) for pod, f in failed]
     if failures:
         return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
 
@@ -392,13 +426,14 @@ def _main_waiting_reason(pods: Sequence[PodView]) -> str | None:
 def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], current: Sequence[PodView],
                 root: Failure, now: datetime, events: list[Event]) -> Decision:
     if not root.retryable:
-        decision = fail(state, pods, root, now)
+        decision = fail(state, pods, root, now, reason="FailurePolicy" if root.rule else None)
         return replace(decision, events=(*events, *decision.events))
-    if root.preempted:  # the gang was stopped from outside (its ranks save the step in flight when they can)
-        msg = (f"{root.message}; restarting the whole gang from its newest checkpoint (a stop, not counted against "
-               "backoffLimit)")
+    if root.preempted:  # stopped from outside (its ranks save the step in flight when they can), or ignored by a rule
+        what = "not counted" if root.rule else "a stop, not counted"
+        msg = f"{root.message}; restarting the whole gang from its newest checkpoint ({what} against backoffLimit)"
         new = state.new_attempt(phase=RESTARTING, last_stop=root, reason=root.reason, message=msg)
-        return Decision(new, delete_pods=_whole_gang(current), events=(*events, Event("Normal", "Preempted", msg)))
+        event = Event("Normal", "RestartingGang" if root.rule else "Preempted", msg)
+        return Decision(new, delete_pods=_whole_gang(current), events=(*events, event))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)

@@ -73,6 +73,8 @@ class PodView:
     node: str | None = None  # the node it was bound to
     gone_by: str | None = None  # deletionTimestamp: when a deleted pod's grace period ends
     disrupted: bool = False  # a DisruptionTarget condition: evicted, preempted or its node shutting down
+    oom_killed: bool = False  # the failed container was ended by the kernel's OOM killer (even where the pod's
+    # own reason, e.g. Evicted, is what `reason` shows)
     uid: str = ""
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
 
@@ -138,6 +140,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         gone_by=meta.get("deletionTimestamp"),
         disrupted=any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
                       for c in status.get("conditions") or []),
+        oom_killed=term.get("reason") == "OOMKilled",
         uid=meta.get("uid", ""),
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )

@@ -156,9 +156,14 @@ def _sum(values: celtypes.ListType) -> Any:
     return sum(values[1:], values[0]) if values else celtypes.IntType(0)
 
 
+def _index_of(values: celtypes.ListType, item: Any) -> celtypes.IntType:
+    """Kubernetes' CEL list library `indexOf()`: the first index of an equal element, or -1."""
+    return celtypes.IntType(next((i for i, v in enumerate(values) if v == item), -1))
+
+
 @cache
 def program(expression: str) -> Any:
-    return _ENV.program(_ENV.compile(expression), functions={"format": _format, "sum": _sum})
+    return _ENV.program(_ENV.compile(expression), functions={"format": _format, "sum": _sum, "indexOf": _index_of})
 
 
 def evaluate(expression: str, self_value: Any, old_value: Any = None) -> Any:

@@ -47,6 +47,10 @@ def claim(name: str, gpus: bool = False) -> dict[str, Any]:
     return {"name": name, "resourceClaimTemplateName": "gpus", "providesGpus": gpus}
 
 
+def rule(action: str, **matchers: Any) -> dict[str, Any]:
+    return {"action": action, **matchers}
+
+
 def init(name: str) -> dict[str, Any]:
     return {"name": name, "image": "busybox:1.37"}
 
@@ -118,6 +122,9 @@ CROSS_FIELD_CASES = [
     ("init-container-twice", {"pod": {"initContainers": [init("a"), init("a")]}}, {"spec.pod.initContainers"}),
     ("init-container-named-trainer", {"pod": {"initContainers": [init("trainer")]}},
      {"spec.pod.initContainers[0].name"}),
+    ("failure-rules-clash", {"failurePolicy": {"rules": [rule("FailJob", exitCodes=[3, 4]),
+                                                         rule("RestartGang", exitCodes=[5, 4])]}},
+     {"spec.failurePolicy.rules"}),
 ]
 # The model validators the CRD mirrors, and more shapes of the checks above.
 MORE_CASES = [
@@ -163,6 +170,17 @@ MORE_CASES = [
     ("llama-ffn-default-by-tensor", {"nodes": 3, "parallelism": {"tensor": 3},
                                      "model": {"family": "llama", "heads": 3, "embedDim": 48}},
      {"spec.model.ffnDim"}),
+    ("failure-rule-matches-nothing", {"failurePolicy": {"rules": [rule("FailJob")]}},
+     {"spec.failurePolicy.rules[0]"}),
+    ("failure-rule-matches-both", {"failurePolicy": {"rules": [
+        rule("Ignore", podConditions=["Evicted"]), rule("FailJob", exitCodes=[3], podConditions=["OOMKilled"])]}},
+     {"spec.failurePolicy.rules[1]"}),
+    ("failure-conditions-clash", {"failurePolicy": {"rules": [
+        rule("RestartGang", exitCodes=[1]), rule("Ignore", podConditions=["Evicted", "DisruptionTarget"]),
+        rule("RestartGang", podConditions=["OOMKilled", "DisruptionTarget"])]}}, {"spec.failurePolicy.rules"}),
+    ("failure-rules-clash-with-a-copy", {"failurePolicy": {"rules": [
+        rule("FailJob", exitCodes=[3]), rule("Ignore", exitCodes=[9]), rule("FailJob", exitCodes=[3]),
+        rule("RestartGang", exitCodes=[9, 3])]}}, {"spec.failurePolicy.rules"}),
     ("annotations-too-big", {"pod": {"annotations": {f"k{i}": "x" * 60_000 for i in range(5)}}},
      {"spec.pod.annotations"}),
 ]
@@ -232,6 +250,9 @@ VALID = [
     {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
              "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
     {"entrypoint": OWN, "nodes": 2, "parallelism": {"data": 2}, "precision": "bf16"},
+    {"failurePolicy": {"rules": [rule("FailJob", exitCodes=[3, 4]), rule("FailJob", exitCodes=[4]),
+                                 rule("Ignore", podConditions=["DisruptionTarget", "Evicted"]),
+                                 rule("RestartGang", podConditions=["OOMKilled"]), rule("Ignore", exitCodes=[143])]}},
     # The built-in trainer's defaults (batchSize 8, heads 4, 1F1B) do not constrain a program's layout.
     {"entrypoint": OWN, "nodes": 24, "parallelism": {"data": 3, "tensor": 4, "pipeline": 2}},
     {"entrypoint": OWN, "model": {"dropout": 0}, "training": {"learningRate": 0.001, "seed": 1337},
@@ -309,6 +330,9 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
     volumes = [vol("a", "/data", persistentVolumeClaim="d"), vol("b", "/dev/shm"), vol("a", "/ckpt"),
                vol("paratrain-x", "/x", secret="s"), vol("c", "/data", configMap="c"), vol("d", "/etc/paratrain")]
     envs = [{"name": "FOO"}, {"name": "FOO", "value": "x"}, {"name": "RANK"}, {"name": "TORCH_X"}, {"name": "BAR"}]
+    failure_rules = [rule("FailJob", exitCodes=[3]), rule("RestartGang", exitCodes=[1, 3]), rule("FailJob", exitCodes=[3]),
+                     rule("Ignore", podConditions=["DisruptionTarget"]), rule("Ignore", exitCodes=[137]),
+                     rule("RestartGang", podConditions=["OOMKilled", "DisruptionTarget"])]
     return {
         "nodes": mostly(data * tensor * pipeline // procs, 1, 3), "procsPerNode": procs,
         "parallelism": {"data": data, "tensor": tensor, "pipeline": pipeline,
@@ -328,6 +352,7 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         "pod": {"volumes": rng.sample(volumes, mostly(0, 1, 2, 3)), "env": rng.sample(envs, mostly(0, 1, 2)),
                 "labels": mostly({}, {"team": "a"}, {"paratrain.dev/x": "y"}),
                 "annotations": mostly({}, {"paratrain.dev/x": "y", "a": "b"})},
+        "failurePolicy": {"rules": rng.sample(failure_rules, mostly(0, 1, 2, 3, 4))},
     }
 
 

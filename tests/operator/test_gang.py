@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from paratrain import contract
+from paratrain.api.spec import FailurePolicyRule
 from paratrain_operator import gang, observe
 from paratrain_operator.clock import to_iso
 from paratrain_operator.gang import Failure, GangState, Policy
@@ -176,6 +177,65 @@ def test_a_pod_that_vanished_from_a_complete_gang_counts_as_deleted():
     decision = decide([pod(0), pod(2)], RUNNING)
     assert decision.state.phase == "Restarting" and decision.state.last_stop.reason == "PodDeleted"
     assert decision.state.last_stop.pod == "job-0-1" and decision.state.restarts == 0
+
+
+def rules(*rules: dict) -> Policy:
+    return replace(POLICY, failure_rules=tuple(FailurePolicyRule.model_validate(r) for r in rules))
+
+
+def test_a_fail_job_rule_ends_the_job_on_the_first_matching_exit_naming_the_rule():
+    policy = rules({"action": "RestartGang", "podConditions": ["OOMKilled"]}, {"action": "FailJob", "exitCodes": [3, 4]})
+    decision = decide([pod(0), pod(1, "Failed", exit_code=3, reason="Error"), pod(2)], RUNNING, policy)
+    s = decision.state
+    assert (s.phase, s.reason, s.restarts, s.attempt) == ("Failed", "FailurePolicy", 0, 0)
+    assert s.failure.dump() == {"pod": "job-0-1", "exitCode": 3, "reason": "Error", "message": (
+        "pod job-0-1 exited with code 3 (error); spec.failurePolicy.rules[1] (exitCodes [3, 4]: FailJob) applies")}
+    assert set(decision.delete_pods) == {"job-0-0", "job-0-2"}
+    # Any other code is still the default's: a counted gang restart.
+    other = decide([pod(0), pod(1, "Failed", exit_code=5), pod(2)], RUNNING, policy).state
+    assert (other.phase, other.restarts) == ("Restarting", 1)
+
+
+def test_a_disrupted_pod_restarts_the_gang_uncounted_by_default_and_counted_where_a_rule_says():
+    """DisruptionTarget (the scheduler's preemption, an eviction, a drain, a node shutdown) is not the job's
+    failure, even with peers that saw it die (exit 75): the default rule ignores it. A rule of the job's own wins."""
+    evicted = dict(phase="Failed", reason="Evicted", exit_code=137, disrupted=True, finished_at="2026-11-29T11:59:01Z")
+    pods = [pod(0, "Failed", exit_code=contract.EXIT_RETRYABLE, finished_at="2026-11-29T11:59:00Z"),
+            pod(1, **evicted), pod(2)]
+    decision = decide(pods, replace(RUNNING, restarts=2))
+    s = decision.state
+    assert (s.phase, s.restarts, s.attempt, s.failure) == ("Restarting", 2, 1, None)
+    assert s.last_stop.pod == "job-0-1" and "the default rule (podConditions [DisruptionTarget]: Ignore)" in \
+        s.last_stop.message
+    assert [(e.type, e.reason) for e in decision.events] == [("Normal", "RestartingGang")]
+    assert "(not counted against backoffLimit)" in decision.events[0].message
+    counted = decide(pods, RUNNING, rules({"action": "RestartGang", "podConditions": ["DisruptionTarget"]})).state
+    assert (counted.restarts, counted.failure.pod) == (1, "job-0-1")
+    # Evicted without the condition (a kubelet older than 1.26) is counted unless a rule says otherwise.
+    old_kubelet = [pod(0), pod(1, **{**evicted, "disrupted": False}), pod(2)]
+    assert decide(old_kubelet, RUNNING).state.restarts == 1
+    ignored = decide(old_kubelet, RUNNING, rules({"action": "Ignore", "podConditions": ["Evicted"]})).state
+    assert (ignored.restarts, ignored.last_stop.pod) == (0, "job-0-1")
+
+
+def test_rules_can_make_a_permanent_code_retryable_and_an_out_of_memory_kill_permanent():
+    policy = rules({"action": "RestartGang", "exitCodes": [contract.EXIT_INVALID_SPEC]},
+                   {"action": "FailJob", "podConditions": ["OOMKilled"]})
+    retried = decide([pod(0), pod(1, "Failed", exit_code=contract.EXIT_INVALID_SPEC), pod(2)], RUNNING, policy).state
+    assert (retried.phase, retried.restarts) == ("Restarting", 1)
+    oom = decide([pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled", oom_killed=True), pod(2)], RUNNING,
+                 policy).state
+    assert (oom.phase, oom.reason, oom.failure.reason) == ("Failed", "FailurePolicy", "OOMKilled")
+
+
+@pytest.mark.parametrize("seen", [dict(phase="Running", terminating=True),
+                                  dict(phase="Failed", terminating=True, exit_code=143, reason="Error")])
+def test_no_rule_turns_a_deletion_into_a_failure(seen):
+    """`kubectl delete pod` or a drain ends the container with 143 or 137: still a stop, whatever the rules say of
+    those codes (a rule for them is for a program that gets such a signal on its own)."""
+    policy = rules({"action": "FailJob", "exitCodes": [137, 143]})
+    state = decide([pod(0), pod(1, **seen), pod(2)], RUNNING, policy).state
+    assert (state.phase, state.restarts, state.last_stop.reason) == ("Restarting", 0, "PodDeleted")
 
 
 def test_the_new_attempt_waits_for_every_old_pod_to_go():

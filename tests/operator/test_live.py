@@ -140,32 +140,58 @@ def test_a_failure_the_restart_cures_ends_in_success(cluster: Cluster, ns: str):
     assert status["restarts"] == 1 and status["failure"]["exitCode"] == contract.EXIT_RETRYABLE
 
 
-@pytest.mark.parametrize("how", ["evicted", "deleted", "force-deleted"])
-def test_an_evicted_or_deleted_pod_is_a_retryable_failure(cluster: Cluster, ns: str, how: str):
+@pytest.mark.parametrize("how", ["evicted", "evicted-counted", "evicted-by-an-old-kubelet", "deleted",
+                                 "force-deleted"])
+def test_an_evicted_or_deleted_pod_restarts_the_whole_gang_once(cluster: Cluster, ns: str, how: str):
     """A node evicting a pod (or losing it), `kubectl delete pod` (graceful: the pod may be seen terminating) and
-    `--force --grace-period=0` (it is just gone): the whole gang is restarted once. An eviction counts against
-    backoffLimit (the pod's own memory may be why); a deletion from outside is a stop, and does not."""
-    cluster.submit(ns, how, fake_job(steps=30))
+    `--force --grace-period=0` (it is just gone): the whole gang is restarted once. An eviction with the
+    DisruptionTarget condition (kubelets since 1.26) is not counted against backoffLimit (the default failure
+    policy), unless a rule of the job says so; one without (an old kubelet) is; a deletion from outside is a stop."""
+    rules = [{"action": "RestartGang", "podConditions": ["DisruptionTarget"]}] if how == "evicted-counted" else []
+    cluster.submit(ns, how, fake_job(steps=30, failure_rules=rules))
     wait_running(cluster, ns, how)
-    if how == "evicted":
-        cluster.api.call(cluster.kubelet.evict, ns, f"{how}-0-0")
+    if how.startswith("evicted"):
+        cluster.api.call(cluster.kubelet.evict, ns, f"{how}-0-0", disruption=how != "evicted-by-an-old-kubelet")
     else:
         cluster.api.delete("v1/pods", ns, f"{how}-0-0", **({"gracePeriodSeconds": 0} if how == "force-deleted"
                                                             else {}))
     status = cluster.wait_phase(ns, how, "Succeeded", 60)
-    assert (status["restarts"], status["attempt"]) == (1 if how == "evicted" else 0, 1)
-    expected = {"evicted": {"reason": "Evicted", "message": f"pod {how}-0-0 failed: Evicted: The node was low on "
-                                                            "resource: memory.", "exitCode": 137},
+    counted = how in ("evicted-counted", "evicted-by-an-old-kubelet")
+    assert (status["restarts"], status["attempt"]) == (int(counted), 1)
+    evicted = {"reason": "Evicted", "exitCode": 137,
+               "message": f"pod {how}-0-0 failed: Evicted: The node was low on resource: memory."}
+    expected = {"evicted": {**evicted, "message": evicted["message"] + "; the default rule (podConditions "
+                            "[DisruptionTarget]: Ignore) applies"},
+                "evicted-counted": {**evicted, "message": evicted["message"] + "; spec.failurePolicy.rules[0] "
+                                    "(podConditions [DisruptionTarget]: RestartGang) applies"},
+                "evicted-by-an-old-kubelet": evicted,
                 "deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 was deleted before it finished"},
                 "force-deleted": {"reason": "PodDeleted", "message": f"pod {how}-0-0 was deleted before it finished"}
                 }[how]
-    # An eviction is a failure (counted); a deletion a stop, kept apart: the job Succeeded with no failure.
-    recorded = "failure" if how == "evicted" else "lastStop"
+    # A counted restart is a failure; an uncounted one a stop, kept apart: the job Succeeded with no failure.
+    recorded = "failure" if counted else "lastStop"
     assert status[recorded] == {"pod": f"{how}-0-0", **expected} and len({"failure", "lastStop"} & set(status)) == 1
     # The whole gang was restarted (the survivor too), each pod created once.
     assert cluster.pod_creations(ns) == [f"{how}-0-0", f"{how}-0-1", f"{how}-1-0", f"{how}-1-1"]
     assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == [f"{how}-1-0", f"{how}-1-1"]
-    assert cluster.event_reasons(ns, how).count("RestartingGang" if how == "evicted" else "Preempted") == 1
+    assert cluster.event_reasons(ns, how).count("Preempted" if how.endswith("deleted") else "RestartingGang") == 1
+
+
+def test_a_fail_job_rule_ends_the_job_at_the_first_matching_exit_naming_the_rule(cluster: Cluster, ns: str):
+    """`failurePolicy.rules: [{exitCodes: [3], action: FailJob}]`: a pod exiting 3 fails the job at once (no
+    restart, whatever backoffLimit allows), the rule named in its status and Event; the survivor is stopped."""
+    rules = [{"action": "Ignore", "podConditions": ["DisruptionTarget"]}, {"action": "FailJob", "exitCodes": [3]}]
+    cluster.submit(ns, "rule", fake_job(steps=100, exit_code=3, exit_step=1, exit_rank=1, failure_rules=rules,
+                                        run_policy={"backoffLimit": 5}))
+    status = cluster.wait_phase(ns, "rule", "Failed", 60)
+    rule = "spec.failurePolicy.rules[1] (exitCodes [3]: FailJob) applies"
+    assert (status["reason"], status["restarts"], status["attempt"]) == ("FailurePolicy", 0, 0)
+    assert status["failure"] == {"pod": "rule-0-1", "exitCode": 3, "reason": "Error",
+                                 "message": f"pod rule-0-1 exited with code 3 (error); {rule}"}
+    assert cluster.event_reasons(ns, "rule", until="FailurePolicy") == ["CreatingGang", "GangRunning",
+                                                                        "FailurePolicy"]
+    wait_for(lambda: [p["metadata"]["name"] for p in cluster.pods(ns)] == ["rule-0-1"], 15, "the survivor to go")
+    assert cluster.pod_creations(ns) == ["rule-0-0", "rule-0-1"]
 
 
 def test_a_silent_job_gets_the_stalled_condition(cluster: Cluster, ns: str):

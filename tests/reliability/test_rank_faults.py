@@ -14,7 +14,7 @@ from paratrain import contract
 from paratrain.launch import STOP_GRACE_SECONDS
 
 from ..trainer.harness import assert_close_curves, layout, run_job
-from .gang import INTERVAL, STEPS, checkpointed, processes_left, start_run
+from .gang import INTERVAL, STEPS, checkpointed, fault_env, processes_left, start_run
 
 # Faults land at seeded random places; a failure message names the seed (override: PARATRAIN_CHAOS_SEED).
 SEED = int(os.environ.get("PARATRAIN_CHAOS_SEED", "5"))
@@ -78,3 +78,20 @@ def test_hung_rank_fails_the_job_on_the_collective_timeout(tmp_path):
     assert timeout - 1 <= failed_in < timeout + STOP_GRACE_SECONDS + 20, f"{context}: failed after {failed_in:.1f}s"
     assert f"collective timed out (spec.runPolicy.collectiveTimeoutSeconds={timeout})" in run.stderr(), run.stderr()
     assert left == [], f"{context}: left running: {left}"
+
+
+def test_out_of_memory_while_building_fails_at_once_with_its_own_exit_code(tmp_path):
+    """A layout that does not fit the device fails before any step with EXIT_BUILD_OUT_OF_MEMORY (permanent: the
+    operator fails the job instead of spending backoffLimit on restarts that meet the same error), its reason in
+    the termination message the operator shows."""
+    run = start_run(tmp_path, layout(data=2), env=fault_env("build_oom:1"))
+    try:
+        code = run.proc.wait(timeout=120)
+    finally:
+        run.kill_all()
+    assert code == contract.EXIT_BUILD_OUT_OF_MEMORY, run.stderr()
+    log = (tmp_path / "work" / "logs" / "rank-1.log").read_text()
+    assert ("out of memory while building the model on cpu (dp2·tp1·pp1 z0 fp32), before any step: CUDA out of "
+            "memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. "
+            "This layout needs fewer bytes per device") in log, log
+    assert "paratrain validate --memory" in log

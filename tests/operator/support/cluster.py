@@ -41,12 +41,12 @@ def fake_trainer_command(pod: Mapping[str, Any]) -> list[str]:
 
 
 def fake_job(nodes: int = 2, steps: int = 5, step_seconds: float = 0.1, run_policy: dict | None = None,
-             **env: Any) -> dict[str, Any]:
+             failure_rules: list[dict] | None = None, **env: Any) -> dict[str, Any]:
     """A spec whose pods run the stand-in trainer with these FAKE_* settings."""
     settings = {"FAKE_STEPS": steps, "FAKE_STEP_SECONDS": step_seconds,
                 **{f"FAKE_{k.upper()}": v for k, v in env.items()}}
     return {"nodes": nodes, "parallelism": {"data": nodes}, "training": {"batchSize": 4 * nodes, "warmupSteps": 0},
-            "runPolicy": run_policy or {},
+            "runPolicy": run_policy or {}, "failurePolicy": {"rules": failure_rules or []},
             "pod": {"env": [{"name": k, "value": str(v)} for k, v in settings.items()]}}
 
 

@@ -84,6 +84,7 @@ class _Container:
     termination_log: Path
     port_keys: list[tuple[str, str, str]] = field(default_factory=list)
     evicted: tuple[str, str] | None = None  # (reason, message) when the node evicted the pod
+    disrupted: bool = False  # its eviction set the DisruptionTarget condition
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -211,6 +212,9 @@ class Kubelet:
                                   "containerStatuses": [_container_status(container, {"terminated": terminated})]}
         if c.evicted:
             status.update(phase="Failed", reason=c.evicted[0], message=c.evicted[1])
+        if c.disrupted:
+            status["conditions"].append({**_cond("DisruptionTarget"), "reason": "TerminationByKubelet",
+                                         "message": c.evicted[1] if c.evicted else ""})
         self._status(c.namespace, c.pod, status)
         current = self.api.fetch(PODS, c.namespace, c.pod)
         if current and current["metadata"].get("deletionTimestamp"):
@@ -274,10 +278,12 @@ class Kubelet:
         self._signal(self.containers[(namespace, pod)], sig)
 
     def evict(self, namespace: str, pod: str, reason: str = "Evicted",
-              message: str = "The node was low on resource: memory.") -> None:
-        """The node evicts the pod: its processes are killed and the pod fails with the eviction reason."""
+              message: str = "The node was low on resource: memory.", disruption: bool = True) -> None:
+        """The node evicts the pod: its processes are killed and the pod fails with the eviction reason, and, as
+        kubelets do since Kubernetes 1.26 (`disruption`), a DisruptionTarget condition (TerminationByKubelet)."""
         c = self.containers[(namespace, pod)]
         c.evicted = (reason, message)
+        c.disrupted = disruption
         self._signal(c, signal.SIGKILL)
 
     def pause(self, namespace: str, pod: str) -> None:

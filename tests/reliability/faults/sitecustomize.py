@@ -8,6 +8,8 @@
                                        multiplied by 2**100 (fp16 gradients overflow to inf, as in a real overflow
                                        storm); the loss scaler grows every <growth> clean steps; each rank prints
                                        `fault-scale {"step", "applied", "scale"}` after every optimizer step
+    build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
+                                       OutOfMemoryError, as a GPU raises it)
 """
 
 import os
@@ -87,5 +89,19 @@ if FAULT:
 
         engine.TorchEngine.forward_backward = forward_backward
         engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "build_oom":
+        import torch
+
+        from paratrain.train import build
+
+        oom_rank, original_build = int(args[0]), build.build_engine
+
+        def build_engine(*args, **kwargs):
+            if _rank() == oom_rank:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.19 GiB of which 1.06 GiB is free.")
+            return original_build(*args, **kwargs)
+
+        build.build_engine = build_engine
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_FAULT {FAULT!r}")

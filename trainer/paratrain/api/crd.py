@@ -52,6 +52,8 @@ def _openapi(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> d
     if "description" in node:
         out["description"] = node["description"]
     out.update({key: node[key] for key in _CARRIED if key in node})
+    if node["type"] == "string" and "enum" in node:  # bounds the API server's CEL cost estimate of comparisons
+        out.setdefault("maxLength", max(len(value) for value in node["enum"]))
     for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if exclusive in node:  # JSON Schema's number form → OpenAPI v3.0's boolean form
             out[bound], out[exclusive] = node[exclusive], True
@@ -138,6 +140,25 @@ def _present(expr: str) -> str:
 
 def _cel_list(items: Any) -> str:
     return "[" + ", ".join(_literal(i) for i in items) + "]"
+
+
+def _failure_policy_clash(field: str, what: str) -> dict[str, Any]:
+    """`failure_policy_clashes`' twin for one matcher field: no two rules give a value of it different actions.
+    The message names the first rule in such a pair and the first rule it clashes with."""
+    rules = "self.rules"
+
+    def clash(a: str, b: str) -> str:
+        return (f"({a}.action != {b}.action && has({a}.{field}) && has({b}.{field}) && "
+                f"{a}.{field}.exists(v, v in {b}.{field}))")
+
+    first = f"{rules}.filter(y, {rules}.exists(x, {clash('x', 'y')}))[0]"
+    # The first rule clashing with `first`, without nesting `first` in a loop (the API server's cost estimate of
+    # that exceeds its budget 100-fold): each rule's clashing rules, the first non-empty list's head.
+    other = f"{rules}.map(y, {rules}.filter(x, {clash('x', 'y')})).filter(c, size(c) > 0)[0][0]"
+    return _rule(f"!has({rules}) || !{rules}.exists(y, {rules}.exists(x, {clash('x', 'y')}))",
+                 f"rules[{{{rules}.indexOf({first})}}] and rules[{{{rules}.indexOf({other})}}] give one {what} "
+                 f"different actions ({{{first}.action}} and {{{other}.action}}): a failure takes one action",
+                 ".rules")
 
 
 P, M, T, R, S = "self.parallelism", "self.model", "self.training", "self.resources", "self.scheduling"
@@ -355,6 +376,13 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     "resources.extra": [{"rule": f"self.all(k, {_GOOD_RESOURCE})", "messageExpression": _literal(
         f"invalid key: must be an extended resource name ({EXTENDED_RESOURCE_MEANING}), got '%s'")
         + f".format([self.filter(k, !({_GOOD_RESOURCE}))[0]])"}],
+    "failurePolicy": [_failure_policy_clash("exitCodes", "exit code"),
+                      _failure_policy_clash("podConditions", "pod condition")],
+    "failurePolicy.rules[]": [
+        _rule("(has(self.exitCodes) && size(self.exitCodes) > 0) != "
+              "(has(self.podConditions) && size(self.podConditions) > 0)",
+              "a rule matches either exitCodes or podConditions: give exactly one"),
+    ],
     # The API server's own toleration rules (Toleration's validator): a pod breaking one is refused.
     "scheduling.tolerations[]": [
         _rule(f"({_given('self.key')} && size(self.key) > 0) || ({_given('self.operator')} && "
@@ -388,7 +416,7 @@ def bounds(node: Mapping[str, Any]) -> list[str]:
     if node.get("maximum") is not None:
         out.append(f"{'<' if node.get('exclusiveMaximum') else '≤'} {plain(node['maximum'])}")
     for key, word in (("maxLength", "chars"), ("maxItems", "items"), ("maxProperties", "entries")):
-        if key in node:
+        if key in node and not (key == "maxLength" and "enum" in node):  # an enum's is its longest value's
             out.append(f"≤ {node[key]} {word}")
     return out
 

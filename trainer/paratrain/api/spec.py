@@ -272,6 +272,44 @@ class RunPolicy(_Model):
     )
 
 
+class FailurePolicyRule(_Model):
+    """A failure this rule matches gets its action (the first matching rule's), as in a Job's podFailurePolicy."""
+
+    action: Literal["FailJob", "RestartGang", "Ignore"] = Field(description=(
+        "FailJob: the job fails at once, no restart. RestartGang: the whole gang restarts from the newest checkpoint, "
+        "counted against runPolicy.backoffLimit. Ignore: the gang restarts, not counted."))
+    exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(default_factory=list, max_length=16, description=(
+        "The trainer container's exit codes this rule matches (`paratrain node` passes its workers' codes "
+        "through; a signal is 128 + its number)."))
+    # Evicted: for kubelets that set no DisruptionTarget condition on the pods they evict (before Kubernetes 1.26).
+    pod_conditions: list[Literal["DisruptionTarget", "OOMKilled", "Evicted"]] = Field(
+        default_factory=list, max_length=3, description=(
+            "What happened to the pod: DisruptionTarget (its condition: preempted, evicted, its node drained or shut "
+            "down), OOMKilled (the trainer container's terminated reason: the kernel's OOM killer), Evicted (the "
+            "pod's reason)."))
+
+    @model_validator(mode="after")
+    def _one_matcher(self) -> FailurePolicyRule:
+        if bool(self.exit_codes) == bool(self.pod_conditions):
+            raise ValueError("a rule matches either exitCodes or podConditions: give exactly one")
+        return self
+
+    def matches(self, exit_code: int | None, conditions: Iterable[str]) -> bool:
+        return exit_code in self.exit_codes or any(c in self.pod_conditions for c in conditions)
+
+    def describe(self) -> str:
+        field, values = ("exitCodes", self.exit_codes) if self.exit_codes else ("podConditions", self.pod_conditions)
+        return f"{field} [{', '.join(map(str, values))}]: {self.action}"
+
+
+class FailurePolicy(_Model):
+    rules: list[FailurePolicyRule] = Field(default_factory=list, max_length=8, description=(
+        "Checked in order; the first rule that matches a failed pod decides. Where none does: exit codes 2 (the "
+        "trainer refused the spec or its data), 78 (out of memory before the first step), 126 and 127 (the image "
+        "cannot run the command) fail the job; a DisruptionTarget is ignored; anything else restarts the gang, "
+        "counted."))
+
+
 class Toleration(_Model):
     key: str | None = Field(None, max_length=LABEL_KEY_MAX_LENGTH, pattern=LABEL_KEY, description="The taint key.")
     operator: Literal["Exists", "Equal"] | None = Field(None, description="Equal (the default) or Exists.")
@@ -486,6 +524,9 @@ class Spec(_Model):
         "What each pod gets: GPUs, CPU, memory, shared memory, other devices."))
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description=(
         "Restarts, deadlines, suspension and timeouts of the job as a whole."))
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description=(
+        "What a failed pod's exit code or condition does to the job: fail it at once, restart the gang (counted "
+        "against runPolicy.backoffLimit), or restart it uncounted."))
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description=(
         "Where and how the gang is placed: all-or-nothing gang scheduling, node selection, priority, start timeout."))
     pod: PodSpec = Field(default_factory=PodSpec)
@@ -644,11 +685,29 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         if spec.resources.gpu_memory:
             out.append(("spec.resources.gpuMemory", "the memory model is the built-in trainer's: leave gpuMemory out "
                         "with spec.entrypoint"))
+    for clash in failure_policy_clashes(spec.failure_policy.rules):
+        out.append(("spec.failurePolicy.rules", clash))
     for dup in _repeated(c.name for c in spec.pod.init_containers):
         out.append(("spec.pod.initContainers", f"container name {dup!r} is used more than once"))
     for i, container in enumerate(spec.pod.init_containers):
         if container.name == TRAINER_CONTAINER:
             out.append((f"spec.pod.initContainers[{i}].name", f"{TRAINER_CONTAINER} is the trainer container's name"))
+    return out
+
+
+def failure_policy_clashes(rules: list[FailurePolicyRule]) -> list[str]:
+    """Rules giving one exit code (or pod condition) different actions: for each matcher field, the first rule in
+    such a pair, named with the first rule it clashes with (as the CRD's CEL twin names them)."""
+    out: list[str] = []
+    for field, what in (("exit_codes", "exit code"), ("pod_conditions", "pod condition")):
+        def clash(a: FailurePolicyRule, b: FailurePolicyRule) -> bool:
+            return a.action != b.action and any(v in getattr(b, field) for v in getattr(a, field))
+
+        first = next((y for y in rules if any(clash(x, y) for x in rules)), None)
+        if first is not None:
+            other = next(x for x in rules if clash(x, first))
+            out.append(f"rules[{rules.index(first)}] and rules[{rules.index(other)}] give one {what} different "
+                       f"actions ({first.action} and {other.action}): a failure takes one action")
     return out
 
 

@@ -71,12 +71,16 @@ def pick_device(job: ParallelTrainJob, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
-def _refuse(exc: Exception) -> int:
+class BuildOutOfMemory(Exception):
+    """The device ran out of memory while the model was built: the layout does not fit, whatever restarts."""
+
+
+def _refuse(exc: Exception, code: int = contract.EXIT_INVALID_SPEC) -> int:
     """A job this rank cannot train (the field and the fix in the message): logged, and the pod's termination
     message, from which the operator puts it in the job's status and a Warning Event."""
     log.error("%s", exc)
     write_termination_message({"error": str(exc)})
-    return contract.EXIT_INVALID_SPEC
+    return code
 
 
 def exit_now(code: int) -> None:
@@ -107,6 +111,8 @@ def train_main(spec_path: str) -> int:
         return _train(job, rank, world, local_rank)
     except ValueError as exc:  # a spec the device or data cannot honour (named in the message)
         return _refuse(exc)
+    except BuildOutOfMemory as exc:
+        return _refuse(exc, contract.EXIT_BUILD_OUT_OF_MEMORY)
     except FabricError as exc:
         log.error("preflight: %s; the gang should restart", exc)
         return contract.EXIT_RETRYABLE
@@ -227,7 +233,14 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
         checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
                                     spec.checkpoint.keep, spec.checkpoint.async_save)
     with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
-        engine = build_engine(spec, dims, device, corpus.vocab_size)
+        try:
+            engine = build_engine(spec, dims, device, corpus.vocab_size)
+        except torch.OutOfMemoryError as exc:
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
+            raise BuildOutOfMemory(
+                f"out of memory while building the model on {device} ({layout_label(spec)}), before any step: "
+                f"{first_line}. This layout needs fewer bytes per device: more tensor or pipeline ranks, a higher "
+                "parallelism.zeroStage, or bf16; `paratrain validate --memory` estimates each layout") from None
         # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
         stop = StopRequest()
         try:
