@@ -1,8 +1,8 @@
 """Gang decisions, pure: the job's persisted gang state + the pods observed now + the time → the next decision.
 
 `decide` reads as a checklist (after JobSet's reconcile): finished? (stop leftovers, TTL) → deadline →
-suspend / resume → failure policy → success → old attempt still around? (delete it, wait) → missing pods
-(create) → phase.
+suspend / resume → in-place restarts rank 0 reported → success → failure policy → old attempt still around?
+(delete it, wait) → missing pods (create) → phase.
 
 A decision's new state is written to the job's status *before* its actions run. An operator killed in between
 redoes the same actions on restart instead of forgetting them: e.g. a gang restart persists attempt+1 first,
@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from paratrain import contract
 from paratrain.api import kueue
 from paratrain.api import status as status_model
-from paratrain.api.spec import FailurePolicyRule
+from paratrain.api.spec import FailurePolicyRule, first_rule
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
 from .clock import from_iso, to_iso
@@ -132,17 +132,22 @@ DEFAULT_RULES = (FailurePolicyRule(action="Ignore", pod_conditions=["DisruptionT
 
 def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePolicyRule]) -> Failure:
     """The failure with the action of the first rule matching it (the job's rules, then DEFAULT_RULES): FailJob
-    makes it permanent, RestartGang counted, Ignore uncounted. A pod deleted from outside (no exit code, no view)
+    makes it permanent, RestartGang counted, Ignore uncounted; RestartInPlace, on a pod that failed all the same
+    (its in-place restarts spent), is a counted gang restart. A pod deleted from outside (no exit code, no view)
     stays a stop: no rule turns a `kubectl delete pod` or a drain into the job's failure."""
+    if failure.reason == "PodDeleted":
+        return failure
     conditions = pod_conditions(pod) if pod else []
-    named = [(f"spec.failurePolicy.rules[{i}]", rule) for i, rule in enumerate(rules)]
-    for where, rule in [*named, *(("the default rule", rule) for rule in DEFAULT_RULES)]:
-        if failure.reason != "PodDeleted" and rule.matches(failure.exit_code, conditions):
-            return failure.model_copy(update={
-                "retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
-                "rule": f"{where} ({rule.describe()})",
-                "message": f"{failure.message}; {where} ({rule.describe()}) applies"})
-    return failure
+    if hit := first_rule(rules, failure.exit_code, conditions):
+        where, rule = f"spec.failurePolicy.rules[{hit[0]}]", hit[1]
+    elif hit := first_rule(DEFAULT_RULES, failure.exit_code, conditions):
+        where, rule = "the default rule", hit[1]
+    else:
+        return failure
+    spent = "; its in-place restarts are spent" if rule.action == "RestartInPlace" else ""
+    return failure.model_copy(update={
+        "retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
+        "rule": f"{where} ({rule.describe()})", "message": f"{failure.message}; {where} ({rule.describe()}) applies{spent}"})
 
 
 def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:
@@ -190,6 +195,8 @@ class GangState:
     phase: str | None = None
     attempt: int = 0  # the gang generation: part of pod names; bumped by restarts and resumes
     restarts: int = 0  # failure-triggered gang restarts, counted against runPolicy.backoffLimit
+    in_place_restarts: int = 0  # every attempt's in-place restarts (rank 0's reports), not counted
+    attempt_in_place_restarts: int = 0  # this attempt's, as rank 0 last reported them
     gang_created: bool = False  # every pod of this attempt was seen: a pod missing from now on was deleted
     start_time: str | None = None
     attempt_start_time: str | None = None  # this attempt's first create: startTimeoutSeconds runs from it
@@ -205,6 +212,8 @@ class GangState:
     def from_status(cls, status: Mapping[str, Any] | None) -> GangState:
         s = status or {}
         return cls(phase=s.get("phase"), attempt=as_int(s.get("attempt"), 0), restarts=as_int(s.get("restarts"), 0),
+                   in_place_restarts=as_int(s.get("inPlaceRestarts"), 0),
+                   attempt_in_place_restarts=as_int(s.get("attemptInPlaceRestarts"), 0),
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
                    attempt_start_time=s.get("attemptStartTime"), create_refused=_refusal(s.get("conditions")),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
@@ -214,7 +223,7 @@ class GangState:
     def new_attempt(self, **changes: Any) -> GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
         return replace(self, attempt=self.attempt + 1, gang_created=False, attempt_start_time=None, create_refused="",
-                       **changes)
+                       attempt_in_place_restarts=0, **changes)
 
 
 def _refusal(conditions: Any) -> str:
@@ -235,6 +244,7 @@ class Policy:
     under_kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
     start_timeout_seconds: int = 1200
     failure_rules: tuple[FailurePolicyRule, ...] = ()
+    in_place_limit: int = 0
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
@@ -244,7 +254,7 @@ class Policy:
                    ttl_seconds_after_finished=rp.ttl_seconds_after_finished,
                    under_kueue=bool(kueue.queue_name(job)),
                    start_timeout_seconds=spec.scheduling.start_timeout_seconds,
-                   failure_rules=tuple(spec.failure_policy.rules))
+                   failure_rules=tuple(spec.failure_policy.rules), in_place_limit=spec.restart_policy.in_place_limit)
 
 
 @dataclass(frozen=True)
@@ -285,7 +295,9 @@ def invalid_spec(state: GangState, pods: Sequence[PodView], message: str, now: d
     return fail(state, pods, Failure(reason="InvalidSpec", message=message, retryable=False), now)
 
 
-def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Decision:
+def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime,
+           progress: Mapping[str, Any] | None = None) -> Decision:
+    """`progress`: the current attempt's rank 0 report, if one was read (it tells of in-place restarts)."""
     if state.phase in FINISHED:
         return _keep_finished(policy, state, pods, now)
     start = from_iso(state.start_time)
@@ -304,8 +316,11 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
 
     current = {p.rank: p for p in pods if p.attempt == state.attempt}
     stale = [p for p in pods if p.attempt != state.attempt]
+    if in_place := restarted_in_place(policy, state, progress):
+        state, events = in_place.state, [*events, *in_place.events]
     if len(current) == policy.nodes and all(p.phase == SUCCEEDED for p in current.values()):
-        msg = f"all {policy.nodes} pods succeeded (attempt {state.attempt}, {state.restarts} restarts)"
+        in_place = f", {state.in_place_restarts} in place" if state.in_place_restarts else ""
+        msg = f"all {policy.nodes} pods succeeded (attempt {state.attempt}, {state.restarts} restarts{in_place})"
         new = replace(state, phase=SUCCEEDED, completion_time=to_iso(now), reason="Succeeded", message=msg)
         return Decision(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
 
@@ -363,6 +378,26 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
     return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+
+
+def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, Any] | None) -> Decision | None:
+    """The state once rank 0's report shows in-place restarts this state has not counted yet (`paratrain node`
+    restarted every rank in the same pods: nothing for the operator to do but say so), with a Warning Event naming
+    the rank that failed; None when there are none."""
+    count = as_int((progress or {}).get("restartsInPlace"), 0)
+    if count <= state.attempt_in_place_restarts:
+        return None
+    said = (progress or {}).get("lastFailure") or {}
+    node_rank, rank, code = (said.get(k) for k in ("nodeRank", "rank", "exitCode"))
+    pod = contract.pod_name(policy.name, state.attempt, node_rank) if isinstance(node_rank, int) else None
+    what = (f"rank {rank} in pod {pod} exited with code {code} ({describe_exit(code)})"
+            if pod and isinstance(code, int) else "a rank failed")
+    failure = Failure(reason="Error", pod=pod, exit_code=code if isinstance(code, int) else None, message=(
+        f"{what}; every rank restarted in place from the newest checkpoint, no pod replaced (in-place restart "
+        f"{count} of spec.restartPolicy.inPlaceLimit {policy.in_place_limit} in attempt {state.attempt})"))
+    new = replace(state, in_place_restarts=state.in_place_restarts + count - state.attempt_in_place_restarts,
+                  attempt_in_place_restarts=count, failure=failure)
+    return Decision(new, events=(Event("Warning", "RestartedInPlace", failure.message),))
 
 
 def _stuck(pod: PodView, now: datetime) -> bool:

@@ -9,6 +9,8 @@ torch watchdog and other defaults (each dropped when the user sets the same name
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,12 +98,16 @@ def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> 
     env = contract.node_env(nnodes=spec.nodes, nproc_per_node=spec.procs_per_node, node_rank=rank,
                             master_addr=contract.pod_dns_name(name, namespace, 0),
                             # torchrun gives up on its peers when the operator ends the attempt, not before
-                            rendezvous_timeout=spec.scheduling.start_timeout_seconds)
+                            rendezvous_timeout=spec.scheduling.start_timeout_seconds,
+                            in_place_limit=spec.restart_policy.in_place_limit)
     env |= {contract.ENV_JOB_NAME: name, contract.ENV_RESTART_ATTEMPT: str(attempt),
             contract.ENV_PROGRESS_PORT: str(contract.PROGRESS_PORT),
             contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH,
             **contract.layout_env(spec.parallelism, spec.precision),
             contract.ENV_STOP_GRACE: str(spec.pod.termination_grace_period_seconds - contract.STOP_MARGIN_SECONDS)}
+    if spec.restart_policy.in_place_limit:
+        rules = [r.dump() for r in spec.failure_policy.rules if r.exit_codes]
+        env[contract.ENV_EXIT_CODE_RULES] = json.dumps(rules, separators=(",", ":"))
     user = {e.name for e in spec.pod.env}
     env |= {k: v for k, v in (COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
     return (*({"name": k, "valueFrom": {"fieldRef": {"fieldPath": f}}} for k, f in FIELD_ENV.items()),

@@ -216,7 +216,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
-        decision = gang.decide(gang.Policy.from_job(job), state, views, now)
+        decision = gang.decide(gang.Policy.from_job(job), state, views, now, _progress_of(body, state, views))
         if decision.create_ranks:
             try:
                 # Off the event loop: thousands of pods take seconds of CPU, during which the Lease, the liveness

@@ -43,10 +43,12 @@ STALLED = "Stalled"
 GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
-              "restarts", "gangCreated", "startTime", "attemptStartTime", "completionTime", "failure", "lastStop",
+              "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "gangCreated", "startTime", "attemptStartTime", "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
-                     "tokensPerSecond": float, "etaSeconds": float}
+                     "tokensPerSecond": float, "etaSeconds": float, "restartsInPlace": int}
+_SIGNED = frozenset({"loss", "valLoss"})
+_RANK_FAILURE_NUMBERS = ("rank", "nodeRank", "exitCode")
 _TRAINER_PHASES = frozenset({"starting", "training", "done"})
 
 
@@ -65,6 +67,8 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
         value = raw.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             continue
+        if value < 0 and key not in _SIGNED or kind is int and value >= 1 << 62:  # the schema's bounds
+            continue
         out[key] = int(value) if kind is int else round(float(value), 6)
     if "step" not in out:
         return None
@@ -73,6 +77,12 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
         out["updatedAt"] = to_iso(updated)
     if raw.get("phase") in _TRAINER_PHASES:
         out["phase"] = raw["phase"]
+    failed = raw.get("lastFailure")
+    if isinstance(failed, Mapping):
+        numbers = {k: failed[k] for k in _RANK_FAILURE_NUMBERS
+                   if isinstance(failed.get(k), int) and not isinstance(failed[k], bool) and 0 <= failed[k] < 1 << 31}
+        if numbers:
+            out["lastFailure"] = numbers
     return out
 
 
@@ -144,6 +154,10 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     if generation is not None:
         out["observedGeneration"] = generation
     out.update(attempt=state.attempt, restarts=state.restarts, gangCreated=state.gang_created)
+    if state.in_place_restarts:
+        out["inPlaceRestarts"] = state.in_place_restarts
+    if state.attempt_in_place_restarts:
+        out["attemptInPlaceRestarts"] = state.attempt_in_place_restarts
     if state.start_time:
         out["startTime"] = state.start_time
     if state.attempt_start_time:

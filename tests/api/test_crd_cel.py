@@ -107,6 +107,8 @@ CROSS_FIELD_CASES = [
      {"spec.training"}),
     ("entrypoint-with-gpu-memory", {"entrypoint": OWN, "resources": {"gpuMemory": "80Gi"}},
      {"spec.resources.gpuMemory"}),
+    ("entrypoint-with-in-place-restarts", {"entrypoint": OWN, "restartPolicy": {"inPlaceLimit": 2}},
+     {"spec.restartPolicy.inPlaceLimit"}),
     ("gpu-resource-in-extra", {"resources": {"extra": {"nvidia.com/gpu": 2}}}, {"spec.resources.extra"}),
     ("kubernetes-owned-gpu-resource", {"resources": {"gpuResource": "kubernetes.io/gpu"}},
      {"spec.resources.gpuResource"}),
@@ -175,6 +177,8 @@ MORE_CASES = [
     ("failure-rule-matches-both", {"failurePolicy": {"rules": [
         rule("Ignore", podConditions=["Evicted"]), rule("FailJob", exitCodes=[3], podConditions=["OOMKilled"])]}},
      {"spec.failurePolicy.rules[1]"}),
+    ("in-place-by-condition", {"failurePolicy": {"rules": [rule("RestartInPlace", podConditions=["OOMKilled"])]}},
+     {"spec.failurePolicy.rules[0]"}),
     ("failure-conditions-clash", {"failurePolicy": {"rules": [
         rule("RestartGang", exitCodes=[1]), rule("Ignore", podConditions=["Evicted", "DisruptionTarget"]),
         rule("RestartGang", podConditions=["OOMKilled", "DisruptionTarget"])]}}, {"spec.failurePolicy.rules"}),
@@ -250,9 +254,11 @@ VALID = [
     {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
              "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
     {"entrypoint": OWN, "nodes": 2, "parallelism": {"data": 2}, "precision": "bf16"},
-    {"failurePolicy": {"rules": [rule("FailJob", exitCodes=[3, 4]), rule("FailJob", exitCodes=[4]),
+    {"restartPolicy": {"inPlaceLimit": 3},
+     "failurePolicy": {"rules": [rule("FailJob", exitCodes=[3, 4]), rule("FailJob", exitCodes=[4]),
                                  rule("Ignore", podConditions=["DisruptionTarget", "Evicted"]),
-                                 rule("RestartGang", podConditions=["OOMKilled"]), rule("Ignore", exitCodes=[143])]}},
+                                 rule("RestartGang", podConditions=["OOMKilled"]), rule("Ignore", exitCodes=[143]),
+                                 rule("RestartInPlace", exitCodes=[1, 137])]}},
     # The built-in trainer's defaults (batchSize 8, heads 4, 1F1B) do not constrain a program's layout.
     {"entrypoint": OWN, "nodes": 24, "parallelism": {"data": 3, "tensor": 4, "pipeline": 2}},
     {"entrypoint": OWN, "model": {"dropout": 0}, "training": {"learningRate": 0.001, "seed": 1337},

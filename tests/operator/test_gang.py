@@ -30,8 +30,8 @@ def gang_of(*phases: str, attempt: int = 0, **kw) -> list[PodView]:
 RUNNING = GangState(phase="Running", gang_created=True, start_time=EARLIER)
 
 
-def decide(pods, state=GangState(), policy=POLICY, now=NOW):
-    return gang.decide(policy, state, pods, now)
+def decide(pods, state=GangState(), policy=POLICY, now=NOW, progress=None):
+    return gang.decide(policy, state, pods, now, progress)
 
 
 def test_a_new_job_creates_every_pod_and_starts_the_clock():
@@ -236,6 +236,39 @@ def test_no_rule_turns_a_deletion_into_a_failure(seen):
     policy = rules({"action": "FailJob", "exitCodes": [137, 143]})
     state = decide([pod(0), pod(1, **seen), pod(2)], RUNNING, policy).state
     assert (state.phase, state.restarts, state.last_stop.reason) == ("Restarting", 0, "PodDeleted")
+
+
+def test_in_place_restarts_rank_0_reports_are_counted_once_with_the_failed_rank_named():
+    policy = replace(POLICY, in_place_limit=3)
+    report = {"step": 40, "restartsInPlace": 1, "lastFailure": {"rank": 5, "nodeRank": 2, "exitCode": 137}}
+    decision = decide(gang_of("Running", "Running", "Running"), RUNNING, policy, progress=report)
+    s = decision.state
+    assert (s.phase, s.attempt, s.restarts, s.in_place_restarts, s.attempt_in_place_restarts) == ("Running", 0, 0, 1, 1)
+    message = ("rank 5 in pod job-0-2 exited with code 137 (killed by SIGKILL); every rank restarted in place from "
+               "the newest checkpoint, no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 3 in "
+               "attempt 0)")
+    assert s.failure.dump() == {"pod": "job-0-2", "exitCode": 137, "reason": "Error", "message": message}
+    assert [(e.type, e.reason, e.message) for e in decision.events] == [("Warning", "RestartedInPlace", message)]
+    assert not decision.create_ranks and not decision.delete_pods  # nothing for the operator to do
+    again = decide(gang_of("Running", "Running", "Running"), s, policy, progress=report)
+    assert again.events == () and again.state.in_place_restarts == 1  # the same report is not counted twice
+    two_more = decide(gang_of("Running", "Running", "Running"), s, policy, progress={**report, "restartsInPlace": 3})
+    assert (two_more.state.in_place_restarts, two_more.state.attempt_in_place_restarts) == (3, 3)
+    # A gang restart starts the attempt's count afresh; the total stays.
+    restarted = decide([pod(0), pod(1, "Failed", exit_code=1), pod(2)], two_more.state, policy).state
+    assert (restarted.attempt, restarted.in_place_restarts, restarted.attempt_in_place_restarts) == (1, 3, 0)
+    done = decide(gang_of("Succeeded", "Succeeded", "Succeeded", attempt=1), restarted, policy,
+                  progress={"step": 60, "restartsInPlace": 1, "lastFailure": {"rank": 0, "nodeRank": 0,
+                                                                              "exitCode": 1}}).state
+    assert (done.phase, done.in_place_restarts) == ("Succeeded", 4) and "1 restarts, 4 in place" in done.message
+
+
+def test_an_in_place_rule_on_a_pod_that_failed_all_the_same_restarts_the_gang_counted():
+    policy = rules({"action": "RestartInPlace", "exitCodes": [1]})
+    s = decide([pod(0), pod(1, "Failed", exit_code=1), pod(2)], RUNNING, policy).state
+    assert (s.phase, s.restarts) == ("Restarting", 1)
+    assert s.failure.message.endswith("spec.failurePolicy.rules[0] (exitCodes [1]: RestartInPlace) applies; its "
+                                      "in-place restarts are spent")
 
 
 def test_the_new_attempt_waits_for_every_old_pod_to_go():

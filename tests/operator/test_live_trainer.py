@@ -17,6 +17,7 @@ import yaml
 
 from paratrain.api.crd import crd_manifest
 
+from ..reliability.gang import FAULTS
 from ..trainer.harness import MUTANTS, run_job
 from .support.cluster import ClusterBase as Cluster
 from .support.real_cluster import RealCluster
@@ -168,3 +169,37 @@ def test_a_stopped_pod_checkpoints_the_step_in_flight_and_the_gang_resumes_there
                                                        "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
                                                        "spec": {**spec, "checkpoint": {}}})
     assert final["losses"] == straight["losses"], "the curve goes on from the stopped step exactly"
+
+
+def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_on_exactly(control_plane,
+                                                                                            tmp_path: Path):
+    """spec.restartPolicy.inPlaceLimit: rank 1 exits 1 after step 25 (in the first round only). Its pod's agent
+    restarts its worker and rank 0's agent (whose worker saw its peer die) restarts its own, in the same pods; the
+    new round resumes from the checkpoint of step 20. The operator creates no pod, counts the restart apart from
+    backoffLimit's and names the rank; the whole loss curve is the uninterrupted run's."""
+    fault = {"PARATRAIN_TEST_FAULT": "exit_once:1:25:1", "PYTHONPATH": str(FAULTS)}
+    cluster = RealCluster(control_plane, tmp_path, node="in-place-node", extra_env=fault)
+    try:
+        ns = cluster.namespace("in-place")
+        checkpoints = tmp_path / "ckpt"
+        spec = tiny_job("inplace", ns, checkpoints, steps=40)["spec"]
+        spec["restartPolicy"] = {"inPlaceLimit": 2}
+        cluster.submit(ns, "inplace", spec)
+        status = cluster.wait_phase(ns, "inplace", "Succeeded", 240)
+        assert (status["restarts"], status["attempt"], status.get("inPlaceRestarts")) == (0, 0, 1), \
+            cluster.diagnostics(ns, "inplace")
+        assert cluster.pod_creations(ns) == ["inplace-0-0", "inplace-0-1"]  # no pod replaced
+        said = ("rank 1 in pod inplace-0-1 exited with code 1 (error); every rank restarted in place from the newest "
+                "checkpoint, no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 2 in attempt 0)")
+        assert status["failure"] == {"pod": "inplace-0-1", "exitCode": 1, "reason": "Error", "message": said}
+        assert cluster.event_reasons(ns, "inplace", until="Succeeded") == [
+            "CreatingGang", "GangRunning", "RestartedInPlace", "Succeeded"]
+        logs = cluster.kubectl("logs", "-n", ns, "inplace-0-0").stdout  # rank 0, both rounds
+        assert "resume step=20" in logs, logs[-3000:]
+        final = json.loads((checkpoints / "step-00000040" / "manifest.json").read_text())
+        _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
+                                                           "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
+                                                           "spec": {**spec, "checkpoint": {}}})
+        assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+    finally:
+        cluster.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import copy
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,17 @@ def test_torchrun_env_contract() -> None:
         assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert COMMS_ENV.items() <= e.items() and e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert container(pod)["command"] == contract.train_command()
+
+
+def test_in_place_restarts_give_torchrun_its_budget_and_the_exit_code_rules() -> None:
+    assert env(pods(render(job_doc()))[0])["PET_MAX_RESTARTS"] == "0"
+    assert contract.ENV_EXIT_CODE_RULES not in env(pods(render(job_doc()))[0])
+    doc = job_doc(restartPolicy={"inPlaceLimit": 3}, failurePolicy={"rules": [
+        {"action": "FailJob", "exitCodes": [3]}, {"action": "Ignore", "podConditions": ["DisruptionTarget"]}]})
+    e = env(pods(render(doc))[0])
+    assert e["PET_MAX_RESTARTS"] == "3"
+    assert json.loads(e[contract.ENV_EXIT_CODE_RULES]) == [{"action": "FailJob", "exitCodes": [3],
+                                                           "podConditions": []}]
 
 
 def test_user_env_comes_last_and_replaces_only_overridable_defaults() -> None:

@@ -113,6 +113,21 @@ def test_progress_from_a_pod_is_sanitised():
     assert status.clean_progress("[" * 5000 + "]" * 5000) is None  # a termination message nested deeper than json's stack
 
 
+def test_in_place_restarts_from_a_pod_are_sanitised_and_fit_the_schema():
+    raw = {"step": 5, "restartsInPlace": 2, "lastFailure": {"rank": 3, "nodeRank": 1, "exitCode": 137, "x": "y"}}
+    assert status.clean_progress(raw) == {"step": 5, "restartsInPlace": 2,
+                                          "lastFailure": {"rank": 3, "nodeRank": 1, "exitCode": 137}}
+    hostile = {"step": 5, "restartsInPlace": -1, "etaSeconds": -3.0, "lastFailure": {"rank": True, "exitCode": 1 << 40,
+                                                                                     "nodeRank": "0"}}
+    assert status.clean_progress(hostile) == {"step": 5}
+    assert status.clean_progress({"step": 1 << 70}) is None
+    state = GangState(phase="Running", in_place_restarts=3, attempt_in_place_restarts=1)
+    built = status.build({}, state, nodes=2, pods=PODS, progress=status.clean_progress(raw), stall_timeout=900,
+                         generation=1, layout=None, now=NOW)
+    assert (built["inPlaceRestarts"], built["attemptInPlaceRestarts"]) == (3, 1)
+    assert built["progress"]["lastFailure"] == {"rank": 3, "nodeRank": 1, "exitCode": 137}
+
+
 def test_a_field_the_crd_schema_lacks_is_caught_here():
     with pytest.raises(ValidationError):
         status.build(None, GangState(phase="Exploded"), nodes=1, pods=[], progress=None, stall_timeout=10,

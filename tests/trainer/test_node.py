@@ -10,7 +10,8 @@ import yaml
 
 from paratrain import contract
 from paratrain.launch import free_port
-from paratrain.node import node_exit_code
+from paratrain.api.spec import FailurePolicyRule
+from paratrain.node import node_exit_code, restarts_in_place
 
 from .harness import TINY_JOB
 
@@ -24,6 +25,19 @@ from .harness import TINY_JOB
 ])
 def test_node_exit_code(codes, expected):
     assert node_exit_code(codes) == expected
+
+
+@pytest.mark.parametrize("code,rules,in_place", [
+    (1, [], True), (137, [], True), (75, [], True),  # a crash, a kill, a peer's death
+    (2, [], False), (78, [], False), (127, [], False),  # permanent: the operator fails the job
+    (76, [], False),  # stopped (SIGTERM): the pod is going
+    (3, [{"action": "FailJob", "exitCodes": [3]}], False),
+    (3, [{"action": "RestartGang", "exitCodes": [1, 3]}], False),
+    (2, [{"action": "RestartInPlace", "exitCodes": [2]}], True),  # the job's own rule wins
+    (1, [{"action": "FailJob", "exitCodes": [3]}], True),
+])
+def test_which_failures_restart_in_place(code, rules, in_place):
+    assert restarts_in_place(code, [FailurePolicyRule.model_validate(r) for r in rules]) is in_place
 
 
 def _node(tmp_path, spec_overrides: dict) -> subprocess.CompletedProcess:

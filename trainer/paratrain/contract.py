@@ -33,6 +33,12 @@ ENV_TERMINATION_LOG = "PARATRAIN_TERMINATION_LOG"
 ENV_STOP_GRACE = "PARATRAIN_STOP_GRACE_SECONDS"
 STOP_MARGIN_SECONDS = 5  # of the grace period, what `paratrain node` keeps for itself after its workers exit
 TERMINATION_LOG_PATH = "/dev/termination-log"
+# The job's exit-code rules (spec.failurePolicy.rules with exitCodes, as JSON): which worker exits `paratrain node`
+# restarts in place.
+ENV_EXIT_CODE_RULES = "PARATRAIN_EXIT_CODE_RULES"
+# Set by `paratrain node` for the workers of an in-place restart: why this node's last round ended, as JSON
+# {"rank", "nodeRank", "exitCode"}; rank 0 reports the gang's root cause to the operator.
+ENV_LAST_FAILURE = "PARATRAIN_LAST_FAILURE"
 
 # The job's layout, in every process's env: what a program of its own (spec.entrypoint) reads to build its mesh.
 ENV_LAYOUT_DATA = "PARATRAIN_DATA"
@@ -83,9 +89,12 @@ def pod_dns_name(job_name: str, namespace: str, node_rank: int) -> str:
 
 
 def node_env(*, nnodes: int, nproc_per_node: int, node_rank: int, master_addr: str,
-             master_port: int = MASTER_PORT, rendezvous_timeout: int | None = None) -> dict[str, str]:
+             master_port: int = MASTER_PORT, rendezvous_timeout: int | None = None,
+             in_place_limit: int = 0) -> dict[str, str]:
     """What a pod gets: torchrun's PET_* flags (static rendezvous on rank 0's stable DNS name); torchrun waits
-    `rendezvous_timeout` seconds for its peers (its own default: 600)."""
+    `rendezvous_timeout` seconds for its peers (its own default: 600) and restarts its workers in place up to
+    `in_place_limit` times (spec.restartPolicy.inPlaceLimit; after that, restarts are the operator's, for the whole
+    gang)."""
     timeout = {"PET_RDZV_CONF": f"timeout={rendezvous_timeout}"} if rendezvous_timeout else {}
     return {**timeout,
         "PET_NNODES": str(nnodes),
@@ -93,8 +102,7 @@ def node_env(*, nnodes: int, nproc_per_node: int, node_rank: int, master_addr: s
         "PET_NODE_RANK": str(node_rank),
         "PET_MASTER_ADDR": master_addr,
         "PET_MASTER_PORT": str(master_port),
-        # One attempt inside the pod: restarts are the operator's, for the whole gang at once.
-        "PET_MAX_RESTARTS": "0",
+        "PET_MAX_RESTARTS": str(in_place_limit),
     }
 
 

@@ -10,6 +10,8 @@
                                        `fault-scale {"step", "applied", "scale"}` after every optimizer step
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
+    exit_once:<rank>:<step>:<code>     <rank> exits with <code> after its optimizer step <step>, in the first round
+                                       only (TORCHELASTIC_RESTART_COUNT 0: an in-place restart runs clean)
 """
 
 import os
@@ -88,6 +90,22 @@ if FAULT:
             return outcome
 
         engine.TorchEngine.forward_backward = forward_backward
+        engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "exit_once":
+        from paratrain.train import engine
+
+        exit_rank, exit_step, exit_code = (int(a) for a in args)
+        original_step = engine.TorchEngine.optimizer_step
+        steps = {"done": 0}
+
+        def optimizer_step(self, lr):
+            outcome = original_step(self, lr)
+            steps["done"] += 1
+            if _rank() == exit_rank and steps["done"] == exit_step and \
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os._exit(exit_code)
+            return outcome
+
         engine.TorchEngine.optimizer_step = optimizer_step
     elif kind == "build_oom":
         import torch

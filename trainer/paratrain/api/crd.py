@@ -28,7 +28,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, JOB_NAME, KIND, KUBERNETES_OWNED_MEANING,
+    API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, IN_PLACE_NEEDS_THE_TRAINER, JOB_NAME, KIND,
+    KUBERNETES_OWNED_MEANING,
     KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING,
     MAX_ANNOTATION_BYTES, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX,
     RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, TRAINER_SECTIONS, Spec,
@@ -324,6 +325,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"!{_ENTRYPOINT} || !{_given(f'{R}.gpuMemory')}",
               "the memory model is the built-in trainer's: leave gpuMemory out with spec.entrypoint",
               ".resources.gpuMemory"),
+        _rule(f"!{_ENTRYPOINT} || !has(self.restartPolicy) || !has(self.restartPolicy.inPlaceLimit) || "
+              "self.restartPolicy.inPlaceLimit == 0", IN_PLACE_NEEDS_THE_TRAINER, ".restartPolicy.inPlaceLimit"),
     ],
     "pod": [
         _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",
@@ -382,6 +385,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule("(has(self.exitCodes) && size(self.exitCodes) > 0) != "
               "(has(self.podConditions) && size(self.podConditions) > 0)",
               "a rule matches either exitCodes or podConditions: give exactly one"),
+        _rule("self.action != 'RestartInPlace' || !has(self.podConditions) || size(self.podConditions) == 0",
+              "RestartInPlace matches exitCodes only: a pod with a condition is gone or going"),
     ],
     # The API server's own toleration rules (Toleration's validator): a pod breaking one is refused.
     "scheduling.tolerations[]": [

@@ -275,9 +275,11 @@ class RunPolicy(_Model):
 class FailurePolicyRule(_Model):
     """A failure this rule matches gets its action (the first matching rule's), as in a Job's podFailurePolicy."""
 
-    action: Literal["FailJob", "RestartGang", "Ignore"] = Field(description=(
-        "FailJob: the job fails at once, no restart. RestartGang: the whole gang restarts from the newest checkpoint, "
-        "counted against runPolicy.backoffLimit. Ignore: the gang restarts, not counted."))
+    action: Literal["FailJob", "RestartInPlace", "RestartGang", "Ignore"] = Field(description=(
+        "FailJob: the job fails at once, no restart. RestartInPlace: every pod's agent restarts its workers in the "
+        "same pods (restartPolicy.inPlaceLimit times per gang, then as RestartGang; exit codes only). RestartGang: "
+        "the whole gang restarts from the newest checkpoint, counted against runPolicy.backoffLimit. Ignore: the "
+        "gang restarts, not counted."))
     exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(default_factory=list, max_length=16, description=(
         "The trainer container's exit codes this rule matches (`paratrain node` passes its workers' codes "
         "through; a signal is 128 + its number)."))
@@ -292,6 +294,8 @@ class FailurePolicyRule(_Model):
     def _one_matcher(self) -> FailurePolicyRule:
         if bool(self.exit_codes) == bool(self.pod_conditions):
             raise ValueError("a rule matches either exitCodes or podConditions: give exactly one")
+        if self.action == "RestartInPlace" and self.pod_conditions:
+            raise ValueError("RestartInPlace matches exitCodes only: a pod with a condition is gone or going")
         return self
 
     def matches(self, exit_code: int | None, conditions: Iterable[str]) -> bool:
@@ -302,12 +306,33 @@ class FailurePolicyRule(_Model):
         return f"{field} [{', '.join(map(str, values))}]: {self.action}"
 
 
+def first_rule(rules: Iterable[FailurePolicyRule], exit_code: int | None,
+               conditions: Iterable[str] = ()) -> tuple[int, FailurePolicyRule] | None:
+    """The first rule matching a failure, with its index: the one whose action applies."""
+    conditions = list(conditions)
+    return next(((i, rule) for i, rule in enumerate(rules) if rule.matches(exit_code, conditions)), None)
+
+
 class FailurePolicy(_Model):
     rules: list[FailurePolicyRule] = Field(default_factory=list, max_length=8, description=(
         "Checked in order; the first rule that matches a failed pod decides. Where none does: exit codes 2 (the "
         "trainer refused the spec or its data), 78 (out of memory before the first step), 126 and 127 (the image "
-        "cannot run the command) fail the job; a DisruptionTarget is ignored; anything else restarts the gang, "
-        "counted."))
+        "cannot run the command) fail the job; a DisruptionTarget is ignored; any other exit restarts the workers "
+        "in place while restartPolicy.inPlaceLimit allows, and then the gang, counted."))
+
+
+# Each round of in-place restarts reuses node 0's rendezvous store, which still holds the last round's keys; the
+# built-in trainer keys each round apart (preflight.join), a program of its own would meet them.
+IN_PLACE_NEEDS_THE_TRAINER = ("in-place restarts need the built-in trainer, which keys each round's rendezvous apart "
+                              "from the last one's: leave inPlaceLimit at 0 with spec.entrypoint")
+
+
+class RestartPolicy(_Model):
+    in_place_limit: int = Field(0, ge=0, le=100, description=(
+        "In-place restarts per gang: when a rank fails and its pod is alive, every pod's agent restarts its workers "
+        "in the same pods (a new rendezvous round, resuming from the newest checkpoint; no pod is deleted, created "
+        "or scheduled), up to this many times; after that the pod fails and the whole gang restarts. 0: every "
+        "failure restarts the whole gang."))
 
 
 class Toleration(_Model):
@@ -524,6 +549,8 @@ class Spec(_Model):
         "What each pod gets: GPUs, CPU, memory, shared memory, other devices."))
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description=(
         "Restarts, deadlines, suspension and timeouts of the job as a whole."))
+    restart_policy: RestartPolicy = Field(default_factory=RestartPolicy, description=(
+        "How a failed rank is restarted: in place (the same pods) before the whole gang."))
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description=(
         "What a failed pod's exit code or condition does to the job: fail it at once, restart the gang (counted "
         "against runPolicy.backoffLimit), or restart it uncounted."))
@@ -685,6 +712,8 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         if spec.resources.gpu_memory:
             out.append(("spec.resources.gpuMemory", "the memory model is the built-in trainer's: leave gpuMemory out "
                         "with spec.entrypoint"))
+        if spec.restart_policy.in_place_limit:
+            out.append(("spec.restartPolicy.inPlaceLimit", IN_PLACE_NEEDS_THE_TRAINER))
     for clash in failure_policy_clashes(spec.failure_policy.rules):
         out.append(("spec.failurePolicy.rules", clash))
     for dup in _repeated(c.name for c in spec.pod.init_containers):

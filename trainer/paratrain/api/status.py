@@ -59,6 +59,14 @@ class Failure(_StatusModel):
     message: str | None = Field(None, max_length=32768)
 
 
+class RankFailure(_StatusModel):
+    """A rank whose exit ended an in-place round, as rank 0 of the next round reports it."""
+
+    rank: int | None = Field(None, ge=0)
+    node_rank: int | None = Field(None, ge=0, description="Its pod's rank in the gang.")
+    exit_code: int | None = None
+
+
 class Progress(_StatusModel):
     """Training progress reported by rank 0 (read by the operator; pods hold no API credentials)."""
 
@@ -72,6 +80,9 @@ class Progress(_StatusModel):
     eta_seconds: float | None = Field(None, ge=0)
     updated_at: datetime | None = Field(None, description="When rank 0 last reported; drives the Stalled condition.")
     phase: Literal["starting", "training", "done"] | None = Field(None, description="The trainer's own phase.")
+    restarts_in_place: int | None = Field(None, ge=0, description=(
+        "The current attempt's in-place restarts (every rank restarted in the same pods)."))
+    last_failure: RankFailure | None = Field(None, description="The rank whose exit caused the latest of them.")
 
 
 class JobStatus(_StatusModel):
@@ -87,6 +98,10 @@ class JobStatus(_StatusModel):
     pods: PodCounts | None = None
     restarts: int | None = Field(None, ge=0, description="Failure-triggered gang restarts so far (counted against "
                                  "runPolicy.backoffLimit).")
+    in_place_restarts: int | None = Field(None, ge=0, description=(
+        "In-place restarts so far, every attempt's (each attempt allows spec.restartPolicy.inPlaceLimit; not "
+        "counted against runPolicy.backoffLimit)."))
+    attempt_in_place_restarts: int | None = Field(None, ge=0, description="The current attempt's in-place restarts.")
     attempt: int | None = Field(None, ge=0, description="Current gang attempt, part of pod names; bumped by every "
                                 "gang restart and by resuming a suspended job.")
     gang_created: bool | None = Field(None, description="Every pod of the current attempt has been seen; a pod "

@@ -8,6 +8,7 @@ resumes from the latest complete checkpoint, trains, and exits with a code the o
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
@@ -127,6 +128,23 @@ def train_main(spec_path: str) -> int:
         raise
 
 
+def _last_round_failure(world: int) -> tuple[int, dict] | None:
+    """In a round of in-place restarts: (the round, the rank whose exit ended the last one), from what each node's
+    agent told its workers (ENV_LAST_FAILURE), gathered from every rank; the root cause is a rank that did not
+    merely see its peer die (exit 75). None in the first round."""
+    import torch.distributed as dist
+
+    from .preflight import restart_round
+
+    if not restart_round():
+        return None
+    said: list = [None] * world
+    dist.all_gather_object(said, os.environ.get(contract.ENV_LAST_FAILURE))
+    failures = sorted((json.loads(s) for s in said if s), key=lambda f: (f.get("exitCode") == contract.EXIT_RETRYABLE,
+                                                                        f.get("rank", 0)))
+    return restart_round(), failures[0] if failures else {}
+
+
 def _is_timeout(exc: BaseException) -> bool:
     """Only words the log line: `is_peer_failure` has already decided the exit code."""
     text = str(exc).lower()
@@ -218,6 +236,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     if problem := memory_problem(spec, corpus.vocab_size):  # the operator may not know the data's vocabulary
         raise ValueError(f"spec.resources.gpuMemory: {problem}")
     torch.manual_seed(dims.dropout_seed(spec.training.seed))
+    restarted = _last_round_failure(world)
     reporter = None
     if rank == 0:
         port = os.environ.get(contract.ENV_PROGRESS_PORT)
@@ -228,6 +247,8 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
                                     tensorboard)
         log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, layout_label(spec),
                  world, device, dist.get_backend(), describe_checkpoints(spec))
+        if restarted:
+            reporter.restarted(*restarted)
     checkpointer = None
     if spec.checkpoint.path:
         checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),

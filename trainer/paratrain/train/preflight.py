@@ -30,6 +30,11 @@ class FabricError(RuntimeError):
     """The gang cannot communicate: an infrastructure failure, which a gang restart (elsewhere) may not have."""
 
 
+def restart_round() -> int:
+    """Which round of in-place restarts this process belongs to (torchrun's agent counts them; 0 elsewhere)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def _key(rank: int) -> str:
     return f"paratrain/preflight/{rank}"
 
@@ -43,6 +48,9 @@ def join(rank: int, world: int, timeout: float) -> tuple[dist.Store, list[str]]:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
     except (RuntimeError, ValueError) as exc:
         raise FabricError(f"rank {rank} on {host} cannot reach the rendezvous store at {where}: {exc}") from None
+    # An in-place restart (paratrain node) reuses node 0's agent store, which still holds the last round's keys
+    # (this check-in, the process groups'): each round keeps to its own.
+    store = dist.PrefixStore(f"paratrain/round-{restart_round()}", store)
     store.set(_key(rank), host)
     try:
         store.wait([_key(r) for r in range(world)], datetime.timedelta(seconds=timeout))

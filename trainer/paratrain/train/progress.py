@@ -81,6 +81,13 @@ class ProgressReporter:
         if event != "step" or fields.get("log", False):
             log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items() if k != "log"))
 
+    def restarted(self, count: int, failure: dict) -> None:
+        """This is round `count` of in-place restarts, after `failure` ({rank, nodeRank, exitCode}): in every
+        report from now on, for the operator to count and name."""
+        with self._lock:
+            self.snapshot.update(restartsInPlace=count, lastFailure=failure)
+        self.emit("restart", restartsInPlace=count, lastFailure=failure)
+
     def get(self) -> dict:
         with self._lock:
             return dict(self.snapshot)
