@@ -147,7 +147,8 @@ def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePo
     spent = "; its in-place restarts are spent" if rule.action == "RestartInPlace" else ""
     return failure.model_copy(update={
         "retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
-        "rule": f"{where} ({rule.describe()})", "message": f"{failure.message}; {where} ({rule.describe()}) applies{spent}"})
+        "rule": f"{where} ({rule.describe()})",
+        "message": f"{failure.message}; {where} ({rule.describe()}) applies{spent}"})
 
 
 def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:

@@ -43,7 +43,8 @@ STALLED = "Stalled"
 GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
-              "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "gangCreated", "startTime", "attemptStartTime", "completionTime", "failure", "lastStop",
+              "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "gangCreated", "startTime", "attemptStartTime",
+              "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
                      "tokensPerSecond": float, "etaSeconds": float, "restartsInPlace": int}
