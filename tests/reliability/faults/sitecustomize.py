@@ -11,7 +11,9 @@
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
     exit_once:<rank>:<step>:<code>     <rank> exits with <code> after its optimizer step <step>, in the first round
-                                       only (TORCHELASTIC_RESTART_COUNT 0: an in-place restart runs clean)
+                                       only (TORCHELASTIC_RESTART_COUNT 0: an in-place restart runs clean), in the
+                                       first gang attempt only (PARATRAIN_RESTART_ATTEMPT, where set, 0); the time
+                                       of its exit appended to $PARATRAIN_TEST_FAULT_LOG, where set
 """
 
 import os
@@ -101,8 +103,14 @@ if FAULT:
         def optimizer_step(self, lr):
             outcome = original_step(self, lr)
             steps["done"] += 1
-            if _rank() == exit_rank and steps["done"] == exit_step and \
-                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get(
+                "PARATRAIN_RESTART_ATTEMPT", "0") == "0"
+            if _rank() == exit_rank and steps["done"] == exit_step and first:
+                if os.environ.get("PARATRAIN_TEST_FAULT_LOG"):
+                    import time
+
+                    with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
+                        log.write(f"{time.time()}\n")
                 os._exit(exit_code)
             return outcome
 
