@@ -6,7 +6,7 @@ created again), measured side by side in one run.
 
 On the real control plane (scripts/testbin.sh builds it) with the operator and the try-out kubelet (pods run as
 local processes of this checkout, CPU/gloo): the tests' Shakespeare-sized stand-in, a `--nodes`-pod job with a
-checkpoint every 10 steps, whose rank 1 exits 1 after step 25 (the reliability faults' `exit_once`, which logs the
+checkpoint every 10 steps, whose rank 1 exits 1 after step 25 (the reliability faults' `exit_at`, which logs the
 time of its exit). Rank 0's progress endpoint is polled every 50 ms; the restart's time runs from the crash to the
 first report of a step past the step resumed from. Also counted: the pods created for the job.
 
@@ -69,7 +69,7 @@ def rank0_report(cluster: RealCluster, namespace: str) -> tuple[int, dict[str, A
 def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: int) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     crash_log = workdir / "crashes.txt"
-    fault = {"PARATRAIN_TEST_FAULT": f"exit_once:1:{CRASH_STEP}:1", "PYTHONPATH": str(FAULTS),
+    fault = {"PARATRAIN_TEST_FAULT": f"exit_at:1:{CRASH_STEP}:1:1", "PYTHONPATH": str(FAULTS),
              "PARATRAIN_TEST_FAULT_LOG": str(crash_log)}
     cluster = RealCluster(plane, workdir, node=f"bench-{run}", extra_env=fault)
     try:

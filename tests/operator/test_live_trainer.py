@@ -177,7 +177,7 @@ def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_
     restarts its worker and rank 0's agent (whose worker saw its peer die) restarts its own, in the same pods; the
     new round resumes from the checkpoint of step 20. The operator creates no pod, counts the restart apart from
     backoffLimit's and names the rank; the whole loss curve is the uninterrupted run's."""
-    fault = {"PARATRAIN_TEST_FAULT": "exit_once:1:25:1", "PYTHONPATH": str(FAULTS)}
+    fault = {"PARATRAIN_TEST_FAULT": "exit_at:1:25:1:1", "PYTHONPATH": str(FAULTS)}
     cluster = RealCluster(control_plane, tmp_path, node="in-place-node", extra_env=fault)
     try:
         ns = cluster.namespace("in-place")
@@ -201,5 +201,30 @@ def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_
                                                            "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
                                                            "spec": {**spec, "checkpoint": {}}})
         assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+    finally:
+        cluster.close()
+
+
+def test_in_place_restarts_past_the_limit_fall_back_to_a_whole_gang_restart(control_plane, tmp_path: Path):
+    """inPlaceLimit 1, and rank 1 fails again in the restarted round (5 steps into each, before any checkpoint):
+    its agent's budget is spent, so its pod fails with the code and the operator restarts the whole gang
+    (counted), whose new pods run clean."""
+    fault = {"PARATRAIN_TEST_FAULT": "exit_at:1:5:1:2", "PYTHONPATH": str(FAULTS)}
+    cluster = RealCluster(control_plane, tmp_path, node="in-place-limit-node", extra_env=fault)
+    try:
+        ns = cluster.namespace("in-place-limit")
+        spec = tiny_job("limit", ns, tmp_path / "ckpt", steps=40)["spec"]
+        spec["restartPolicy"] = {"inPlaceLimit": 1}
+        cluster.submit(ns, "limit", spec)
+        status = cluster.wait_phase(ns, "limit", "Succeeded", 240)
+        # The in-place round may fail before rank 0's first report is read: counted only where it was seen.
+        assert (status["restarts"], status["attempt"]) == (1, 1), cluster.diagnostics(ns, "limit")
+        assert status.get("inPlaceRestarts", 0) <= 1
+        assert status["failure"] == {"pod": "limit-0-1", "exitCode": 1, "reason": "Error",
+                                     "message": "pod limit-0-1 exited with code 1 (error)"}
+        assert cluster.pod_creations(ns) == ["limit-0-0", "limit-0-1", "limit-1-0", "limit-1-1"]
+        reasons = [r for r in cluster.event_reasons(ns, "limit", until="Succeeded") if r != "RestartedInPlace"]
+        assert reasons == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang", "GangRunning",
+                           "Succeeded"]
     finally:
         cluster.close()

@@ -10,10 +10,12 @@
                                        `fault-scale {"step", "applied", "scale"}` after every optimizer step
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
-    exit_once:<rank>:<step>:<code>     <rank> exits with <code> after its optimizer step <step>, in the first round
-                                       only (TORCHELASTIC_RESTART_COUNT 0: an in-place restart runs clean), in the
-                                       first gang attempt only (PARATRAIN_RESTART_ATTEMPT, where set, 0); the time
-                                       of its exit appended to $PARATRAIN_TEST_FAULT_LOG, where set
+    exit_at:<rank>:<step>:<code>:<rounds>
+                                       <rank> exits with <code> after <step> optimizer steps of its process (a
+                                       resumed round counts from its checkpoint's step) in each of the first
+                                       <rounds> rounds of in-place restarts (TORCHELASTIC_RESTART_COUNT), in the first
+                                       gang attempt only (PARATRAIN_RESTART_ATTEMPT, where set, 0); the time of each
+                                       exit appended to $PARATRAIN_TEST_FAULT_LOG, where set
 """
 
 import os
@@ -93,19 +95,19 @@ if FAULT:
 
         engine.TorchEngine.forward_backward = forward_backward
         engine.TorchEngine.optimizer_step = optimizer_step
-    elif kind == "exit_once":
+    elif kind == "exit_at":
         from paratrain.train import engine
 
-        exit_rank, exit_step, exit_code = (int(a) for a in args)
+        exit_rank, exit_step, exit_code, rounds = (int(a) for a in args)
         original_step = engine.TorchEngine.optimizer_step
         steps = {"done": 0}
 
         def optimizer_step(self, lr):
             outcome = original_step(self, lr)
             steps["done"] += 1
-            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get(
-                "PARATRAIN_RESTART_ATTEMPT", "0") == "0"
-            if _rank() == exit_rank and steps["done"] == exit_step and first:
+            faulty = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < rounds and \
+                os.environ.get("PARATRAIN_RESTART_ATTEMPT", "0") == "0"
+            if _rank() == exit_rank and steps["done"] == exit_step and faulty:
                 if os.environ.get("PARATRAIN_TEST_FAULT_LOG"):
                     import time
 
