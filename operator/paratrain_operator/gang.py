@@ -140,7 +140,8 @@ def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePo
     conditions = pod_conditions(pod) if pod else []
     if hit := first_rule(rules, failure.exit_code, conditions):
         where, rule = f"spec.failurePolicy.rules[{hit[0]}]", hit[1]
-    elif hit := first_rule(DEFAULT_RULES, failure.exit_code, conditions):
+    elif not failure.preempted and (hit := first_rule(DEFAULT_RULES, failure.exit_code, conditions)):
+        # (a stop, exit 76 or a deletion, is already uncounted: it keeps its own words and Event, Preempted)
         where, rule = "the default rule", hit[1]
     else:
         return failure

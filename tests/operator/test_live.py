@@ -188,8 +188,9 @@ def test_a_fail_job_rule_ends_the_job_at_the_first_matching_exit_naming_the_rule
     assert (status["reason"], status["restarts"], status["attempt"]) == ("FailurePolicy", 0, 0)
     assert status["failure"] == {"pod": "rule-0-1", "exitCode": 3, "reason": "Error",
                                  "message": f"pod rule-0-1 exited with code 3 (error); {rule}"}
-    assert cluster.event_reasons(ns, "rule", until="FailurePolicy") == ["CreatingGang", "GangRunning",
-                                                                        "FailurePolicy"]
+    # (GangRunning too, where a pass saw both pods running before rank 1 exited at its first step)
+    reasons = cluster.event_reasons(ns, "rule", until="FailurePolicy")
+    assert [r for r in reasons if r != "GangRunning"] == ["CreatingGang", "FailurePolicy"]
     wait_for(lambda: [p["metadata"]["name"] for p in cluster.pods(ns)] == ["rule-0-1"], 15, "the survivor to go")
     assert cluster.pod_creations(ns) == ["rule-0-0", "rule-0-1"]
 
