@@ -145,11 +145,10 @@ def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePo
         where, rule = "the default rule", hit[1]
     else:
         return failure
+    named = f"{where} ({rule.describe()})"
     spent = "; its in-place restarts are spent" if rule.action == "RestartInPlace" else ""
-    return failure.model_copy(update={
-        "retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
-        "rule": f"{where} ({rule.describe()})",
-        "message": f"{failure.message}; {where} ({rule.describe()}) applies{spent}"})
+    return failure.model_copy(update={"retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
+                                      "rule": named, "message": f"{failure.message}; {named} applies{spent}"})
 
 
 def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:

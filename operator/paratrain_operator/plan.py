@@ -10,7 +10,6 @@ torch watchdog and other defaults (each dropped when the user sets the same name
 from __future__ import annotations
 
 import json
-
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
