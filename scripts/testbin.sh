@@ -37,6 +37,7 @@ fi
 wanted=("${BINARIES[@]}")
 [[ "$mode" != "--node" ]] || wanted+=("${NODE_BINARIES[@]}")
 finish() {
+  exec 9>&-  # this version's lock (if held) goes before Kueue builds: a waiting kind build needs none of Kueue
   [[ "$mode" == "--node" ]] || bash "$HERE/kueuebin.sh" >&2
   echo "$BIN"
   exit 0

@@ -16,6 +16,7 @@ import pytest
 
 from ..support import control_plane
 
+pytestmark = pytest.mark.control_plane
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 WAITS = r'''
@@ -39,7 +40,7 @@ def walkthrough_block() -> str:
 
 
 def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_cluster(tmp_path):
-    control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the README's second command)
+    control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the suite's first run builds them)
     script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", "JOB=shakespeare", WAITS]
     for line in walkthrough_block().splitlines():
         command = line.split("  #")[0].rstrip().replace("/tmp/k8s", str(tmp_path / "k8s"))
