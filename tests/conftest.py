@@ -72,7 +72,7 @@ _BACKGROUND_BUILD = pytest.StashKey[subprocess.Popen]()
 _WAITED_FOR_BUILD = pytest.StashKey[bool]()
 
 
-@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+@pytest.hookimpl(tryfirst=True, wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The first test that needs the control plane waits here for its build, outside pytest-timeout's clock (this
     wrapper runs before that plugin's): a test's 10 minutes are for the test. A failed build is reported by the
@@ -81,7 +81,7 @@ def pytest_runtest_protocol(item, nextitem):
             and not item.config.stash.get(_WAITED_FOR_BUILD, False)):
         item.config.stash[_WAITED_FOR_BUILD] = True
         subprocess.run(["bash", str(TESTBIN)], capture_output=True)
-    yield
+    return (yield)
 
 
 def pytest_unconfigure(config):
