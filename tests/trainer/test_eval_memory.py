@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.api import parse_job
-from paratrain.train import engine
+from paratrain.train import loss
 from paratrain.train.loop import Trainer
 
 from .harness import TINY_JOB
@@ -40,7 +40,7 @@ def test_evaluation_goes_through_a_ranks_slice_in_accumulation_parts(one_rank_gr
 
 
 def test_the_loss_holds_one_piece_in_fp32_and_equals_the_whole_batch_loss(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(engine, "CE_CHUNK_TOKENS", 10)
+    monkeypatch.setattr(loss, "CE_CHUNK_TOKENS", 10)
     logits = torch.randn(3, 16, 50, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(50, (3, 16))
     expected = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -48,14 +48,14 @@ def test_the_loss_holds_one_piece_in_fp32_and_equals_the_whole_batch_loss(monkey
     expected_grad, logits.grad = logits.grad.clone(), None
 
     seen: list[int] = []
-    whole = engine._piece_loss
+    whole = loss._piece_loss
 
     def recording(piece: torch.Tensor, *args, **kwargs):
         seen.append(piece.shape[0])
         return whole(piece, *args, **kwargs)
-    monkeypatch.setattr(engine, "_piece_loss", recording)
-    loss = engine.cross_entropy(logits, targets)
-    loss.backward()
+    monkeypatch.setattr(loss, "_piece_loss", recording)
+    value = loss.cross_entropy(logits, targets)
+    value.backward()
     assert max(seen) == 10 and sum(seen) == 48  # pieces of 10 tokens, each once (its gradient with it), never all 48
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logits.grad, expected_grad, rtol=2e-2, atol=1e-4)  # bf16: rounded once more

@@ -10,7 +10,7 @@ import transformers
 
 from paratrain.api import parse_job
 from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
-from paratrain.train.engine import cross_entropy
+from paratrain.train.loss import cross_entropy
 from paratrain.train.models.hf import export_hf, load_hf_into
 from paratrain.train.models.hf_config import init_problem
 from paratrain.train.models.registry import build_model, model_config

@@ -70,16 +70,18 @@ def test_parity_catches_broken_reduction(mutant, overrides, reference, tmp_path)
 
 def test_tensor_parallel_replicas_stay_identical_with_dropout(tmp_path):
     """Dropout on activations a TP group replicates must draw the same mask on every TP rank, or the replicated
-    weights (embeddings, norms, head) drift apart. Compare the two ranks' tensors after training (checkpoints keep
-    one copy of replicas, so each rank dumps its own). Attention dropout, on the heads each rank holds alone, draws
-    from each rank's own stream (checkpointed per rank as headsRng)."""
+    weights (embeddings, norms) drift apart. Compare the two ranks' tensors after training (checkpoints keep one
+    copy of replicas, so each rank dumps its own). Attention dropout, on the heads each rank holds alone, draws
+    from each rank's own stream (checkpointed per rank as headsRng). The head is split by vocabulary."""
     import torch
 
     run_job(tmp_path, layout(tensor=2) + ["spec.model.dropout=0.2"],
             env={"PARATRAIN_TEST_MUTANT": f"dump_model:{tmp_path}", "PYTHONPATH": str(MUTANTS)})
     ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
-    for name in ("tok_emb.weight", "layers.0.ln1.weight", "layers.1.mlp.proj.bias", "ln_f.weight", "head.weight"):
+    for name in ("tok_emb.weight", "layers.0.ln1.weight", "layers.1.mlp.proj.bias", "ln_f.weight"):
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between tensor-parallel ranks"
     sharded = "layers.0.attn.wq.weight"
     assert not torch.equal(ranks[0][sharded], ranks[1][sharded]), "q projections are shards, not copies"
+    vocab = ranks[0]["tok_emb.weight"].shape[0]
+    assert [ranks[r]["head.weight"].shape[0] for r in (0, 1)] == [(vocab + 1) // 2, vocab // 2], "head rows by vocab"
     assert not torch.equal(ranks[0]["headsRng"], ranks[1]["headsRng"]), "the ranks' heads share one stream"

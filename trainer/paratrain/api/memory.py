@@ -11,8 +11,9 @@ Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parall
 - activations: what a block saves for backward per token (`block_bytes`), times the tokens of the microbatches in
   flight (all of a step's for GPipe, p - stage for 1F1B), for the rank's layers; activation checkpointing keeps
   only each block's input (full) or its matmul and attention outputs (selective), plus one block rebuilt in backward.
-- loss: the last stage's logits and the gradient buffer the loss fills as it runs (engine.ChunkedCrossEntropy),
-  plus one piece of 4,096 tokens' fp32 copy and logsumexp's temporary over the vocabulary.
+- loss: the last stage's logits and the gradient buffer the loss fills as it runs (loss.ChunkedCrossEntropy),
+  plus one piece of 4,096 tokens' fp32 copy and its exponentials' temporary over the vocabulary; under tensor
+  parallel the head, its logits and the loss's buffers are split by vocabulary (V/tp columns per rank).
 - buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket, pipeline receive buffers (one per microbatch),
   bf16 autocast's weight copies (2Ψ of matmul weights).
 The peak is taken at the start of backward (states + activations + loss + buffers, gradients already there under
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from .shapes import parameter_count
 
 FP32 = 4
-CE_CHUNK_TOKENS = 4096  # engine.CE_CHUNK_TOKENS: the loss's fp32 pieces
+CE_CHUNK_TOKENS = 4096  # loss.CE_CHUNK_TOKENS: the loss's fp32 pieces
 DDP_BUCKET_BYTES = 25 * 2**20  # torch's default bucket_cap_mb; the buckets together hold every gradient once
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments, whatever the layout (ZeRO shards them, DCP writes
 # each tensor once); saving costs a fixed part too (the collective plan, the manifest, the commit).
@@ -84,9 +85,13 @@ class Shape:
     def embedding_params(self) -> int:
         return self.vocab * self.embed_dim + (self.block_size * self.embed_dim if self.family == "gpt" else 0)
 
-    def final_params(self) -> int:
-        """The final norm and the head."""
-        return (2 if self.family == "gpt" else 1) * self.embed_dim + self.embed_dim * self.vocab
+    def vocab_columns(self, tp: int) -> int:
+        """The head's rows (logits' columns) on a tensor-parallel rank: rank 0's, the largest part."""
+        return -(-self.vocab // tp)
+
+    def final_params(self, tp: int) -> int:
+        """The final norm and this tensor-parallel rank's part of the head."""
+        return (2 if self.family == "gpt" else 1) * self.embed_dim + self.embed_dim * self.vocab_columns(tp)
 
 
 def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
@@ -94,18 +99,21 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
     the residual stream and the norms' statistics in fp32, the rest in the compute dtype (2 bytes under bf16/fp16
     autocast, which also saves the 16-bit copy of each norm output the matmuls read, in place of the fp32 one).
 
-    GPT: block input and mid-block residual (2C), two norm outputs (2C), q/k/v (3C/tp), attention output (C/tp) and
-    its log-sum-exp (heads/tp, fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU):
-    q/k/v before and after RoPE, gate and up outputs, SiLU and product (4F/tp)."""
+    GPT: block input and mid-block residual (2C), two norm outputs (2C, one copy each that the projections reading
+    it share: models.gpt.matmul_input), q/k/v (3C/tp), attention output (C/tp) and its log-sum-exp (heads/tp,
+    fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU): RMSNorm also keeps its
+    normalised input in fp32 for its gain's gradient (2C·4), q/k/v after RoPE, gate and up outputs, SiLU and product
+    (4F/tp)."""
     c, f, h, kv = shape.embed_dim, shape.ffn_dim, shape.heads, shape.kv_dim
     act = 2 if half else FP32
     stats = 4 * FP32 if shape.family == "gpt" else 2 * FP32
     residual = 2 * c * FP32
-    norms = 2 * c * act
     if shape.family == "gpt":
+        norms = 2 * c * act
         split = (3 * c + c + 2 * f) * act + h * FP32
     else:
-        split = (2 * (c + 2 * kv) + c + 4 * f) * act + h * FP32
+        norms = 2 * c * (act + FP32)
+        split = (c + 2 * kv + c + 4 * f) * act + h * FP32
     if mode == "full":
         return c * FP32  # the block's input
     if mode == "selective":  # matmul and attention outputs (o and the MLP's output projection too) and the input
@@ -150,7 +158,7 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
     layers = _stage_layers(shape.layers, pp, stage)
     split, replicated = shape.block_params()
     psi = layers * (split // tp + replicated) + (shape.embedding_params() if first else 0) + \
-        (shape.final_params() if last else 0)
+        (shape.final_params(tp) if last else 0)
 
     # Tokens of one microbatch on this rank, and how many microbatches' activations are alive at once.
     micro_tokens = t.batch_size // dp // t.gradient_accumulation // p.microbatches * shape.block_size
@@ -184,11 +192,12 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
 
     if last:
-        # engine.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
-        # logits, else the logits' type) and one piece's fp32 copy with logsumexp's temporary of its size
-        piece = min(micro_tokens, CE_CHUNK_TOKENS) * shape.vocab * FP32
-        logits = micro_tokens * shape.vocab * (2 if half else FP32)
-        grad = micro_tokens * shape.vocab * (2 if spec.precision == "bf16" else FP32)
+        # loss.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
+        # logits, else the logits' type) and one piece's fp32 copy with its exponentials' temporary of its size
+        columns = shape.vocab_columns(tp)
+        piece = min(micro_tokens, CE_CHUNK_TOKENS) * columns * FP32
+        logits = micro_tokens * columns * (2 if half else FP32)
+        grad = micro_tokens * columns * (2 if spec.precision == "bf16" else FP32)
         loss = logits + grad + 2 * piece
         # ... and the final norm's input, output (its 16-bit copy under autocast) and statistics, which are freed
         # with them, before the first block's backward
@@ -207,7 +216,7 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
         buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
             FP32
     if half and not deepspeed:
-        buffers += layers * shape.matmul_params(tp) * 2 + (shape.embed_dim * shape.vocab * 2 if last else 0)
+        buffers += layers * shape.matmul_params(tp) * 2 + (shape.embed_dim * shape.vocab_columns(tp) * 2 if last else 0)
     if fsdp:  # whole 16/32-bit parameters gathered for compute: all of them at ZeRO-2, about two blocks at ZeRO-3
         gathered = psi if zero == 2 else 2 * (split // tp + replicated)
         buffers += gathered * (2 if half else FP32)

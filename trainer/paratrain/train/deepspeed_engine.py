@@ -44,7 +44,8 @@ from torch import nn
 
 from ..api import Spec
 from .checkpoint import CheckpointError
-from .engine import Batch, StepResult, cross_entropy
+from .engine import Batch, StepResult
+from .loss import cross_entropy
 from .models.registry import ModelConfig, build_model
 from .models.weights import initialize
 from .optim import build_optimizer

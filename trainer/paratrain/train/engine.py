@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -25,70 +24,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .loss import cross_entropy
 from .parallel.data_parallel import OverlappedGradReducer
 from .parallel.dims import ParallelDims
 from .parallel.precision import LossScaler, autocast
 from .parallel.tensor_parallel import RNGStream
 from .parallel.tensors import local, local_bytes
 from .parallel.zero1 import ZeroOneOptimizer, optimizer_state_bytes
-
-
-# Tokens per piece of the loss: its fp32 copy of the logits exists for one piece at a time (4,096 tokens × a 128k
-# vocabulary × 4 bytes = 2 GB), never for the whole batch (32 × 2,048 tokens: 34 GB).
-CE_CHUNK_TOKENS = 4096
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; in fp32 whatever the autocast dtype (the softmax over the vocabulary needs the range),
-    computed CE_CHUNK_TOKENS tokens at a time. In training each piece's gradient is computed with its loss, into one
-    buffer of the logits' shape and type (ChunkedCrossEntropy), so only that buffer outlives the forward pass.
-    Tensor-parallel (DTensor) logits take torch's own cross-entropy."""
-    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
-    if isinstance(flat, DTensor):
-        return F.cross_entropy(flat.float(), flat_targets)
-    if flat.requires_grad and torch.is_grad_enabled():
-        return ChunkedCrossEntropy.apply(flat, flat_targets)
-    total = sum(_piece_loss(flat[start:start + CE_CHUNK_TOKENS], flat_targets[start:start + CE_CHUNK_TOKENS])[0]
-                for start in range(0, flat_targets.numel(), CE_CHUNK_TOKENS))
-    return total / flat_targets.numel()
-
-
-def _piece_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss, the piece's fp32 logits less their log-sum-exp (a private copy: the caller may overwrite
-    it), the log-sum-exps)."""
-    shifted = logits.to(torch.float32, copy=True)
-    lse = torch.logsumexp(shifted, dim=-1)
-    shifted.sub_(lse[:, None])  # log-softmax
-    return -shifted.gather(1, targets[:, None]).sum(), shifted, lse
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean token cross-entropy of (n, V) logits, piece by piece, with its gradient, softmax less the one-hot
-    target over n, computed in the same pass into one buffer of the logits' type: backward only scales it. Each
-    piece's fp32 copy lives for that piece alone; the logits are not kept for backward. (Slices recomputed in
-    backward, as before, gave each piece a gradient of the logits' full size: the loss peaked near 4x the logits.)"""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        count = targets.numel()
-        # fp16 logits keep their gradient in fp32 until backward has scaled it: softmax/count of a 32k-token batch
-        # underflows fp16 before the loss scale could lift it. bf16 has fp32's range.
-        grad = torch.empty_like(logits, dtype=torch.float32 if logits.dtype == torch.float16 else logits.dtype)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for start in range(0, count, CE_CHUNK_TOKENS):
-            end = min(start + CE_CHUNK_TOKENS, count)
-            loss, log_probs, _ = _piece_loss(logits[start:end], targets[start:end])
-            total += loss
-            probs = log_probs.exp_()
-            probs[torch.arange(end - start, device=probs.device), targets[start:end]] -= 1.0
-            grad[start:end] = probs.div_(count)
-        ctx.save_for_backward(grad)
-        return total / count
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_output), None  # in place: the graph runs backward once; autograd casts fp32 to fp16
 
 
 @torch.no_grad()

@@ -66,6 +66,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, he
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 
+def matmul_input(h: torch.Tensor) -> torch.Tensor:
+    """A norm's output in autocast's compute dtype, cast once: q, k and v (the MLP's input projections) then share
+    one 16-bit copy, kept for their backward, where each Linear would cast and keep a copy of its own."""
+    device = h.device.type
+    return h.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -86,8 +93,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn(matmul_input(self.ln1(x)))
+        return x + self.mlp(matmul_input(self.ln2(x)))
 
 
 class GPT(nn.Module):

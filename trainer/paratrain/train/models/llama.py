@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import attend
+from .gpt import attend, matmul_input
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(matmul_input(self.attn_norm(x)), cos, sin)
+        return x + self.mlp(matmul_input(self.mlp_norm(x)))
 
 
 class Llama(nn.Module):

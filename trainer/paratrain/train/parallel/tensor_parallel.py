@@ -4,8 +4,9 @@ Each model family declares its block's plan (`tp_plan`, module name → "colwise
 input projections (GPT's fc, Llama's gate and up) are split by output features (each rank owns heads/tp query
 heads, kvHeads/tp key/value heads and ffnDim/tp MLP units), wo and the MLP's output projection by input features,
 so attention and the MLP each need one all-reduce forward and one backward (4 per block and step,
-tests/trainer/test_tp_collectives.py). Embeddings, norms and the head stay replicated: their gradients are identical
-on every tp rank.
+tests/trainer/test_tp_collectives.py). The head is split by vocabulary, its logits left sharded for the loss to read
+in place (loss.py; at a 128k vocabulary the head is a model's largest matrix, its logits the largest activation).
+Embeddings and norms stay replicated: their gradients are identical on every tp rank.
 
 Dropout follows Megatron's model-parallel RNG: dropout on replicated activations (residual, MLP output) draws from
 the stream the tp group shares, so the replicas stay equal; attention dropout, on the heads only this rank holds,
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -81,10 +82,12 @@ def _shared_replicated_input(sublayer: nn.Module) -> PrepareModuleInput:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, heads_rng: RNGStream) -> None:
-    """Shard every block over `tp_mesh` by the model's `tp_plan`; its attention dropout draws from `heads_rng`,
-    this rank's own stream."""
+    """Shard every block over `tp_mesh` by the model's `tp_plan` (its attention dropout draws from `heads_rng`,
+    this rank's own stream), and the head by vocabulary."""
     projections = {name: STYLES[style]() for name, style in model.tp_plan.items()}
     for block in model.layers.values():
         plan = {name: _shared_replicated_input(block.get_submodule(name)) for name in SUBLAYERS}
         parallelize_module(block, tp_mesh, {**plan, **projections})
         block.attn.heads_rng = heads_rng
+    if model.head is not None:  # the last pipeline stage's
+        parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
