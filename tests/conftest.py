@@ -26,7 +26,16 @@ def pytest_configure(config):
 
 
 def _needs_control_plane(item) -> bool:
-    return "control_plane" in item.fixturenames or item.get_closest_marker("control_plane") is not None
+    """The test takes the control_plane fixture, or its module starts a control plane itself (it imports
+    tests/support/control_plane or something of it: ControlPlane, testbin)."""
+    from .support import control_plane
+
+    if "control_plane" in item.fixturenames:
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(
+        value is control_plane or getattr(value, "__module__", None) == control_plane.__name__
+        for value in vars(module).values())
 
 
 def _module_rank(item) -> int:

@@ -16,7 +16,6 @@ import pytest
 
 from ..support import control_plane
 
-pytestmark = pytest.mark.control_plane
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 WAITS = r'''

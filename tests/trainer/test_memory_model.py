@@ -50,6 +50,9 @@ LAYOUTS = {
     "vocab8k-2pieces-accumulation2": ({}, {"batchSize": 256, "gradientAccumulation": 2},
                                       {"model": {"vocabSize": 8192}}),
     "dp2xtp2-zero3-fsdp-accumulation2": ({"data": 2, "tensor": 2, "zeroStage": 3}, {"gradientAccumulation": 2}, {}),
+    # ZeRO-3 at a large vocabulary: the root group (embedding, head) gathered whole is the largest buffer.
+    "dp2xtp2-zero3-fsdp-vocab8k-bf16": ({"data": 2, "tensor": 2, "zeroStage": 3}, {},
+                                        {"precision": "bf16", "model": {"vocabSize": 8192}}),
 }
 
 

@@ -190,6 +190,11 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
     # rebuilds of the block beyond what it saved.
     rebuilt = block_bytes(shape, tp, half, "none") - block_bytes(shape, tp, half, mode)
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
+    if fsdp and zero == 3:
+        # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is resharded after forward, so
+        # not whole beside the loss; gathered again for the head's backward, it stays whole until backward ends.
+        root = (shape.embedding_params() if first else 0) + (shape.final_params(tp) if last else 0)
+        terms["_block_backward"] += root * (2 if half else FP32)
 
     if last:
         # loss.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
