@@ -94,10 +94,11 @@ class Shape:
         return (2 if self.family == "gpt" else 1) * self.embed_dim + self.embed_dim * self.vocab_columns(tp)
 
 
-def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
+def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: int = FP32) -> float:
     """Bytes one block saves for backward per token (tensor-parallel shard `tp`), counted from the model's ops:
-    the residual stream and the norms' statistics in fp32, the rest in the compute dtype (2 bytes under bf16/fp16
-    autocast, which also saves the 16-bit copy of each norm output the matmuls read, in place of the fp32 one).
+    the residual stream in `residual_bytes` (fp32, or 16 bits where FSDP2's mixed precision casts each block's
+    input), the norms' statistics in fp32, the rest in the compute dtype (2 bytes under bf16/fp16 autocast, which
+    also saves the 16-bit copy of each norm output the matmuls read, in place of the fp32 one).
 
     GPT: block input and mid-block residual (2C), two norm outputs (2C, one copy each that the projections reading
     it share: models.gpt.matmul_input), q/k/v (3C/tp), attention output (C/tp) and its log-sum-exp (heads/tp,
@@ -107,7 +108,7 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
     c, f, h, kv = shape.embed_dim, shape.ffn_dim, shape.heads, shape.kv_dim
     act = 2 if half else FP32
     stats = 4 * FP32 if shape.family == "gpt" else 2 * FP32
-    residual = 2 * c * FP32
+    residual = 2 * c * residual_bytes
     if shape.family == "gpt":
         norms = 2 * c * act
         split = (3 * c + c + 2 * f) * act + h * FP32
@@ -115,10 +116,10 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str) -> float:
         norms = 2 * c * (act + FP32)
         split = (c + 2 * kv + c + 4 * f) * act + h * FP32
     if mode == "full":
-        return c * FP32  # the block's input
+        return c * residual_bytes  # the block's input
     if mode == "selective":  # matmul and attention outputs (o and the MLP's output projection too) and the input
         matmuls = (c + 2 * kv + c + c + (2 * f if shape.family == "llama" else f) + c) * act
-        return c * FP32 + matmuls / tp + h * FP32 / tp
+        return c * residual_bytes + matmuls / tp + h * FP32 / tp
     return residual + norms + stats + split / tp
 
 
@@ -183,12 +184,14 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
         terms["optimizer"] = 8 * psi // (dp if zero >= 1 else 1)
 
     mode = t.activation_checkpointing
-    terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode))
+    # FSDP2's MixedPrecisionPolicy casts each sharded block's inputs to the 16-bit type: the residual stream too.
+    residual_bytes = 2 if fsdp and half else FP32
+    terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode, residual_bytes))
     if pp > 1 and not last:  # the stage's output, kept for its backward
         terms["activations"] += tokens * shape.embed_dim * FP32
     # Backward of one block: the gradients of its MLP's hidden activations, and under checkpointing what it
     # rebuilds of the block beyond what it saved.
-    rebuilt = block_bytes(shape, tp, half, "none") - block_bytes(shape, tp, half, mode)
+    rebuilt = block_bytes(shape, tp, half, "none", residual_bytes) - block_bytes(shape, tp, half, mode, residual_bytes)
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
     if fsdp and zero == 3:
         # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is resharded after forward, so
