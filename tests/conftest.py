@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TESTBIN = REPO / "scripts" / "testbin.sh"
+from .support import control_plane as support
+from .support.control_plane import TESTBIN, ControlPlaneUnavailable, testbin
 
 # Multi-process tests share 2 cores: one thread per rank keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -28,13 +28,11 @@ def pytest_configure(config):
 def _needs_control_plane(item) -> bool:
     """The test takes the control_plane fixture, or its module starts a control plane itself (it imports
     tests/support/control_plane or something of it: ControlPlane, testbin)."""
-    from .support import control_plane
-
     if "control_plane" in item.fixturenames:
         return True
     module = getattr(item, "module", None)
     return module is not None and any(
-        value is control_plane or getattr(value, "__module__", None) == control_plane.__name__
+        value is support or getattr(value, "__module__", None) == support.__name__
         for value in vars(module).values())
 
 
@@ -85,11 +83,14 @@ _WAITED_FOR_BUILD = pytest.StashKey[bool]()
 def pytest_runtest_protocol(item, nextitem):
     """The first test that needs the control plane waits here for its build, outside pytest-timeout's clock (this
     wrapper runs before that plugin's): a test's 10 minutes are for the test. A failed build is reported by the
-    control_plane fixture, which runs the same script."""
+    test's own call of testbin (the control_plane fixture's, or its module's)."""
     if (os.environ["PARATRAIN_CONTROL_PLANE_BUILT"] != "1" and _needs_control_plane(item)
             and not item.config.stash.get(_WAITED_FOR_BUILD, False)):
         item.config.stash[_WAITED_FOR_BUILD] = True
-        subprocess.run(["bash", str(TESTBIN)], capture_output=True)
+        try:
+            testbin()
+        except ControlPlaneUnavailable:
+            pass  # the test's own call says why
     return (yield)
 
 

@@ -38,7 +38,6 @@ def test_the_loss_in_pieces_gives_torchs_loss_and_gradient(dtype, rtol, monkeypa
         assert (lifted.grad[0, 0, 1:].float() != 0).all()
 
 
-
 def vocab_parallel_loss(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
