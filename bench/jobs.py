@@ -19,14 +19,14 @@ from typing import Any
 import yaml
 
 
-def run_job(job: dict, tmp: Path, overrides: Sequence[str] = ()) -> dict:
-    """`paratrain run` of `job` (with `--set` overrides) in `tmp`: its metrics, and the whole command's seconds
-    (start-up included) as "seconds"."""
+def run_job(job: dict, tmp: Path, overrides: Sequence[str] = (), args: Sequence[str] = ()) -> dict:
+    """`paratrain run` of `job` (with `--set` overrides and other `args`) in `tmp`: its metrics, and the whole
+    command's seconds (start-up included) as "seconds"."""
     tmp.mkdir(parents=True, exist_ok=True)
     job_file, metrics = tmp / "job.yaml", tmp / "metrics.json"
     job_file.write_text(yaml.safe_dump(job))
     cmd = [sys.executable, "-m", "paratrain.cli", "run", str(job_file), "--metrics-out", str(metrics),
-           "--workdir", str(tmp / "work"), "--no-progress"]
+           "--workdir", str(tmp / "work"), "--no-progress", *args]
     for item in overrides:
         cmd += ["--set", item]
     started = time.perf_counter()

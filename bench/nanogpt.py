@@ -10,8 +10,8 @@ nanoGPT's README trains Shakespeare characters on a CPU with
         --dropout=0.0
 
 and this script runs exactly that (in a copy of the checkout, on examples/data/tinyshakespeare.txt prepared by its
-own data/shakespeare_char/prepare.py), against `paratrain run` of the same shape, optimizer settings, schedule,
-clipping and data split, alternating the two `--repeats` times. Reported per run: the whole command's seconds (what
+own data/shakespeare_char/prepare.py), against `paratrain run` of the same shape (`bias: false`, as train.py's
+`bias = False`), optimizer settings, schedule, clipping and data split, alternating the two `--repeats` times. Reported per run: the whole command's seconds (what
 a user waits, start-up and evaluations included: nanoGPT evaluates train and val, 20 batches each, every 250
 iterations; paratrain val only, 20 batches at the same interval), training tokens/s over the iterations alone
 (nanoGPT's logged per-iteration times without the evaluation iterations; paratrain's metrics), and the final
@@ -47,7 +47,8 @@ def paratrain_job(iters: int) -> dict:
     """nanoGPT's settings for this run, as a ParallelTrainJob (config/train_shakespeare_char.py and the flags)."""
     return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "nanogpt"},
             "spec": {"nodes": 1, "procsPerNode": 1,
-                     "model": {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": BLOCK, "dropout": 0.0},
+                     "model": {"layers": 4, "heads": 4, "embedDim": 128, "blockSize": BLOCK, "dropout": 0.0,
+                               "bias": False},
                      "data": {"source": "text", "path": str(TEXT), "valFraction": 0.1},
                      "training": {"steps": iters, "batchSize": BATCH, "learningRate": 1.0e-3,
                                   "minLearningRate": 1.0e-4, "warmupSteps": 100, "weightDecay": 0.1, "beta1": 0.9,
@@ -97,7 +98,8 @@ def model_step_seconds(work: Path, steps: int) -> dict[str, float]:
     vocab = 65
     theirs = nanogpt_model.GPT(nanogpt_model.GPTConfig(block_size=BLOCK, vocab_size=vocab, n_layer=4, n_head=4,
                                                        n_embd=128, dropout=0.0, bias=False))
-    ours = GPT(GPTConfig(vocab_size=vocab, block_size=BLOCK, layers=4, heads=4, embed_dim=128, dropout=0.0))
+    ours = GPT(GPTConfig(vocab_size=vocab, block_size=BLOCK, layers=4, heads=4, embed_dim=128, dropout=0.0,
+                         bias=False))
     tokens = torch.randint(0, vocab, (BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     sides = {"nanoGPT model.py": (theirs, lambda m: m(x, y)[1]),
@@ -156,7 +158,8 @@ def main() -> None:
                       f"training tokens/s, val loss {got['val_loss']:.4f}", flush=True)
         models = model_step_seconds(work, 200)
     print("one step of each model alone: " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in models.items()))
-    med = {side: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for side, rs in runs.items()}
+    med = {side: {key: statistics.median(r[key] for r in rs) for key in ("seconds", "tokens_per_second", "val_loss")}
+           for side, rs in runs.items()}
     ours, theirs = med["paratrain run"], med["nanoGPT train.py"]
     result = {"iters": args.iters, "repeats": args.repeats, "nanogpt_commit": commit, "runs": runs, "medians": med,
               "speed_over_nanogpt": ours["tokens_per_second"] / theirs["tokens_per_second"],

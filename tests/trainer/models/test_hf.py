@@ -57,6 +57,27 @@ def test_exported_model_gives_paratrains_logits_in_transformers(family, tmp_path
         torch.testing.assert_close(hf_logits(tmp_path), model(tokens()), rtol=1e-4, atol=1e-5)  # logits ~0.4; observed ~1e-7
 
 
+def test_a_gpt_without_biases_exports_zero_biases_and_loads_back(tmp_path):
+    """model.bias false (nanoGPT's bias=False): GPT-2 has the MLP's and LayerNorms' biases, so export writes them as
+    zeros (transformers gives paratrain's logits), and loading reads the weights back exactly; a directory whose
+    LayerNorm bias is not zero cannot be loaded into the bias-free model."""
+    j = job("gpt", bias=False)
+    model = paratrain_model(j)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    export_hf(j, model.state_dict(), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(tmp_path), model(tokens()), rtol=1e-4, atol=1e-5)
+    back = build_model(model_config(j.spec, VOCAB))
+    load_hf_into(back, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    hf = hf_random_model("gpt", tmp_path / "hf")
+    with torch.no_grad():
+        hf.transformer.h[1].ln_2.bias.fill_(0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"transformer.h.1.ln_2.bias is not zero: .* model.bias is false"):
+        load_hf_into(build_model(model_config(j.spec, VOCAB)), tmp_path / "hf")
+
+
 def test_a_model_over_the_shard_size_is_written_in_shards_with_an_index_transformers_loads(tmp_path):
     """--max-shard-size 20 KB and --dtype bf16 on the tiny Llama (43 KB in bf16): shards as transformers names
     them, each within the limit, an index naming every tensor; transformers loads them in bf16 and gives the fp32

@@ -5,6 +5,7 @@ import torch
 
 from paratrain.api.shapes import parameter_count
 from paratrain.api.spec import Spec
+from paratrain.train.models.gpt import fuse_qkv, unfuse_qkv
 from paratrain.train.models.llama import Llama, LlamaConfig
 from paratrain.train.models.registry import build_model, model_config
 from paratrain.train.models.weights import init_weights
@@ -41,8 +42,55 @@ def test_grouped_query_attention_is_attention_with_repeated_key_value_heads():
     mha = Llama(LlamaConfig(**{**gqa_cfg.__dict__, "kv_heads": 4}))
     state = gqa.state_dict()
     head_dim = 32 // 4
-    for name in ("layers.0.attn.wk.weight", "layers.0.attn.wv.weight"):
-        state[name] = state[name].view(2, head_dim, 32).repeat_interleave(2, dim=0).reshape(32, 32)
+    q, k, v = unfuse_qkv(state["layers.0.attn.wqkv.weight"], heads=4, kv_heads=2)
+    k, v = (t.view(2, head_dim, 32).repeat_interleave(2, dim=0).reshape(32, 32) for t in (k, v))
+    state["layers.0.attn.wqkv.weight"] = fuse_qkv(q, k, v, kv_heads=4)
     mha.load_state_dict(state)
     tokens = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 2), (4, 1)])
+def test_fused_qkv_rows_split_into_whole_heads(heads, kv_heads):
+    """The fused weight's rows, cut into kvHeads/tp equal parts (tensor parallel's Shard(0)), give each part the
+    q rows of its query heads and the k and v rows of their key/value head; and unfuse_qkv inverts fuse_qkv."""
+    head_dim, columns = 3, 5
+    q = torch.randn(heads * head_dim, columns)
+    k, v = torch.randn(2, kv_heads * head_dim, columns)
+    fused = fuse_qkv(q, k, v, kv_heads)
+    for got, want in zip(unfuse_qkv(fused, heads, kv_heads), (q, k, v)):
+        assert torch.equal(got, want)
+    group = heads // kv_heads
+    for tp in (t for t in (1, 2, 4) if kv_heads % t == 0):
+        for rank, part in enumerate(fused.chunk(tp)):
+            kv = range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp)
+            rows = lambda t, heads_of: torch.cat([t[h * head_dim:(h + 1) * head_dim] for h in heads_of])
+            want = fuse_qkv(rows(q, [j * group + i for j in kv for i in range(group)]), rows(k, kv), rows(v, kv),
+                            len(kv))
+            assert torch.equal(part, want), f"tp {tp} rank {rank} holds other heads' rows"
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fused_qkv_computes_the_separate_projections_attention(family):
+    """One block's attention with the fused projection equals attention written with three separate q, k, v
+    matmuls of the unfused weights (the textbook form), GQA included."""
+    import torch.nn.functional as F
+
+    from paratrain.train.models.llama import apply_rope, rope_tables
+
+    heads, kv_heads = (4, 4) if family == "gpt" else (4, 2)
+    spec = Spec.model_validate({"model": {"family": family, "layers": 1, "heads": heads, "kvHeads": kv_heads,
+                                          "embedDim": 32}})
+    model = build_model(model_config(spec, vocab_size=16))
+    init_weights(model, seed=5)
+    attn = model.layers["0"].attn
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    wq, wk, wv = unfuse_qkv(attn.wqkv.weight, heads, kv_heads)
+    q, k, v = (F.linear(x, w).view(2, 8, -1, 8).transpose(1, 2) for w in (wq, wk, wv))
+    args = ()
+    if family == "llama":
+        args = rope_tables(8, 8, 10000.0, x.device)
+        q, k = apply_rope(q, *args), apply_rope(k, *args)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 32)
+    torch.testing.assert_close(attn(x, *args), attn.wo(y), rtol=1e-5, atol=1e-6)

@@ -80,8 +80,8 @@ def test_tensor_parallel_replicas_stay_identical_with_dropout(tmp_path):
     ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in (0, 1)]
     for name in ("tok_emb.weight", "layers.0.ln1.weight", "layers.1.mlp.proj.bias", "ln_f.weight"):
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between tensor-parallel ranks"
-    sharded = "layers.0.attn.wq.weight"
-    assert not torch.equal(ranks[0][sharded], ranks[1][sharded]), "q projections are shards, not copies"
+    sharded = "layers.0.attn.wqkv.weight"
+    assert not torch.equal(ranks[0][sharded], ranks[1][sharded]), "q/k/v projections are shards, not copies"
     vocab = ranks[0]["tok_emb.weight"].shape[0]
     assert [ranks[r]["head.weight"].shape[0] for r in (0, 1)] == [(vocab + 1) // 2, vocab // 2], "head rows by vocab"
     assert not torch.equal(ranks[0]["headsRng"], ranks[1]["headsRng"]), "the ranks' heads share one stream"

@@ -281,6 +281,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
             _rule(f"{FAMILY} != 'gpt' || {KV_HEADS} == {HEADS}",
                   f"family gpt has no grouped-query attention: kvHeads({{{KV_HEADS}}}) must equal heads({{{HEADS}}})",
                   ".model.kvHeads"),
+            _rule(f"{FAMILY} != 'llama' || !{_given(f'{M}.bias', 'bool')} || !{M}.bias",
+                  "family llama has no biases: bias is for family gpt", ".model.bias"),
             _rule(f"{FAMILY} != 'gpt' || !{_given(f'{M}.ropeTheta', 'double')}",
                   "family gpt learns position embeddings: ropeTheta is for family llama", ".model.ropeTheta"),
             _rule(f"{LAYERS} >= {P}.pipeline",
@@ -298,6 +300,10 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
                   f"per-rank micro-step batch batchSize/data/gradientAccumulation = "
                   f"{{{T}.batchSize / {P}.data / {T}.gradientAccumulation}} must be divisible by "
                   f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
+            _rule(f"!{T}.compile || {P}.zeroStage != 3 || {P}.tensor > 1 || {P}.pipeline > 1",
+                  "compile does not go with DeepSpeed ZeRO-3 (zeroStage 3 with tensor and pipeline 1), whose "
+                  "gathers hook every module: use zeroStage 1 or 2, or add tensor or pipeline parallelism (ZeRO-3 "
+                  "then runs on FSDP2)", ".training.compile"),
             _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
                   "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),
             _rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",

@@ -22,14 +22,16 @@ class ModelShape(Protocol):
     embed_dim: int
     ffn_dim: int
     block_size: int
+    bias: bool
 
 FAMILIES = ("gpt", "llama")
 DEFAULT_FAMILY = "gpt"
 # camelCase (as written in a job) → the ModelSpec attribute.
 SHAPE_FIELDS = {"family": "family", "layers": "layers", "heads": "heads", "kvHeads": "kv_heads",
-                "embedDim": "embed_dim", "ffnDim": "ffn_dim", "ropeTheta": "rope_theta", "normEps": "norm_eps"}
-# The defaults both families share; kvHeads, ffnDim and ropeTheta are derived (family_default). normEps has no
-# schema default either: Helm's toYaml writes 1e-5 as `1e-05`, which YAML 1.1 readers take for a string.
+                "embedDim": "embed_dim", "ffnDim": "ffn_dim", "ropeTheta": "rope_theta", "normEps": "norm_eps",
+                "bias": "bias"}
+# The defaults both families share; kvHeads, ffnDim, ropeTheta and bias are the family's (family_default). normEps
+# has no schema default either: Helm's toYaml writes 1e-5 as `1e-05`, which YAML 1.1 readers take for a string.
 BASE_DEFAULTS = {"layers": 4, "heads": 4, "embedDim": 128, "normEps": 1e-5}
 LLAMA_ROPE_THETA = 10000.0
 LLAMA_FFN_MULTIPLE = 256
@@ -68,6 +70,8 @@ def family_default(family: str, field: str, shape: dict[str, Any]) -> Any:
         return llama_ffn_dim(shape["embedDim"]) if family == "llama" else 4 * shape["embedDim"]
     if field == "ropeTheta":
         return LLAMA_ROPE_THETA if family == "llama" else None  # GPT learns position embeddings
+    if field == "bias":
+        return family == "gpt"  # GPT-2's MLP and LayerNorm biases; Llama has none
     raise KeyError(field)
 
 
@@ -113,8 +117,9 @@ def parameter_count(model: ModelShape, vocab_size: int) -> int:
     """Parameters of the model paratrain builds for a validated `spec.model` (embedding and head untied)."""
     c, f, layers = model.embed_dim, model.ffn_dim, model.layers
     if model.family == "gpt":
-        per_layer = 2 * c + 4 * c * c + 2 * c + (c * f + f) + (f * c + c)  # ln1, q/k/v/o, ln2, fc, proj (biased)
-        return vocab_size * c + model.block_size * c + layers * per_layer + 2 * c + c * vocab_size
+        b = int(model.bias)  # the MLP's and LayerNorms' biases
+        per_layer = 2 * (1 + b) * c + 4 * c * c + (c * f + b * f) + (f * c + b * c)  # ln1, ln2, q/k/v/o, fc, proj
+        return vocab_size * c + model.block_size * c + layers * per_layer + (1 + b) * c + c * vocab_size
     kv = model.kv_heads * (c // model.heads)
     per_layer = c + 2 * c * c + 2 * c * kv + c + 3 * c * f  # attn norm, q/o, k/v, mlp norm, gate/up/down
     return vocab_size * c + layers * per_layer + c + c * vocab_size

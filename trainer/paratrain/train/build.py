@@ -40,7 +40,8 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg
     heads_rng = None
     if dims.tp_enabled:
         heads_rng = RNGStream(dims.dropout_seed(t.seed) + HEADS_SEED_OFFSET + dims.coordinate("tp"), device)
-    wrapped, dp_reducer = parallelize(model, dims, device, heads_rng, t.activation_checkpointing, spec.precision)
+    wrapped, dp_reducer = parallelize(model, dims, device, heads_rng, t.activation_checkpointing, spec.precision,
+                                      t.compile)
     initialize(model, t.seed, spec.model.init)
     engine = TorchEngine(
         model=wrapped, module=model, optimizer=build_optimizer(model, dims, t, dp_reducer), dims=dims,

@@ -50,6 +50,7 @@ from .models.registry import ModelConfig, build_model
 from .models.weights import initialize
 from .optim import build_optimizer
 from .parallel.activation_checkpoint import apply_ac
+from .parallel.compile import apply_compile
 from .parallel.dims import ParallelDims
 from .parallel.precision import DTYPES, LossScaler
 from .parallel.tensors import in_batches, save_owners
@@ -353,6 +354,8 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
     model = _build_model(cfg, dims, device, config, DTYPES[spec.precision])
     initialize(model, t.seed, spec.model.init)
     apply_ac(model, t.activation_checkpointing)
+    if t.compile:  # ZeRO-1/2 only: ZeRO-3's gathers hook every module (refused in spec.cross_field_problems)
+        apply_compile(model)
     ds, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, dims, t), config=config)
     return DeepSpeedEngine(ds=ds, module=model, zero_stage=dims.zero_stage, dp=dims.dp, dp_rank=dims.dp_rank)
 

@@ -182,6 +182,7 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     collective's timeout gets the roll call's answer (which ranks are hung) in its notes."""
     import torch.distributed as dist
 
+    from .parallel.compile import compile_problem
     from .parallel.dims import ParallelDims
     from .parallel.precision import check_device_supports
     from .preflight import PREFLIGHT_SECONDS, ROLL_CALL_SECONDS, describe_silent, join, prove_fabric, roll_call, \
@@ -191,6 +192,8 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     device, backend = pick_device(job, local_rank)
     dims = ParallelDims.from_spec(spec, world, device.type)
     check_device_supports(spec.precision, device, dims.uses_deepspeed)
+    if spec.training.compile and (problem := compile_problem(device)):
+        raise ValueError(problem)
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     preflight_seconds = min(PREFLIGHT_SECONDS, spec.run_policy.collective_timeout_seconds)
     store, hosts = join(rank, world, preflight_seconds)

@@ -1,8 +1,10 @@
 """A GPT-style decoder-only transformer, small enough to read in one sitting (after nanoGPT).
 
 Written so each parallel mode can be applied from outside:
-- q, k, v and the output projection are separate Linears, so tensor parallel shards them column-then-row;
-  attention reads the number of *local* heads from the activation shape, so it works on a shard unchanged;
+- q, k and v come from one fused Linear (one matmul, as nanoGPT's c_attn) whose rows are grouped by key/value
+  head (`fuse_qkv`), so tensor parallel shards it by rows into whole heads, and the output projection by input
+  features; attention reads the number of *local* heads from the activation shape, so it works on a shard
+  unchanged;
 - blocks live in a ModuleDict keyed "0".."L-1", and embeddings / final norm / head may be None, so a pipeline
   stage is the same class with the other stages' parts deleted (parameter names stay globally unique);
 - no weight tying: the embedding and the head can sit on different pipeline stages.
@@ -29,32 +31,58 @@ class GPTConfig:
     ffn_dim: int | None = None  # None: 4 x embed_dim
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    bias: bool = True  # the MLP's and the LayerNorms' (attention has none)
 
     def __post_init__(self) -> None:
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", 4 * self.embed_dim)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads  # no grouped-query attention: every query head has its own key and value
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.embed_dim // cfg.heads
-        self.wq = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
-        self.wk = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
-        self.wv = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
+        self.wqkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=False)
         self.wo = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
         self.dropout = cfg.dropout
         self.heads_rng = None  # tensor parallel's RNGStream for the heads this rank holds; None: the default stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds heads / tp of them.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = split_heads(self.wqkv(x), self.head_dim, group=1)  # each (B, nh, T, hs)
         y = attend(q, k, v, self.dropout if self.training else 0.0, self.heads_rng)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, local C)
         return F.dropout(self.wo(y), self.dropout, self.training)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The fused projection's weight from q (nh·hs, C), k and v (nkv·hs, C): rows grouped by key/value head, each
+    group its query heads' rows, then the key's and the value's ([q_0..q_g-1, k_0, v_0, q_g.., k_1, v_1, ...]).
+    A tensor-parallel shard of the rows (Shard(0), nkv divisible by tp) then holds whole groups: its heads' q, k
+    and v (Megatron's layout; a [q; k; v] stack would give rank 0 all of q)."""
+    columns = q.shape[-1]
+    return torch.cat([t.reshape(kv_heads, -1, columns) for t in (q, k, v)], dim=1).reshape(-1, columns)
+
+
+def unfuse_qkv(wqkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v's weights from the fused one (fuse_qkv's inverse)."""
+    columns, head_dim = wqkv.shape[-1], wqkv.shape[0] // (heads + 2 * kv_heads)
+    group = wqkv.reshape(kv_heads, -1, head_dim, columns)  # (nkv, g + 2, hs, C)
+    g = heads // kv_heads
+    return group[:, :g].reshape(-1, columns), group[:, g].reshape(-1, columns), group[:, g + 1].reshape(-1, columns)
+
+
+def split_heads(qkv: torch.Tensor, head_dim: int, group: int) -> tuple[torch.Tensor, ...]:
+    """The fused projection's output (B, T, local rows) as q (B, nh, T, hs), k and v (B, nkv, T, hs), `group`
+    query heads per key/value head: views where group is 1 (GPT), q a copy otherwise. One split, so backward
+    assembles the fused gradient with one cat (a view or select per piece would each zero-fill the whole)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.view(B, T, -1, group + 2, head_dim).split([group, 1, 1], dim=3)  # (B, T, local nkv, ·, hs)
+    return q.reshape(B, T, -1, head_dim).transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, heads_rng) -> torch.Tensor:
@@ -76,8 +104,8 @@ def matmul_input(h: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.embed_dim, cfg.ffn_dim)
-        self.proj = nn.Linear(cfg.ffn_dim, cfg.embed_dim)
+        self.fc = nn.Linear(cfg.embed_dim, cfg.ffn_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.embed_dim, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +115,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.ln1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.ln2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,10 +127,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     family = "gpt"  # spec.model.family; Hugging Face's GPT2LMHeadModel (hf.py)
-    # Tensor parallel: how each Linear inside a block is sharded (tensor_parallel.py); q/k/v and fc by output
-    # features, wo and proj by input features.
-    tp_plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
-               "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    # Tensor parallel: how each Linear inside a block is sharded (tensor_parallel.py); the fused q/k/v (by whole
+    # heads, see fuse_qkv) and fc by output features, wo and proj by input features.
+    tp_plan = {"attn.wqkv": "colwise", "attn.wo": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
     embeddings = ("tok_emb", "pos_emb")  # the first pipeline stage's; lookups, no FLOPs per token (perf.py)
     final = ("ln_f", "head")  # the last pipeline stage's
     residual_projections = ("attn.wo.weight", "mlp.proj.weight")  # init std scaled by 1/sqrt(2 x layers)
@@ -113,7 +140,7 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.embed_dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.head: nn.Linear | None = nn.Linear(cfg.embed_dim, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

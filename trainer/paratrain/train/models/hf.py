@@ -3,9 +3,11 @@
     export_hf(job, model_state, "out/")       # config.json + model.safetensors or shards (+ tokenizer.json)
     spec.model.init: out/                      # train from such a directory (load_hf_into, every layout)
 
-Llama's tensors are renamed only (llama.py follows HF's rotate_half RoPE, so q/k need no permutation). GPT-2 keeps
-its matrices as Conv1D (in, out), transposed from a Linear's (out, in), and fuses q/k/v into one `c_attn`; its
-attention biases, which paratrain's GPT has none of, are written as zeros and must be zeros on the way in.
+Llama's tensors are renamed (llama.py follows HF's rotate_half RoPE, so q/k need no permutation), and paratrain's
+fused q/k/v, grouped by key/value head (gpt.fuse_qkv), is split into HF's three. GPT-2 keeps its matrices as Conv1D
+(in, out), transposed from a Linear's (out, in), and stacks q/k/v as [q; k; v] in one `c_attn`; the biases it has
+and paratrain's GPT has not (attention's, and with model.bias false the MLP's and LayerNorms') are written as zeros
+and must be zeros on the way in.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from torch import nn
 from ...api import ParallelTrainJob
 from ..parallel.tensors import copy_into, full_shape_of
 from .hf_config import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX, config_json, weight_shards
-from .registry import build_model, model_config
+from .gpt import GPTConfig, fuse_qkv, unfuse_qkv
+from .registry import MODELS, ModelConfig, build_model, model_config
 
 # (paratrain name, Hugging Face name) as regular expression and replacement, per family.
 NAMES = {
     "llama": [
         (r"tok_emb\.weight", "model.embed_tokens.weight"),
         (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-        (r"layers\.(\d+)\.attn\.w([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
+        (r"layers\.(\d+)\.attn\.wo\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
         (r"layers\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
         (r"layers\.(\d+)\.mlp\.(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
         (r"norm\.weight", "model.norm.weight"),
@@ -47,7 +50,7 @@ NAMES = {
         (r"head\.weight", "lm_head.weight"),
     ],
 }
-GPT_QKV = re.compile(r"layers\.(\d+)\.attn\.w([qkv])\.weight")
+FUSED_QKV = re.compile(r"layers\.(\d+)\.attn\.wqkv\.weight")
 TIED_EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt": "transformer.wte.weight"}
 
 
@@ -63,32 +66,53 @@ def _conv1d(family: str, hf: str) -> bool:
     return family == "gpt" and hf.startswith("transformer.h.") and re.search(r"\.c_\w+\.weight$", hf) is not None
 
 
-def to_hf(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full paratrain state dict as the Hugging Face model's."""
+def _llama_qkv(layer: str) -> list[str]:
+    return [f"model.layers.{layer}.self_attn.{x}_proj.weight" for x in "qkv"]
+
+
+def _missing_bias(cfg: ModelConfig, hf: str) -> str | None:
+    """The GPT-2 bias beside the weight `hf` that paratrain's model `cfg` has no parameter for: attention's output
+    projection's always (c_attn's is handled with q/k/v), the MLP's and LayerNorms' where model.bias is false."""
+    if not (isinstance(cfg, GPTConfig) and hf.startswith("transformer.") and hf.endswith(".weight")):
+        return None
+    if hf.endswith(".attn.c_proj.weight") or (not cfg.bias and re.search(r"\.(ln_\w+|mlp\.c_\w+)\.weight$", hf)):
+        return hf.removesuffix(".weight") + ".bias"
+    return None
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full paratrain state dict of the model `cfg` as the Hugging Face model's."""
+    family = MODELS[type(cfg)].family
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if family == "gpt" and (m := GPT_QKV.fullmatch(name)):
-            if m[2] == "q":  # c_attn: [q; k; v] stacked by output features, stored (in, out)
-                qkv = [state[f"layers.{m[1]}.attn.w{x}.weight"] for x in "qkv"]
+        if m := FUSED_QKV.fullmatch(name):
+            qkv = unfuse_qkv(tensor, cfg.heads, cfg.kv_heads)
+            if family == "llama":
+                out.update({hf: t.contiguous() for hf, t in zip(_llama_qkv(m[1]), qkv)})
+            else:  # c_attn: [q; k; v] stacked by output features, stored (in, out)
                 out[f"transformer.h.{m[1]}.attn.c_attn.weight"] = torch.cat(qkv).T.contiguous()
                 out[f"transformer.h.{m[1]}.attn.c_attn.bias"] = torch.zeros(sum(len(t) for t in qkv))
             continue
         hf = hf_name(family, name)
         out[hf] = tensor.T.contiguous() if _conv1d(family, hf) else tensor.contiguous()
-        if hf.endswith(".attn.c_proj.weight"):
-            out[hf.replace(".weight", ".bias")] = torch.zeros(tensor.shape[0])
+        if bias := _missing_bias(cfg, hf):
+            out[bias] = torch.zeros(tensor.shape[0])  # the output features (a Linear's rows, a norm's gains)
     return out
 
 
-def from_hf(family: str, name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """The full tensor of paratrain's parameter `name`, from Hugging Face tensors fetched by `get(hf_name)`."""
-    if family == "gpt" and (m := GPT_QKV.fullmatch(name)):
+def from_hf(cfg: ModelConfig, name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The full tensor of paratrain's parameter `name` in the model `cfg`, from Hugging Face tensors fetched by
+    `get(hf_name)`."""
+    family = MODELS[type(cfg)].family
+    if m := FUSED_QKV.fullmatch(name):
+        if family == "llama":
+            return fuse_qkv(*map(get, _llama_qkv(m[1])), kv_heads=cfg.kv_heads)
         prefix = f"transformer.h.{m[1]}.attn."
         _require_zero_bias(get, prefix + "c_attn.bias")
-        return get(prefix + "c_attn.weight").T.chunk(3)["qkv".index(m[2])]  # (3C, C) → q, k or v
+        return fuse_qkv(*get(prefix + "c_attn.weight").T.chunk(3), kv_heads=cfg.kv_heads)  # (3C, C) → q, k, v
     hf = hf_name(family, name)
-    if hf.endswith(".attn.c_proj.weight"):
-        _require_zero_bias(get, hf.replace(".weight", ".bias"))
+    if bias := _missing_bias(cfg, hf):
+        _require_zero_bias(get, bias)
     tensor = get(hf)
     return tensor.T if _conv1d(family, hf) else tensor
 
@@ -99,8 +123,9 @@ def _require_zero_bias(get: Callable[[str], torch.Tensor], hf: str) -> None:
     except KeyError:
         return
     if bias.any():
-        raise ValueError(f"spec.model.init: {hf} is not zero: paratrain's GPT attention has no biases, so these "
-                         "weights (e.g. OpenAI's GPT-2) cannot be loaded exactly")
+        raise ValueError(f"spec.model.init: {hf} is not zero: paratrain's GPT has no such bias (attention never; the "
+                         "MLP and LayerNorms where model.bias is false), so these weights (e.g. OpenAI's GPT-2) "
+                         "cannot be loaded exactly")
 
 
 @torch.no_grad()
@@ -124,7 +149,7 @@ def load_hf_into(model: nn.Module, directory: str | Path) -> None:
 
         for name, param in model.named_parameters():
             try:
-                full = from_hf(model.family, name, get)
+                full = from_hf(model.cfg, name, get)
             except KeyError as exc:
                 raise ValueError(f"spec.model.init: {directory} has no {exc} (for {name})") from None
             if full.shape != full_shape_of(param):
@@ -149,8 +174,9 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
 
     spec = job.spec
     vocab_size = model_state["tok_emb.weight"].shape[0]
+    cfg = model_config(spec, vocab_size)
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in build_model(model_config(spec, vocab_size)).state_dict().items()}
+        expected = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
     got = {k: v.shape for k, v in model_state.items()}
     if got != expected:
         wrong = sorted(set(got) ^ set(expected)) or sorted(k for k in got if got[k] != expected[k])
@@ -166,7 +192,7 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
             old.unlink()
     config = config_json(spec.model, vocab_size) | {"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    tensors = to_hf(spec.model.family, model_state)
+    tensors = to_hf(cfg, model_state)
     shards = shard_names(tensors, max_shard_bytes, DTYPES[dtype].itemsize)
     files = sorted(set(shards.values()))
     for file in files:

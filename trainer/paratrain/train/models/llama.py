@@ -3,8 +3,10 @@
 Parameter layout and conventions follow Hugging Face's LlamaForCausalLM, so its weights map one to one (hf.py):
 RoPE rotates the two *halves* of each head (HF's `rotate_half`), not interleaved pairs, so q and k need no
 permutation. Built to be parallelised from outside exactly like the GPT (model.py):
-- q, k, v, o and gate, up, down are separate Linears: tensor parallel shards q/k/v and gate/up by output features,
-  o and down by input features (`tp_plan`); attention reads its *local* head counts from the shapes;
+- q, k and v are one fused Linear grouped by key/value head (gpt.fuse_qkv; hf.py splits it into HF's three),
+  o and gate, up, down separate: tensor parallel shards the fused q/k/v (by whole key/value groups) and gate/up by
+  output features, o and down by input features (`tp_plan`); attention reads its *local* head counts from the
+  shapes;
 - blocks live in a ModuleDict keyed "0".."L-1", and the embedding / final norm / head may be None on a pipeline
   stage (`embeddings`, `final`);
 - the embedding and the head are separate matrices (untied).
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import attend, matmul_input
+from .gpt import attend, matmul_input, split_heads
 
 
 @dataclass(frozen=True)
@@ -55,21 +57,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.embed_dim // cfg.heads
-        kv_dim = cfg.kv_heads * self.head_dim
-        self.wq = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
-        self.wk = nn.Linear(cfg.embed_dim, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.embed_dim, kv_dim, bias=False)
+        self.group = cfg.heads // cfg.kv_heads  # query heads per key/value head
+        self.wqkv = nn.Linear(cfg.embed_dim, cfg.embed_dim + 2 * cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=False)
         self.dropout = cfg.dropout
         self.heads_rng = None  # tensor parallel's RNGStream for the heads this rank holds; None: the default stream
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds heads / tp query and kvHeads / tp key/value heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        # Under tensor parallel each rank holds heads / tp query and kvHeads / tp key/value heads.
+        q, k, v = split_heads(self.wqkv(x), self.head_dim, self.group)  # (B, nh, T, hs), (B, nkv, T, hs) twice
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # v alone, so attention keeps it for backward and not the whole projection's output (q and k are rotated
+        # copies already): at Llama 3 8B's widths that is 1,024 of 6,144 columns per token and layer.
+        v = v.contiguous()
         # Query head i reads key/value head i // (nh / nkv), as HF's repeat_kv; the same on a tp shard.
         y = attend(q, k, v, self.dropout if self.training else 0.0, self.heads_rng)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, local C)
@@ -106,8 +107,8 @@ class Block(nn.Module):
 class Llama(nn.Module):
     # The family's plan for the parallel modes and init (see model.GPT for what each means).
     family = "llama"
-    tp_plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
-               "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+    tp_plan = {"attn.wqkv": "colwise", "attn.wo": "rowwise", "mlp.gate": "colwise", "mlp.up": "colwise",
+               "mlp.down": "rowwise"}
     embeddings = ("tok_emb",)
     final = ("norm", "head")
     residual_projections = ("attn.wo.weight", "mlp.down.weight")

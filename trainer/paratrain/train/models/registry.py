@@ -24,7 +24,7 @@ def model_config(spec: Spec, vocab_size: int) -> ModelConfig:
                   embed_dim=m.embed_dim, ffn_dim=m.ffn_dim, norm_eps=m.norm_eps, dropout=m.dropout)
     if m.family == "llama":
         return LlamaConfig(**common, kv_heads=m.kv_heads, rope_theta=m.rope_theta)
-    return GPTConfig(**common)
+    return GPTConfig(**common, bias=m.bias)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -58,7 +58,13 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 
 
 def _checkpointed(forward: Callable, block: nn.Module, context_fn, *args):
-    streams = [m.heads_rng for m in block.modules() if getattr(m, "heads_rng", None) is not None]
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+    # Streams that attention dropout draws from (tensor parallel with dropout > 0) are replayed by a wrapper with
+    # side effects; without any, the block's forward is checkpointed as it is, which torch.compile traces whole
+    # (it falls back to eager around a checkpointed function that mutates outer state).
+    streams = [m.heads_rng for m in block.modules() if getattr(m, "heads_rng", None) is not None and m.dropout]
+    if not streams:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     starts = [s.state for s in streams]
     calls = 0
 
@@ -76,5 +82,4 @@ def _checkpointed(forward: Callable, block: nn.Module, context_fn, *args):
             for stream, state in zip(streams, latest, strict=True):
                 stream.state = state
 
-    kwargs = {"context_fn": context_fn} if context_fn else {}
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -1,10 +1,9 @@
 """Composition of the parallel modes, in one place and one documented order (after torchtitan).
 
 `parallelize` applies, to this rank's stage (already split by `pipeline.split_stage`), tensor parallel →
-activation checkpointing → ZeRO-2/3 sharding (FSDP2) on the meta device, then allocates the weights and wraps the
-data-parallel reduction: DDP, or the overlapped reducer of composed layouts. (torch.compile, which would go between
-activation checkpointing and sharding, is not implemented.) The run's builder (train/build.py) then writes every
-weight by parameter name.
+activation checkpointing → torch.compile per block (opt-in) → ZeRO-2/3 sharding (FSDP2) on the meta device, then
+allocates the weights and wraps the data-parallel reduction: DDP, or the overlapped reducer of composed layouts.
+The run's builder (train/build.py) then writes every weight by parameter name.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from .activation_checkpoint import apply_ac
+from .compile import apply_compile
 from .data_parallel import OverlappedGradReducer, apply_ddp
 from .dims import ParallelDims
 from .tensor_parallel import RNGStream, apply_tp
@@ -20,7 +20,8 @@ from .fsdp import apply_fsdp
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, device: torch.device, heads_rng: RNGStream | None,
-                activation_checkpointing: str, precision: str) -> tuple[nn.Module, OverlappedGradReducer | None]:
+                activation_checkpointing: str, precision: str,
+                compile_blocks: bool = False) -> tuple[nn.Module, OverlappedGradReducer | None]:
     """Apply this layout's modes to `model` (a stage, on the meta device) in place, in the order they must nest;
     return what forward runs (DDP's wrapper, or the model) and the composed layouts' reducer, if any.
 
@@ -29,6 +30,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, device: torch.device, head
     if dims.tp_enabled:
         apply_tp(model, dims.get_mesh("tp"), heads_rng)
     apply_ac(model, activation_checkpointing)
+    if compile_blocks:
+        apply_compile(model)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.get_mesh("dp"), dims.zero_stage, precision)
     model.to_empty(device=device)

@@ -1,8 +1,9 @@
 """Tensor parallel (Megatron-style, with DTensor): in every block, attention and MLP are sharded column-then-row.
 
-Each model family declares its block's plan (`tp_plan`, module name → "colwise" / "rowwise"): q/k/v and the MLP's
-input projections (GPT's fc, Llama's gate and up) are split by output features (each rank owns heads/tp query
-heads, kvHeads/tp key/value heads and ffnDim/tp MLP units), wo and the MLP's output projection by input features,
+Each model family declares its block's plan (`tp_plan`, module name → "colwise" / "rowwise"): the fused q/k/v
+projection (its rows grouped by key/value head, models/gpt.fuse_qkv) and the MLP's input projections (GPT's fc,
+Llama's gate and up) are split by output features (each rank owns heads/tp query heads, kvHeads/tp key/value heads
+and ffnDim/tp MLP units), wo and the MLP's output projection by input features,
 so attention and the MLP each need one all-reduce forward and one backward (4 per block and step,
 tests/trainer/test_tp_collectives.py). The head is split by vocabulary, its logits left sharded for the loss to read
 in place (loss.py; at a 128k vocabulary the head is a model's largest matrix, its logits the largest activation).
@@ -26,9 +27,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-# Each sub-layer's input enters as one replicated DTensor that q, k and v (or the MLP's input projections) share:
-# their partial input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors
-# would be reduced once per projection (3 for attention). So each block makes Megatron's 4 all-reduces per step.
+# Each sub-layer's input enters as one replicated DTensor that the MLP's input projections share: their partial
+# input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors would be reduced
+# once per projection (2 for the MLP, as for separate q/k/v). So each block makes Megatron's 4 all-reduces per step.
 SUBLAYERS = ("attn", "mlp")
 
 
