@@ -153,13 +153,12 @@ def main() -> None:
                 where.mkdir()
                 got = run_nanogpt(work, args.iters, where) if side.startswith("nanoGPT") else \
                     run_job(paratrain_job(args.iters), where)
-                runs[side].append(got)
+                runs[side].append({key: got[key] for key in ("seconds", "tokens_per_second", "val_loss")})
                 print(f"repetition {rep + 1}: {side}: {got['seconds']:.1f} s, {got['tokens_per_second']:,.0f} "
                       f"training tokens/s, val loss {got['val_loss']:.4f}", flush=True)
         models = model_step_seconds(work, 200)
     print("one step of each model alone: " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in models.items()))
-    med = {side: {key: statistics.median(r[key] for r in rs) for key in ("seconds", "tokens_per_second", "val_loss")}
-           for side, rs in runs.items()}
+    med = {side: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for side, rs in runs.items()}
     ours, theirs = med["paratrain run"], med["nanoGPT train.py"]
     result = {"iters": args.iters, "repeats": args.repeats, "nanogpt_commit": commit, "runs": runs, "medians": med,
               "speed_over_nanogpt": ours["tokens_per_second"] / theirs["tokens_per_second"],

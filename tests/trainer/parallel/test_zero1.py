@@ -119,11 +119,26 @@ def train(rank: int, store_file: str, out: str) -> None:
             "kept_devices": sorted({str(v.device) for values in share.values() for v in values.values()}),
             "largest_bytes": max(8 * p.numel() for p in model.parameters()),
             "template": sorted(template), "names": sorted(reference_state),
+            "tp_state_wraps_the_host_tensor": host_tensor_kept_as_dtensor(),
         }
         with open(f"{out}.{rank}", "w") as f:
             json.dump(report, f)
     finally:
         dist.destroy_process_group()
+
+
+def host_tensor_kept_as_dtensor() -> bool:
+    """Under tensor parallel the saved state is a DTensor of the parameter's placements whose local tensor is the
+    host tensor itself: DTensor.from_local would copy it to the mesh's device (a GPU), the whole state with it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from paratrain.train.parallel.zero1 import like_param
+
+    param = distribute_tensor(torch.ones(4, 3), init_device_mesh("cpu", (2,)), [Shard(0)])
+    host = torch.zeros(2, 3)
+    wrapped = like_param(host, param)
+    return wrapped._local_tensor is host and wrapped.placements == param.placements and wrapped.shape == (4, 3)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +189,7 @@ def test_each_rank_saves_its_own_half_of_the_optimizer_state_from_host_memory(re
     psi, largest = reports[0]["psi"], reports[0]["largest_bytes"]
     for report in reports:
         assert report["kept_devices"] == ["cpu"]
+        assert report["tp_state_wraps_the_host_tensor"]
         assert report["kept_bytes"] <= 8 * psi / 2 + largest
         # A resume reads back only the parameters this rank holds pieces of.
         assert set(report["template"]) < set(report["names"])

@@ -12,7 +12,7 @@ Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parall
   flight (all of a step's for GPipe, p - stage for 1F1B), for the rank's layers; activation checkpointing keeps
   only each block's input (full) or its matmul and attention outputs (selective), plus one block rebuilt in backward.
 - loss: the last stage's logits and the gradient buffer the loss fills as it runs (loss.ChunkedCrossEntropy),
-  plus one piece of 4,096 tokens' fp32 copy and its exponentials' temporary over the vocabulary; under tensor
+  plus one piece of 4,096 tokens' fp32 copy over the vocabulary (exponentiated in place); under tensor
   parallel the head, its logits and the loss's buffers are split by vocabulary (V/tp columns per rank).
 - buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket, pipeline receive buffers (one per microbatch),
   bf16 autocast's weight copies (2Ψ of matmul weights).
@@ -201,12 +201,12 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
 
     if last:
         # loss.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
-        # logits, else the logits' type) and one piece's fp32 copy with its exponentials' temporary of its size
+        # logits, else the logits' type) and one piece's fp32 copy (exponentiated in place)
         columns = shape.vocab_columns(tp)
         piece = min(micro_tokens, CE_CHUNK_TOKENS) * columns * FP32
         logits = micro_tokens * columns * (2 if half else FP32)
         grad = micro_tokens * columns * (2 if spec.precision == "bf16" else FP32)
-        loss = logits + grad + 2 * piece
+        loss = logits + grad + piece
         # ... and the final norm's input, output (its 16-bit copy under autocast) and statistics, which are freed
         # with them, before the first block's backward
         loss += micro_tokens * in_flight * (shape.embed_dim * (FP32 + (2 if half else FP32)) + 2 * FP32)

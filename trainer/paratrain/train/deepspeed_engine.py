@@ -362,16 +362,21 @@ def build_deepspeed_engine(spec: Spec, dims: ParallelDims, device: torch.device,
 
 def _build_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device, config: dict,
                  dtype: torch.dtype) -> nn.Module:
-    """The model on `device`; under ZeRO-3 partitioned as it is built (deepspeed.zero.Init: each module's weights
-    are split over the dp ranks as soon as its constructor returns), so no rank ever holds the whole model.
-    `initialize` then writes each weight through a gather of that one parameter (parallel/tensors.copy_into).
+    """The model on `device`, its weights allocated but not written: `initialize` then writes each one. ZeRO-1/2
+    build on the meta device and allocate on `device` (a GPU build then never holds the whole fp32 model in host
+    memory: 32 GB per rank at 8B; initialize draws one full tensor at a time). ZeRO-3 partitions as it builds
+    (deepspeed.zero.Init: each module's weights are split over the dp ranks as soon as its constructor returns),
+    so no rank ever holds the whole model, and each weight is written through a gather of that one parameter
+    (parallel/tensors.copy_into).
 
     zero.Init makes the weights the config's dtype (bf16/fp16 under DeepSpeed's mixed precision, else fp32) right
     away: DeepSpeed casts a model it did not partition itself, but not one built partitioned."""
     import deepspeed
 
     if dims.zero_stage < 3:
-        return build_model(cfg).to(device)
+        with torch.device("meta"):
+            model = build_model(cfg)
+        return model.to_empty(device=device)
     # zero.Init reads the world size from deepspeed.comm, which deepspeed.initialize would only set up later (over
     # the torch process group already running), and otherwise takes it for 1.
     deepspeed.init_distributed()

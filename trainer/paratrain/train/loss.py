@@ -59,31 +59,32 @@ def vocab_shard(logits: DTensor) -> VocabShard | None:
 
 def _piece_loss(logits: torch.Tensor, targets: torch.Tensor,
                 shard: VocabShard | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss, the piece's fp32 log-probabilities of this rank's columns (a private copy: the caller may
-    overwrite it), each target's column among them, -1 where another rank holds it)."""
-    log_probs = logits.to(torch.float32, copy=True)
+    """(summed loss, the piece's softmax over this rank's columns in fp32 (a private copy, the only buffer of the
+    piece's size: exponentiated and normalised in place; the caller may overwrite it), each target's column among
+    them, -1 where another rank holds it)."""
+    probs = logits.to(torch.float32, copy=True)
     columns = targets if shard is None else targets - shard.start
-    mine = (columns >= 0) & (columns < log_probs.shape[1])
+    mine = (columns >= 0) & (columns < probs.shape[1])
     columns = torch.where(mine, columns, -1)
-    peak = log_probs.amax(dim=-1)
+    peak = probs.amax(dim=-1)
     if shard is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=shard.group)
-    log_probs.sub_(peak[:, None])
+    probs.sub_(peak[:, None])
+    target = probs.gather(1, columns.clamp(min=0)[:, None]).squeeze(1).where(mine, 0.0)
     # Row sums of exponentials and the targets' logits (less the peak), summed over the ranks holding the columns.
-    sums = torch.stack([log_probs.exp().sum(dim=-1),
-                        log_probs.gather(1, columns.clamp(min=0)[:, None]).squeeze(1).where(mine, 0.0)])
+    sums = torch.stack([probs.exp_().sum(dim=-1), target])
     if shard is not None:
         dist.all_reduce(sums, group=shard.group)
-    log_sum = sums[0].log()
-    log_probs.sub_(log_sum[:, None])
-    return (log_sum - sums[1]).sum(), log_probs, columns
+    probs.div_(sums[0][:, None])
+    return (sums[0].log() - sums[1]).sum(), probs, columns
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean token cross-entropy of (n, V) logits (or this rank's (n, V/tp) columns), piece by piece, with its
     gradient, softmax less the one-hot target over n, computed in the same pass into one buffer of the logits' type:
-    backward only scales it. Each piece's fp32 copy lives for that piece alone; the logits are not kept for
-    backward. (Slices recomputed in backward, as before, gave each piece a gradient of the logits' full size: the
+    backward only scales it. Each piece's fp32 copy, exponentiated in place, is the only buffer of its size and lives
+    for that piece alone (an exponentials' temporary and the previous piece's copy, still bound while the next was
+    made, had made three); the logits are not kept for backward. (Slices recomputed in backward, as before, gave each piece a gradient of the logits' full size: the
     loss peaked near 4x the logits.)"""
 
     @staticmethod
@@ -95,12 +96,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, count, CE_CHUNK_TOKENS):
             end = min(start + CE_CHUNK_TOKENS, count)
-            loss, log_probs, columns = _piece_loss(logits[start:end], targets[start:end], shard)
+            loss, probs, columns = _piece_loss(logits[start:end], targets[start:end], shard)
             total += loss
-            probs = log_probs.exp_()
             rows = torch.arange(end - start, device=probs.device)[columns >= 0]
             probs[rows, columns[rows]] -= 1.0
             grad[start:end] = probs.div_(count)
+            del probs  # before the next piece's copy: one fp32 piece at a time
         ctx.save_for_backward(grad)
         return total / count
 

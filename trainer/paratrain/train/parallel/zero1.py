@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .data_parallel import OverlappedGradReducer
 from .tensors import local, local_bytes, save_owners
@@ -152,9 +153,9 @@ class ZeroOneOptimizer:
         names = {id(p): name for name, p in module.named_parameters()}
         for shards, pieces in zip(self.shards, self.pieces, strict=True):
             for shard, (p, start, stop, _) in zip(shards, pieces, strict=True):
-                self.local_optimizer.state[shard] = {
-                    k: local(v).reshape(-1)[start:stop].clone() if is_per_element(v) else v.clone()
-                    for k, v in state[names[id(p)]].items()}
+                self.local_optimizer.state[shard] = {  # from host memory to the shard's device
+                    k: local(v).reshape(-1)[start:stop].to(shard.device, copy=True) if is_per_element(v)
+                    else v.clone() for k, v in state[names[id(p)]].items()}
 
     def _init_state(self) -> None:
         """The optimizer's state appears at its first step: take one of zero gradients at learning rate 0, which
@@ -181,10 +182,13 @@ def tp_sharded(p: torch.Tensor) -> bool:
 
 def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`t`, a whole local tensor of `p`'s shape, as `p` is held: a DTensor of `p`'s placements under tensor
-    parallel."""
+    parallel, its local tensor `t` itself, where `t` is (host memory for a checkpoint's state). DTensor.from_local
+    would move it to the mesh's device (a GPU); torch's own CPU-offloaded state dicts hold such DTensors too
+    (distributed/_state_dict_utils: a DTensor's `.to("cpu")`), and DCP reads only their layout."""
     if not isinstance(p, DTensor):
         return t
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    meta = TensorMeta(shape=p.shape, stride=p.stride(), dtype=t.dtype)
+    return DTensor(t, DTensorSpec(p.device_mesh, p.placements, tensor_meta=meta), requires_grad=False)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
