@@ -11,7 +11,8 @@ nanoGPT's README trains Shakespeare characters on a CPU with
 
 and this script runs exactly that (in a copy of the checkout, on examples/data/tinyshakespeare.txt prepared by its
 own data/shakespeare_char/prepare.py), against `paratrain run` of the same shape (`bias: false`, as train.py's
-`bias = False`), optimizer settings, schedule, clipping and data split, alternating the two `--repeats` times. Reported per run: the whole command's seconds (what
+`bias = False`), optimizer settings, schedule, clipping and data split, alternating the two `--repeats` times.
+Reported per run: the whole command's seconds (what
 a user waits, start-up and evaluations included: nanoGPT evaluates train and val, 20 batches each, every 250
 iterations; paratrain val only, 20 batches at the same interval), training tokens/s over the iterations alone
 (nanoGPT's logged per-iteration times without the evaluation iterations; paratrain's metrics), and the final

@@ -66,6 +66,7 @@ class Shape:
     ffn_dim: int
     vocab: int
     block_size: int
+    bias: bool = False  # gpt's MLP and LayerNorm biases (spec.model.bias)
 
     @property
     def kv_dim(self) -> int:
@@ -75,7 +76,8 @@ class Shape:
         """(split by tensor parallel, replicated) parameters of one block."""
         c, f, kv = self.embed_dim, self.ffn_dim, self.kv_dim
         if self.family == "gpt":  # q/k/v/o, fc (+bias), proj; ln1, ln2 (+biases), proj's bias
-            return 4 * c * c + 2 * c * f + f, 5 * c
+            b = int(self.bias)
+            return 4 * c * c + 2 * c * f + b * f, (2 + 3 * b) * c
         return 2 * c * c + 2 * c * kv + 3 * c * f, 2 * c  # q/o, k/v, gate/up/down; two RMSNorms
 
     def matmul_params(self, tp: int) -> int:
@@ -91,7 +93,7 @@ class Shape:
 
     def final_params(self, tp: int) -> int:
         """The final norm and this tensor-parallel rank's part of the head."""
-        return (2 if self.family == "gpt" else 1) * self.embed_dim + self.embed_dim * self.vocab_columns(tp)
+        return (1 + int(self.bias)) * self.embed_dim + self.embed_dim * self.vocab_columns(tp)
 
 
 def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: int = FP32) -> float:
@@ -137,7 +139,7 @@ class RankMemory:
 def predict(spec, vocab_size: int) -> list[RankMemory]:
     """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out)."""
     p, m = spec.parallelism, spec.model
-    shape = Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size)
+    shape = Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size, m.bias)
     stages = [_stage(spec, shape, s) for s in range(p.pipeline)]
     per_stage = p.data * p.tensor
     return [RankMemory(rank, rank // per_stage, dict(stages[rank // per_stage]),

@@ -490,8 +490,10 @@ class Checkpointer:
             # the same model, so they would not fit either.
             raise CheckpointError(
                 f"checkpoint {ckpt} does not fit this model ({_dcp_failure(exc)}): it was written by another model "
-                "(size, family or vocabulary). Resume it with the spec that wrote it, or give this job a new "
-                "spec.checkpoint.path to train from scratch; the checkpoints are left in place.") from None
+                "(size, family, vocabulary or bias), or by a paratrain from before q, k and v were fused "
+                "(parameters layers.N.attn.wq/wk/wv, now attn.wqkv). Resume it with the spec and version that "
+                "wrote it, or give this job a new spec.checkpoint.path to train from scratch; the checkpoints are "
+                "left in place.") from None
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move it "
                                   "away to resume from an earlier checkpoint.") from None

@@ -82,10 +82,10 @@ def _piece_loss(logits: torch.Tensor, targets: torch.Tensor,
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean token cross-entropy of (n, V) logits (or this rank's (n, V/tp) columns), piece by piece, with its
     gradient, softmax less the one-hot target over n, computed in the same pass into one buffer of the logits' type:
-    backward only scales it. Each piece's fp32 copy, exponentiated in place, is the only buffer of its size and lives
-    for that piece alone (an exponentials' temporary and the previous piece's copy, still bound while the next was
-    made, had made three); the logits are not kept for backward. (Slices recomputed in backward, as before, gave each piece a gradient of the logits' full size: the
-    loss peaked near 4x the logits.)"""
+    backward only scales it. Each piece's fp32 copy, exponentiated in place, is the only buffer of its size and
+    lives for that piece alone (an exponentials' temporary and the previous piece's copy, still bound while the next
+    was made, had made three); the logits are not kept for backward. (Slices recomputed in backward, as before, gave
+    each piece a gradient of the logits' full size: the loss peaked near 4x the logits.)"""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:

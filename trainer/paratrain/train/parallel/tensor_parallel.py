@@ -27,9 +27,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-# Each sub-layer's input enters as one replicated DTensor that the MLP's input projections share: their partial
-# input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors would be reduced
-# once per projection (2 for the MLP, as for separate q/k/v). So each block makes Megatron's 4 all-reduces per step.
+# Each sub-layer's input enters as one replicated DTensor that its input projections share (Llama's gate and up):
+# their partial input gradients add up as DTensors and are all-reduced once, in backward, where plain tensors
+# would be reduced once per projection. So each block makes Megatron's 4 all-reduces per step.
 SUBLAYERS = ("attn", "mlp")
 
 
