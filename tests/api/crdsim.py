@@ -29,10 +29,13 @@ def schema_of_version(crd: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting: fill absent properties that have a default, recursing into what exists."""
+    """Structural defaulting: prune the nulls of fields that are not nullable, fill absent properties that have a
+    default, recurse into what exists."""
     if isinstance(value, dict) and "properties" in schema:
         out = dict(value)
         for name, sub in schema["properties"].items():
+            if name in out and out[name] is None and not sub.get("nullable"):
+                del out[name]
             if name not in out and "default" in sub:
                 out[name] = copy.deepcopy(sub["default"])
             if name in out:

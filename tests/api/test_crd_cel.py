@@ -251,6 +251,9 @@ VALID = [
     {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"preset": "llama3-8b", "ropeTheta": 10000}},
     {"nodes": 2, "parallelism": {"tensor": 2}, "model": {"family": "llama", "kvHeads": 2, "ffnDim": 100}},
     {"model": {"preset": "gpt2", "layers": 2}},
+    # An explicit null is "unset", for enum fields too (their CRD enum must list null: the server checks it).
+    {"model": {"preset": None, "family": None, "layers": None},
+     "scheduling": {"tolerations": [{"key": "k", "operator": None, "effect": None}]}},
     {"scheduling": {"tolerations": [{"operator": "Exists"}, {"key": "k", "value": "v"},
                                     {"key": "k", "operator": "Exists", "effect": "NoExecute",
                                      "tolerationSeconds": 60}]}},

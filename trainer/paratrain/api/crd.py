@@ -73,7 +73,10 @@ def _nullable(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> 
     if len(options) != 1 or len(node["anyOf"]) != 2:
         raise ValueError(f"only Optional[X] unions can become a structural schema, got {node['anyOf']}")
     outer = {k: v for k, v in node.items() if k != "anyOf"}
-    return {**_openapi({**options[0], **outer}, defs, defaults=defaults), "nullable": True}
+    out = _openapi({**options[0], **outer}, defs, defaults=defaults)
+    # The API server checks a kept null against an enum, which no null passes; a field that is not nullable has
+    # its null pruned instead, which is what null means here: unset.
+    return out if "enum" in out else {**out, "nullable": True}
 
 
 def _object_body(node: dict[str, Any], defs: dict[str, Any], *, defaults: bool) -> dict[str, Any]:
