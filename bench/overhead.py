@@ -3,7 +3,7 @@
     .venv/bin/python bench/overhead.py [--steps 400] [--repeats 3] [--out bench/results/overhead.json]
 
 Both sides train the same model (paratrain's GPT, built and initialised by the same functions) on the same
-Shakespeare characters with the same optimizer (AdamW over nanoGPT's decay split, foreach), schedule (warmup then
+Shakespeare characters with the same optimizer (AdamW over nanoGPT's decay split, fused), schedule (warmup then
 cosine), gradient clipping and batches, at nanoGPT's CPU shape for Shakespeare (4 layers, 4 heads, 128 wide,
 block 64, batch 12). The plain loop is written out below, nanoGPT-style: no process group, no progress reporting,
 no checkpoints. paratrain runs as its users run it (`paratrain run`, one process, gloo). Each side counts
@@ -62,7 +62,7 @@ def plain_loop(job_file: Path, out: Path) -> None:
     model = build_model(model_config(spec, corpus.vocab_size))
     initialize(model, t.seed, None)
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.learning_rate, betas=(t.beta1, t.beta2),
-                                  foreach=True)
+                                  fused=True)
     model.train()
     losses, train_time = [], 0.0
     for step in range(t.steps):

@@ -129,7 +129,7 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
             p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).square() for p in params)).item()
         with collective_counter() as comm:
             norm = global_grad_norm(params, ParallelDims(dp=1, tp=2, pp=1, world_size=2))
-        # The optimizer over TP shards and plain norms alike steps with torch's foreach kernels.
+        # The optimizer over TP shards and plain norms alike steps with torch's fused kernel.
         from paratrain.api.spec import TrainingSpec
         from paratrain.train.optim import build_optimizer
 
@@ -139,16 +139,16 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
             with open(out, "w") as f:
                 json.dump({"norm": norm, "expected": expected, "collectives": sum(comm.counts.values()),
                            "sharded_grads": sum(isinstance(p.grad, DTensor) for p in params),
-                           "foreach": optimizer.defaults["foreach"]}, f)
+                           "fused": optimizer.defaults["fused"]}, f)
         dist.barrier()  # neither rank leaves while the other may still talk to it (gloo aborts on a lost peer)
     finally:
         dist.destroy_process_group()
 
 
-def test_the_gradient_norm_costs_one_collective_per_mesh_group_and_the_step_uses_foreach(tmp_path):
+def test_the_gradient_norm_costs_one_collective_per_mesh_group_and_the_step_is_fused(tmp_path):
     out = tmp_path / "norm.json"
     spawn_ranks(grad_norm_collectives, 2, str(tmp_path / "store"), str(out))
     result = json.loads(out.read_text())
     assert result["norm"] == pytest.approx(result["expected"], rel=1e-6)
     assert result["sharded_grads"] > 4 and result["collectives"] == 1, result  # the TP-sharded grads: one all-reduce
-    assert result["foreach"] is True
+    assert result["fused"] is True

@@ -17,8 +17,8 @@ from .parallel.zero1 import ZeroOneOptimizer
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings, not biases or norm gains (nanoGPT's split), by each parameter's full shape
     (a DeepSpeed ZeRO-3 partition's own tensor is flat). Each split further by kind, DTensors (tensor-parallel
-    shards) apart from plain tensors (the replicated norms beside them): torch's foreach kernels batch a group's
-    step over its tensors but refuse a list that mixes the two."""
+    shards) apart from plain tensors (the replicated norms beside them): torch's fused and foreach kernels take a
+    group's tensors as one list and refuse a list that mixes the two."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = []
     for decay, is_matrix in ((weight_decay, True), (0.0, False)):
@@ -30,10 +30,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _foreach(dims: ParallelDims) -> bool | None:
-    """foreach everywhere (param_groups never mixes DTensors and plain tensors in a group); DeepSpeed's optimizer
-    steps one flat partition per group: torch's default choice there."""
-    return None if dims.uses_deepspeed else True
+def _implementation(dims: ParallelDims) -> dict[str, bool | None]:
+    """torch's fused AdamW (one kernel per parameter, on CPU and CUDA alike; DTensor shards included): a quarter
+    of foreach's time on a CPU at nanoGPT's shape (0.5 against 2.2 ms a step, bench/nanogpt.py), and torchtitan's
+    default on GPUs. DeepSpeed's optimizer steps one flat partition per group: torch's default choice there."""
+    return {} if dims.uses_deepspeed else {"fused": True}
 
 
 def build_optimizer(model: nn.Module, dims: ParallelDims, training: TrainingSpec,
@@ -43,7 +44,7 @@ def build_optimizer(model: nn.Module, dims: ParallelDims, training: TrainingSpec
     since it steps views into them."""
     def adamw(groups: list[dict]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
-                                 foreach=_foreach(dims))
+                                 **_implementation(dims))
 
     groups = param_groups(model, training.weight_decay)
     if dims.zero1_enabled:
