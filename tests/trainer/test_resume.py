@@ -38,6 +38,7 @@ def test_killed_run_resumes_exactly(data, zero, accumulation, tmp_path):
     assert "rank 1 exited" in proc.stderr
     assert sorted(p.name for p in (crashed_dir / "ckpt").glob("step-*")) == ["step-00000004"]
 
+    checkpoint_bytes = sum(f.stat().st_size for f in (crashed_dir / "ckpt" / "step-00000004").iterdir())
     _, resumed = run_job(crashed_dir, overrides)
     assert resumed["resumed_from_step"] == 4
     assert_close_curves(resumed["losses"], straight["losses"], rtol=1e-6)
@@ -45,6 +46,21 @@ def test_killed_run_resumes_exactly(data, zero, accumulation, tmp_path):
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
     events = [json.loads(line) for line in (crashed_dir / "work" / "events.jsonl").read_text().splitlines()]
     assert {"event": "resume", "step": 4}.items() <= next(e for e in events if e["event"] == "resume").items()
+    assert_host_phases_measured(resumed, checkpoint_bytes)
+
+
+def assert_host_phases_measured(metrics: dict, checkpoint_bytes: int) -> None:
+    """Every rank reports its peak resident set and bytes read while it built, resumed and saved (the figures are
+    bench/host_memory.py's; here, that they are each rank's own and consistent): a phase's peak is at least the
+    resident set it started from and at most the rank's peak over the run, and a resume read at least this rank's
+    share of the checkpoint's files."""
+    world = metrics["world_size"]
+    assert len(metrics["host_phases"]) == world
+    for rank, phases in enumerate(metrics["host_phases"]):
+        assert set(phases) == {"build", "resume", "save"}, phases
+        for name, f in phases.items():
+            assert 0 < f["startRssBytes"] <= f["peakRssBytes"] <= metrics["peak_memory_bytes"][rank], (rank, name, f)
+        assert phases["resume"]["bytesRead"] >= checkpoint_bytes / world, (rank, phases["resume"], checkpoint_bytes)
 
 
 def test_a_stopped_run_checkpoints_the_step_in_flight_and_resumes_exactly(tmp_path):

@@ -219,6 +219,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
 
     from .checkpoint import Checkpointer
     from .data import load_corpus
+    from .host_memory import HostPhases
     from .loop import Trainer
     from .models.hf_config import init_problem
     from .models.registry import model_config
@@ -256,9 +257,11 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     if spec.checkpoint.path:
         checkpointer = Checkpointer(_resolve(spec.checkpoint.path), rank, world, layout_label(spec),
                                     spec.checkpoint.keep, spec.checkpoint.async_save)
+    host = HostPhases()
     with tensor_peak(device, os.environ.get(contract.ENV_MEASURE_MEMORY) == "1") as peak_tensor_bytes:
         try:
-            engine = build_engine(spec, dims, device, corpus.vocab_size)
+            with host.phase("build"):
+                engine = build_engine(spec, dims, device, corpus.vocab_size)
         except torch.OutOfMemoryError as exc:
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
             raise BuildOutOfMemory(
@@ -268,7 +271,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
         # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
         stop = StopRequest()
         try:
-            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop).run()
+            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop, host).run()
         except Preempted as stopped:
             if reporter:
                 reporter.close()  # the last progress becomes the pod's termination message
@@ -281,8 +284,8 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
     peak_memory, peak_memory_kind = peak_memory_bytes(device)
     peaks: list = [None] * world
-    dist.all_gather_object(peaks, (peak_memory, peak_reserved_bytes(device)))  # one collective for both
-    peak_memories, peaks_reserved = [p[0] for p in peaks], [p[1] for p in peaks]
+    dist.all_gather_object(peaks, (peak_memory, peak_reserved_bytes(device), host.as_dict()))  # one collective
+    peak_memories, peaks_reserved, host_phases = [p[0] for p in peaks], [p[1] for p in peaks], [p[2] for p in peaks]
     metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
     if rank == 0:
         flops_per_token = model_flops_per_token(model_config(spec, corpus.vocab_size))
@@ -292,7 +295,9 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
         utilisation = mfu(flops_per_token, result.tokens_per_second, peak_flops, world)
         reporter.emit("performance", modelFlopsPerToken=flops_per_token, achievedFlopsPerSecond=achieved,
                       mfu=utilisation, peakMemoryBytes=max(peak_memories), peakMemoryKind=peak_memory_kind,
-                      peakReservedBytes=None if None in peaks_reserved else max(peaks_reserved))
+                      peakReservedBytes=None if None in peaks_reserved else max(peaks_reserved),
+                      hostPeakRssBytes={phase: max(h[phase]["peakRssBytes"] for h in host_phases if phase in h)
+                                        for phase in host_phases[0]})
         if metrics_out:
             write_json(metrics_out, {
                 "losses": result.losses, "grad_norms": result.grad_norms, "val_loss": result.val_losses[-1][1],
@@ -305,6 +310,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
                 "peak_memory_bytes": peak_memories, "peak_memory_kind": peak_memory_kind,
                 "peak_reserved_bytes": peaks_reserved,
                 "peak_tensor_bytes": tensor_peaks,
+                "host_phases": host_phases,
                 "step_time_seconds": {"forward_backward": result.forward_backward_seconds,
                                       "optimizer": result.optimizer_seconds},
             })

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..api import Spec
 from ..api.spec import TrainingSpec
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
+from .host_memory import HostPhases
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .parallel.dims import ParallelDims
 from .parallel.tensor_parallel import reseeded
@@ -62,9 +63,10 @@ class RunResult:
 class Trainer:
     def __init__(self, spec: Spec, engine, dims: ParallelDims, corpus: Corpus, device: torch.device,
                  reporter: ProgressReporter | None, checkpointer: Checkpointer | None,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, host: HostPhases | None = None):
         self.spec, self.engine, self.dims, self.corpus, self.device = spec, engine, dims, corpus, device
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
+        self.host = host or HostPhases()
         self.result = RunResult()
 
     @functools.cached_property
@@ -102,13 +104,14 @@ class Trainer:
             return
         ckpt, manifest = found
         step, own_key = manifest["step"], rank_key(self.checkpointer.rank)
-        self.engine.restore(lambda part: self.checkpointer.load(ckpt, {"engine": part}))
-        self.engine.load_extra_state(manifest["engine"], step, manifest["skippedSteps"])
-        own = None
-        if self.checkpointer.same_sharding(manifest):
-            state = {"rank": {own_key: self._rank_state()}}
-            self.checkpointer.load(ckpt, state)
-            own = state["rank"][own_key]
+        with self.host.phase("resume"):
+            self.engine.restore(lambda part: self.checkpointer.load(ckpt, {"engine": part}))
+            self.engine.load_extra_state(manifest["engine"], step, manifest["skippedSteps"])
+            own = None
+            if self.checkpointer.same_sharding(manifest):
+                state = {"rank": {own_key: self._rank_state()}}
+                self.checkpointer.load(ckpt, state)
+                own = state["rank"][own_key]
         self.engine.load_rank_state(own, step)
         if own:
             set_rng_state(own["rng"])
@@ -137,11 +140,14 @@ class Trainer:
 
     def save(self, step: int) -> None:
         r = self.result
-        state = {"engine": self.engine.state_dict(), "rank": {rank_key(self.checkpointer.rank): self._rank_state()}}
-        # Copies: an async save writes its manifest later, after this run's lists have grown.
-        meta = {"losses": list(r.losses), "gradNorms": list(r.grad_norms), "valLosses": list(r.val_losses),
-                "skippedSteps": r.skipped_steps, "engine": self.engine.extra_state()}
-        self._committed(self.checkpointer.save(step, state, meta))
+        with self.host.phase("save"):  # an async save's: the copy to host memory, before the writer takes it
+            state = {"engine": self.engine.state_dict(),
+                     "rank": {rank_key(self.checkpointer.rank): self._rank_state()}}
+            # Copies: an async save writes its manifest later, after this run's lists have grown.
+            meta = {"losses": list(r.losses), "gradNorms": list(r.grad_norms), "valLosses": list(r.val_losses),
+                    "skippedSteps": r.skipped_steps, "engine": self.engine.extra_state()}
+            committed = self.checkpointer.save(step, state, meta)
+        self._committed(committed)
 
     def _stop(self, step: int) -> None:
         """Save `step` (unless there is no checkpoint path) and leave the loop: the job was asked to stop. How long

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .host_memory import peak_rss_bytes
 from .models.registry import ModelConfig, build_model
 
 # Dense (not sparse) bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' datasheets, matched as substrings
@@ -73,11 +73,11 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """(bytes, what was measured): on CUDA the allocator's peak (torch.cuda.max_memory_allocated: tensors, not the
-    allocator's cache or the CUDA context); on CPU the process's peak resident set (getrusage's ru_maxrss, KiB on
-    Linux), which includes Python, torch and the data."""
+    allocator's cache or the CUDA context); on CPU the process's peak resident set (host_memory.peak_rss_bytes:
+    VmHWM, across its resets per phase), which includes Python, torch and the data."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max_rss"
+    return peak_rss_bytes(), "max_rss"
 
 
 class LiveTensorBytes(TorchDispatchMode):
