@@ -12,6 +12,7 @@ import torch
 
 from paratrain.train.checkpoint import Checkpointer, CheckpointError, full_model_state, rng_state
 from paratrain.train.loop import Trainer
+from paratrain.train.partial_read import FlatRange
 
 
 class RecordingEngine:
@@ -71,6 +72,22 @@ def test_resume_on_a_non_cpu_device_restores_the_rng_state(saved):
 
 def test_full_model_state_reads_without_a_process_group(saved, tmp_path):
     assert torch.equal(full_model_state(tmp_path / "step-00000003")["w"], torch.arange(4.0))
+
+
+def test_a_flat_range_of_a_saved_tensor_loads_from_that_range_of_its_file(one_rank_group, tmp_path):
+    """What a DeepSpeed partition asks for: elements [a, b) of a tensor, flattened; the read covers those bytes, not
+    the tensor (its file is 4 MiB; the range 1/16 of it)."""
+    checkpointer = Checkpointer(tmp_path, rank=0, world_size=1, layout="dp1·tp1·pp1 z0 fp32")
+    weights = torch.randn(1024, 1024)
+    trainer(checkpointer, RecordingEngine(weights)).save(3)
+    ckpt, _ = checkpointer.latest()
+    start, length = 300_000, 2**16
+    out = torch.zeros(length)
+    read_before = int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("rchar:")))
+    checkpointer.load(ckpt, {"engine": {"model": {"w": FlatRange((1024, 1024), start, out)}}})
+    read = int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("rchar:"))) - read_before
+    assert torch.equal(out, weights.view(-1)[start:start + length])
+    assert read < 4 * length * 2, read  # the range's 256 KiB and the metadata, not the 4 MiB tensor
 
 
 class RunsCode:

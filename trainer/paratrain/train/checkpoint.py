@@ -45,10 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..token_shards import sha256_file  # the one streaming file hash (token shards and checkpoint files alike)
+from .partial_read import FlatRange, read_box
 
 log = logging.getLogger("paratrain.checkpoint")
 MANIFEST = "manifest.json"
@@ -160,12 +164,31 @@ class SafeReader(dcp.FileSystemReader):
         return meta
 
 
-    def _slice_file(self, file, sinfo):
-        """Each tensor is one torch.save zip archive, which torch writes uncompressed. One with a compressed entry
-        (torch's reader inflates it: a 98 KB entry became a 100 MB tensor) or entries larger than its slice is
-        refused before torch.load sees it; only the archive's central directory is read for this."""
-        refuse_compressed(_Window(file, sinfo.offset, sinfo.length), f"{sinfo.relative_path}@{sinfo.offset}")
-        return super()._slice_file(file, sinfo)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        """DCP's reading, but of each requested piece only (partial_read.read_box: a rank that keeps 1/N of a
+        tensor reads 1/N of it, where DCP's own reader loads it whole). Our checkpoints hold tensors only: an item
+        stored as pickled bytes (which DCP would unpickle freely) is refused. Each tensor is one torch.save zip
+        archive, which torch writes uncompressed; one with a compressed entry (torch's reader inflates it: a 98 KB entry
+        became a 100 MB tensor) or entries larger than its slice is refused before torch.load sees it."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    if item.type == LoadItemType.BYTE_IO:
+                        raise pickle.UnpicklingError(f"{item.dest_index.fqn} is stored as pickled bytes, not a "
+                                                     "tensor")
+                    info = self.storage_data[item.storage_index]
+                    archive = _Window(stream, info.offset, info.length)
+                    refuse_compressed(archive, f"{info.relative_path}@{info.offset}")
+                    archive.seek(0)
+                    target = planner.resolve_tensor(item).detach()
+                    read_box(archive, item.storage_offsets, item.lengths, target)
+                    planner.commit_tensor(item, target)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
 
 
 class _Window(io.RawIOBase):
@@ -192,10 +215,9 @@ class _Window(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         size = max(0, min(len(buffer), self._length - self._pos))
         self._file.seek(self._offset + self._pos)
-        data = self._file.read(size)
-        buffer[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        got = self._file.readinto(memoryview(buffer).cast("B")[:size])  # straight into the caller's buffer
+        self._pos += got
+        return got
 
 
 def refuse_compressed(archive: Any, what: str) -> None:
@@ -215,12 +237,24 @@ def refuse_compressed(archive: Any, what: str) -> None:
         raise pickle.UnpicklingError(f"{what} declares entries larger than the archive")
 
 
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """Our checkpoints hold tensors only. Metadata that says a requested key is pickled bytes (which DCP's planner
-    would unpickle freely) is refused."""
+class RangeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, which also takes FlatRange templates (a flat range of a saved tensor) among the tensors."""
 
-    def load_bytes(self, read_item, value) -> None:
-        raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, not a tensor")
+    def set_up_planner(self, state_dict: dict, metadata: metadata.Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DefaultLoadPlanner's set-up less its first move (`_init_state_dict`), which makes meta-device tensors
+        real and turns every object it does not know, a FlatRange among them, into None. No template here is on
+        the meta device."""
+        self.original_state_dict = state_dict
+        if self.flatten_sharded_tensors:
+            state_dict = _flatten_sharded_tensors(state_dict)
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def lookup_tensor(self, index: metadata.MetadataIndex) -> torch.Tensor:
+        found = self.state_dict[index.fqn]  # DCP itself looks up a piece by offset only in a tensor
+        return found.__get_tensor_shard__(index) if isinstance(found, FlatRange) else super().lookup_tensor(index)
 
 
 def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None) -> str | None:
@@ -481,7 +515,7 @@ class Checkpointer:
         reader = SafeReader(ckpt)
         try:
             reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
+            dcp.load(state, storage_reader=reader, planner=RangeLoadPlanner(), process_group=self.group)
         except CheckpointException as exc:  # not a peer's failure: that stays retryable
             if isinstance(_first_failure(exc), pickle.UnpicklingError):  # a tensor archive refused while reading
                 raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}. It is left in place; move "
@@ -527,13 +561,12 @@ def newest_sound(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"{path}: no complete checkpoint (a step-* directory with {MANIFEST}){found}")
 
 
-def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+def full_model_state(ckpt_dir: str | os.PathLike, verified: bool = False) -> dict[str, torch.Tensor]:
     """The whole model of a checkpoint, fp32 tensors keyed by parameter name (as in `GPT.state_dict()`), whatever
-    layout wrote it. Single process, no process group: what an exporter calls. Files are verified first."""
+    layout wrote it. Single process, no process group: what an exporter calls. Files are verified first, unless the
+    caller just did (`verified`: newest_sound hashed the one it picked; hashing again reads the checkpoint twice)."""
     ckpt = Path(ckpt_dir)
-    manifest = _read_manifest(ckpt)
-    problem = verify(ckpt, manifest)
-    if problem:
+    if not verified and (problem := verify(ckpt, _read_manifest(ckpt))):
         raise CheckpointError(f"checkpoint {ckpt}: {problem}")
     reader = SafeReader(ckpt)
     try:
@@ -545,7 +578,7 @@ def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # that no_dist means one process is what we ask for
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=RangeLoadPlanner(), no_dist=True)
         except (pickle.UnpicklingError, CheckpointException) as exc:
             raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}") from None
     return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..api import Spec
 from .checkpoint import CheckpointError
+from .partial_read import FlatRange
 from .engine import Batch, StepResult
 from .loss import cross_entropy
 from .models.registry import ModelConfig, build_model
@@ -58,8 +59,8 @@ from .parallel.tensors import in_batches, save_owners
 # DeepSpeed's dynamic loss scaler state; the rest of it is configuration.
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-# A resume loads whole fp32 weights and moments in parts of this many elements per tensor kind (3 x 1 GiB of host
-# memory), each part one collective load.
+# A resume loads the parameters in parts of this many elements (each rank its share of them), each part one
+# collective load.
 LOAD_PART_ELEMENTS = 2**28
 
 
@@ -206,25 +207,26 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def restore(self, load: Callable[[dict], None]) -> None:
         """Restore from a checkpoint of any layout and engine: `load(part)` fills `part`, a state_dict-shaped
-        template, from it (a collective). The parameters come in parts of at most LOAD_PART_ELEMENTS elements, whole
-        fp32 tensors in host memory, each rank copying out its partitions: the host never holds the whole state."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+        template, from it (a collective). Each rank asks only for the flat range of each tensor that its ZeRO
+        partition holds (`_own_ranges`; partial_read reads just those bytes): a rank reads and holds 1/N of the fp32
+        weights and Adam moments, not the whole state (96 GB per rank at 8B). The parameters come in parts of at
+        most LOAD_PART_ELEMENTS elements, each one collective load."""
         self._link_optimizer_state()
         params = list(self.module.named_parameters())
         steps: set[float] = set()
         for part in in_batches([_numel(p) for _, p in params], LOAD_PART_ELEMENTS):
             state: dict = {"model": {}, "optim": {}}
+            filled = []
             for name, p in (params[i] for i in part):
                 shape = tuple(getattr(p, "ds_shape", p.shape))
-                state["model"][name] = torch.empty(shape, dtype=torch.float32)
-                state["optim"][name] = {key: torch.empty(shape, dtype=torch.float32) for key in ADAM_MOMENTS}
+                start, destinations, after = self._own_ranges(p)
+                state["model"][name] = FlatRange(shape, start, destinations[None])
+                state["optim"][name] = {key: FlatRange(shape, start, destinations[key]) for key in ADAM_MOMENTS}
                 state["optim"][name]["step"] = torch.tensor(0.0)
+                filled.append((name, after))
             load(state)
-            for name, p in (params[i] for i in part):
-                safe_set_full_fp32_param(p, state["model"][name])
-                for key in ADAM_MOMENTS:
-                    safe_set_full_optimizer_state(p, state["optim"][name][key], key)
+            for name, after in filled:
+                after()
                 steps.add(float(state["optim"][name]["step"]))
         if len(steps) != 1:
             raise CheckpointError(f"the checkpoint's parameters have taken different numbers of optimizer steps "
@@ -233,6 +235,34 @@ class DeepSpeedEngine:
         for master in self.masters:
             self.zero.optimizer.state[master]["step"].fill_(step)
         self._refresh_weights()
+
+    def _own_ranges(self, p: nn.Parameter) -> tuple[int, dict[str | None, torch.Tensor], Callable[[], None]]:
+        """Where this rank's share of `p` starts in the flattened parameter, the 1-D tensors its fp32 weights (key
+        None) and Adam's moments are loaded into, and what to call once they are. ZeRO-1/2 (and bf16 ZeRO-1): the
+        fragment of DeepSpeed's flat master partition and moments that holds `p`'s elements (`_hp_mapping`; none
+        if the partition holds none of them), loaded in place. ZeRO-3: the parameter's own partition, padded past
+        its end, loaded into host buffers and then set as DeepSpeed's local state."""
+        if self.zero_stage < 3:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                empty = torch.empty(0)
+                return 0, dict.fromkeys((None, *ADAM_MOMENTS), empty), lambda: None
+            return (mapping.lp_fragment_address.start,
+                    {key: mapping.get_hp_fragment(optim_state_key=key) for key in (None, *ADAM_MOMENTS)},
+                    lambda: None)
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        size = p.ds_tensor.numel()
+        start = self.zero._get_param_partition_rank(p) * size
+        real = max(0, min(p.ds_numel - start, size))
+        padded = {key: torch.zeros(size, dtype=torch.float32) for key in (None, *ADAM_MOMENTS)}
+
+        def set_local() -> None:
+            safe_set_local_fp32_param(p, padded[None])
+            for key in ADAM_MOMENTS:
+                safe_set_local_optimizer_state(p, padded[key], key)
+
+        return min(start, p.ds_numel), {key: t[:real] for key, t in padded.items()}, set_local
 
     def _link_optimizer_state(self) -> None:
         """Make Adam's state exist and be reachable by parameter, for the safe_*_optimizer_state calls.
