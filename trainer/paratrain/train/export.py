@@ -19,6 +19,7 @@ def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: st
     ckpt = newest_sound(checkpoint)
     data = job.spec.data
     tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    out = export_hf(job, full_model_state(ckpt), out_dir, tokenizer if tokenizer and tokenizer.is_file() else None,
-                    max_shard_bytes, dtype)
+    state = full_model_state(ckpt, verified=ckpt != Path(checkpoint))  # newest_sound hashed what it picked
+    out = export_hf(job, state, out_dir, tokenizer if tokenizer and tokenizer.is_file() else None, max_shard_bytes,
+                    dtype)
     return out, ckpt, json.loads((ckpt / MANIFEST).read_text())
