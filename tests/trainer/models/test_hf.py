@@ -3,10 +3,13 @@ exported (paratrain → HF) and loaded (HF → paratrain, spec.model.init), for 
 run started from HF weights begins at the single-process run's loss."""
 
 import json
+import weakref
+from collections.abc import Mapping
 
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from paratrain.api import parse_job
 from paratrain.train.data import TRAIN_STREAM, global_batch, load_corpus
@@ -102,6 +105,44 @@ def test_a_model_over_the_shard_size_is_written_in_shards_with_an_index_transfor
         torch.testing.assert_close(again.state_dict()[name], tensor.bfloat16().float())
     export_hf(j, model.state_dict(), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+class ReadOnDemand(Mapping):
+    """A model state read a tensor at a time, as checkpoint.CheckpointModel reads it: each read a fresh tensor,
+    and the most alive at once counted (the exporter's peak, in tensors)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state, self.shapes, self.alive, self.most_alive = state, {k: v.shape for k, v in state.items()}, [], 0
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self):
+        return len(self.state)
+
+    def __getitem__(self, name):
+        tensor = self.state[name].clone()
+        self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(tensor)]
+        self.most_alive = max(self.most_alive, len(self.alive))
+        return tensor
+
+
+def test_an_export_holds_one_shard_and_one_parameter_not_the_model(tmp_path):
+    """Shards of 20 KB in fp32 (the tiny Llama is 86 KB): each shard is written as soon as its tensors are read,
+    so at no time are more of the model's tensors alive than a shard holds and the one being read; the files are
+    those of the whole model exported at once."""
+    j = job("llama")
+    state = paratrain_model(j).state_dict()
+    lazy = ReadOnDemand(state)
+    export_hf(j, lazy, tmp_path / "lazy", max_shard_bytes=20_000)
+    export_hf(j, state, tmp_path / "whole", max_shard_bytes=20_000)
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "lazy").iterdir()) and len(files) > 4
+    for name in files:
+        assert (tmp_path / "lazy" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    largest_shard = max(sum(1 for _ in safe_open(tmp_path / "whole" / f, "pt").keys()) for f in files
+                        if f.endswith(".safetensors"))
+    assert lazy.most_alive <= largest_shard + 1 < len(state), (lazy.most_alive, largest_shard, len(state))
 
 
 @pytest.mark.parametrize("family", MODELS)

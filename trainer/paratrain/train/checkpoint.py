@@ -37,6 +37,7 @@ import threading
 import warnings
 import zipfile
 from concurrent.futures import Future
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -561,27 +562,51 @@ def newest_sound(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"{path}: no complete checkpoint (a step-* directory with {MANIFEST}){found}")
 
 
-def full_model_state(ckpt_dir: str | os.PathLike, verified: bool = False) -> dict[str, torch.Tensor]:
-    """The whole model of a checkpoint, fp32 tensors keyed by parameter name (as in `GPT.state_dict()`), whatever
-    layout wrote it. Single process, no process group: what an exporter calls. Files are verified first, unless the
-    caller just did (`verified`: newest_sound hashed the one it picked; hashing again reads the checkpoint twice)."""
-    ckpt = Path(ckpt_dir)
-    if not verified and (problem := verify(ckpt, _read_manifest(ckpt))):
-        raise CheckpointError(f"checkpoint {ckpt}: {problem}")
-    reader = SafeReader(ckpt)
-    try:
-        stored = reader.read_metadata().state_dict_metadata
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"checkpoint {ckpt} refused: {exc}") from None
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in stored.items()
-             if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
-    with warnings.catch_warnings():  # that no_dist means one process is what we ask for
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+class CheckpointModel(Mapping[str, torch.Tensor]):
+    """The model of a checkpoint written by any layout: whole fp32 tensors keyed by parameter name (as in
+    `GPT.state_dict()`), each read when asked for, each rank's pieces joined. Names and shapes (`shapes`) come from
+    its metadata, without reading a tensor: an exporter holds one at a time, not the model. Single process, no
+    process group. The files are verified first, unless the caller just did (`verified`: newest_sound hashed the
+    one it picked; hashing again reads the checkpoint twice)."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike, verified: bool = False):
+        self.ckpt = Path(ckpt_dir)
+        if not verified and (problem := verify(self.ckpt, _read_manifest(self.ckpt))):
+            raise CheckpointError(f"checkpoint {self.ckpt}: {problem}")
         try:
-            dcp.load(state, storage_reader=reader, planner=RangeLoadPlanner(), no_dist=True)
-        except (pickle.UnpicklingError, CheckpointException) as exc:
-            raise CheckpointError(f"checkpoint {ckpt} refused: {_dcp_failure(exc)}") from None
-    return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
+            stored = SafeReader(self.ckpt).read_metadata().state_dict_metadata
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"checkpoint {self.ckpt} refused: {exc}") from None
+        self._stored = {key.removeprefix(MODEL_PREFIX): md for key, md in stored.items()
+                        if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
+        self.shapes = {name: md.size for name, md in self._stored.items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read([name])[name]
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors `names`, in one load."""
+        state = {MODEL_PREFIX + n: torch.empty(self._stored[n].size, dtype=self._stored[n].properties.dtype)
+                 for n in names}
+        with warnings.catch_warnings():  # that no_dist means one process is what we ask for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            try:
+                dcp.load(state, storage_reader=SafeReader(self.ckpt), planner=RangeLoadPlanner(), no_dist=True)
+            except (pickle.UnpicklingError, CheckpointException) as exc:
+                raise CheckpointError(f"checkpoint {self.ckpt} refused: {_dcp_failure(exc)}") from None
+        return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
+
+
+def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model of a checkpoint at once (CheckpointModel's tensors, verified first)."""
+    model = CheckpointModel(ckpt_dir)
+    return model.read(model)
 
 
 def rng_state() -> dict:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..api import ParallelTrainJob
-from .checkpoint import MANIFEST, full_model_state, newest_sound
+from .checkpoint import MANIFEST, CheckpointModel, newest_sound
 from .models.hf import DEFAULT_SHARD_BYTES, export_hf
 from .models.hf_config import TOKENIZER_FILE
 
@@ -19,7 +19,7 @@ def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: st
     ckpt = newest_sound(checkpoint)
     data = job.spec.data
     tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    state = full_model_state(ckpt, verified=ckpt != Path(checkpoint))  # newest_sound hashed what it picked
-    out = export_hf(job, state, out_dir, tokenizer if tokenizer and tokenizer.is_file() else None, max_shard_bytes,
+    model = CheckpointModel(ckpt, verified=ckpt != Path(checkpoint))  # newest_sound hashed what it picked
+    out = export_hf(job, model, out_dir, tokenizer if tokenizer and tokenizer.is_file() else None, max_shard_bytes,
                     dtype)
     return out, ckpt, json.loads((ckpt / MANIFEST).read_text())

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -80,23 +80,27 @@ def _missing_bias(cfg: ModelConfig, hf: str) -> str | None:
     return None
 
 
-def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full paratrain state dict of the model `cfg` as the Hugging Face model's."""
+    return {hf: t for name, tensor in state.items() for hf, t in to_hf_tensors(cfg, name, tensor).items()}
+
+
+def to_hf_tensors(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """paratrain's parameter `name` of the model `cfg` as the Hugging Face tensors it becomes (q/k/v split, GPT-2's
+    Conv1D transposes, the zero biases paratrain's GPT has no parameter for), in their order in the HF state."""
     family = MODELS[type(cfg)].family
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if m := FUSED_QKV.fullmatch(name):
-            qkv = unfuse_qkv(tensor, cfg.heads, cfg.kv_heads)
-            if family == "llama":
-                out.update({hf: t.contiguous() for hf, t in zip(_llama_qkv(m[1]), qkv)})
-            else:  # c_attn: [q; k; v] stacked by output features, stored (in, out)
-                out[f"transformer.h.{m[1]}.attn.c_attn.weight"] = torch.cat(qkv).T.contiguous()
-                out[f"transformer.h.{m[1]}.attn.c_attn.bias"] = torch.zeros(sum(len(t) for t in qkv))
-            continue
-        hf = hf_name(family, name)
-        out[hf] = tensor.T.contiguous() if _conv1d(family, hf) else tensor.contiguous()
-        if bias := _missing_bias(cfg, hf):
-            out[bias] = torch.zeros(tensor.shape[0])  # the output features (a Linear's rows, a norm's gains)
+    if m := FUSED_QKV.fullmatch(name):
+        qkv = unfuse_qkv(tensor, cfg.heads, cfg.kv_heads)
+        if family == "llama":
+            return {hf: t.contiguous() for hf, t in zip(_llama_qkv(m[1]), qkv)}
+        # c_attn: [q; k; v] stacked by output features, stored (in, out)
+        return {f"transformer.h.{m[1]}.attn.c_attn.weight": torch.cat(qkv).T.contiguous(),
+                f"transformer.h.{m[1]}.attn.c_attn.bias": torch.zeros(sum(len(t) for t in qkv),
+                                                                      device=tensor.device)}
+    hf = hf_name(family, name)
+    out = {hf: tensor.T.contiguous() if _conv1d(family, hf) else tensor.contiguous()}
+    if bias := _missing_bias(cfg, hf):
+        out[bias] = torch.zeros(tensor.shape[0], device=tensor.device)  # the output features (a Linear's rows)
     return out
 
 
@@ -162,22 +166,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (max_shard_size="5GB")
 
 
-def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_dir: str | Path,
+def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], out_dir: str | Path,
               tokenizer_json: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               dtype: str = "fp32") -> Path:
     """Write a full (unsharded) paratrain model state as a Hugging Face model directory: config.json, the weights
     in `dtype` (fp32 or bf16) as model.safetensors, or where they pass `max_shard_bytes` as shards
     model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout: each shard filled in
     order up to the limit, a tensor larger than it alone in its own), and, if given, tokenizer.json. Weight files
-    of an earlier export there are replaced. Returns the directory."""
+    of an earlier export there are replaced. Returns the directory.
+
+    `model_state` is read one tensor at a time, in order, and a shard is written as soon as its tensors are there:
+    with a mapping that reads each tensor when asked (checkpoint.CheckpointModel, whose `shapes` give the shapes
+    without reading) the export holds one shard and one parameter, not the model (32 GB in fp32 at 8B)."""
     from safetensors.torch import save_file
 
     spec = job.spec
-    vocab_size = model_state["tok_emb.weight"].shape[0]
+    shapes = getattr(model_state, "shapes", None) or {k: v.shape for k, v in model_state.items()}
+    vocab_size = shapes["tok_emb.weight"][0]
     cfg = model_config(spec, vocab_size)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
-    got = {k: v.shape for k, v in model_state.items()}
+    got = {k: torch.Size(v) for k, v in shapes.items()}
     if got != expected:
         wrong = sorted(set(got) ^ set(expected)) or sorted(k for k in got if got[k] != expected[k])
         raise ValueError(f"the model state is not the full model of {job.metadata.name}'s spec "
@@ -192,14 +201,20 @@ def export_hf(job: ParallelTrainJob, model_state: dict[str, torch.Tensor], out_d
             old.unlink()
     config = config_json(spec.model, vocab_size) | {"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    tensors = to_hf(cfg, model_state)
-    shards = shard_names(tensors, max_shard_bytes, DTYPES[dtype].itemsize)
-    files = sorted(set(shards.values()))
-    for file in files:
-        save_file({name: tensors[name].detach().to("cpu", DTYPES[dtype]) for name, f in shards.items() if f == file},
-                  str(out / file), metadata={"format": "pt"})
-    if len(files) > 1:
-        total = sum(t.numel() for t in tensors.values()) * DTYPES[dtype].itemsize
+    with torch.device("meta"):  # the HF tensors' names, order and sizes, for the shard plan, without the data
+        planned = to_hf(cfg, {k: torch.empty(v) for k, v in got.items()})
+    shards = shard_names(planned, max_shard_bytes, DTYPES[dtype].itemsize)
+    remaining = {file: {name for name, f in shards.items() if f == file} for file in set(shards.values())}
+    pending: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        pending.update((hf, t.detach().to("cpu", DTYPES[dtype])) for hf, t in
+                       to_hf_tensors(cfg, name, model_state[name]).items())
+        for file, names in remaining.items():
+            if names and names <= pending.keys():
+                save_file({hf: pending.pop(hf) for hf in sorted(names)}, str(out / file), metadata={"format": "pt"})
+                names.clear()
+    if len(remaining) > 1:
+        total = sum(t.numel() for t in planned.values()) * DTYPES[dtype].itemsize
         (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards},
                                                     indent=2) + "\n")
     if tokenizer_json:
