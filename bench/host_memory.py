@@ -11,7 +11,8 @@ the phase's start, and its bytes read, from /proc/self), as every run does: the 
 `--metrics-out`. Reported per layout, the worst rank's rise over the phase (peak − resident at its start) and the
 resume's bytes read, each also as a multiple of the model's fp32 weights (Ψ·4 bytes). On this CPU the model and
 its optimizer state are host memory too, so a sharded layout's build is smaller for that reason as well; on a GPU
-only the host-side copies count. Then `paratrain export` of the last checkpoint to safetensors, in fp32 and bf16.
+only the host-side copies count. Then `paratrain export` of the one-process checkpoint to safetensors: fp32 and bf16 in
+one file, and fp32 in 16 MB shards (a shard is written as soon as its tensors are read).
 Writes bench/results/host_memory.json and .png, and the `host_memory` section of docs/benchmarks.md.
 """
 
@@ -79,7 +80,7 @@ def measure(name: str, layers: int, width: int, tmp: Path) -> dict:
             "peak_rss_bytes": max(resumed["peak_memory_bytes"]), "checkpoint": str(tmp / name / "ckpt")}
 
 
-def export(document: dict, checkpoint: str, out: Path, dtype: str) -> dict:
+def export(document: dict, checkpoint: str, out: Path, dtype: str, shard: str) -> dict:
     """`paratrain export` in a process of its own, measured as the trainer measures a phase."""
     job_file = out.with_suffix(".yaml")
     job_file.write_text(yaml.safe_dump(document))
@@ -90,12 +91,14 @@ def export(document: dict, checkpoint: str, out: Path, dtype: str) -> dict:
                "phases = HostPhases()\nwith phases.phase('export'):\n    code = main(sys.argv[1:])\n"
                "print(json.dumps(phases.as_dict()['export']))\nsys.exit(code)\n")
     proc = subprocess.run([sys.executable, "-c", program, "export", str(job_file), "--checkpoint", checkpoint,
-                           "--out", str(out), "--dtype", dtype], capture_output=True, text=True)
+                           "--out", str(out), "--dtype", dtype, "--max-shard-size", shard],
+                          capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"paratrain export failed:\n{proc.stderr[-3000:]}")
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     written = sum(f.stat().st_size for f in out.iterdir())
-    return {"dtype": dtype, "rise_bytes": figures["peakRssBytes"] - figures["startRssBytes"],
+    return {"dtype": dtype, "max_shard_size": shard, "files": sum(1 for _ in out.glob("*.safetensors")),
+            "rise_bytes": figures["peakRssBytes"] - figures["startRssBytes"],
             "read_bytes": figures["bytesRead"], "written_bytes": written}
 
 
@@ -131,9 +134,11 @@ def main() -> None:
             print(f"{name:22s} " + "  ".join(f"{p} +{r['rise_bytes'][p] / MIB:,.0f} MiB" for p in PHASES)
                   + f"  resume read {r['resume_read_bytes'] / MIB:,.0f} MiB", flush=True)
         document = job(args.layers, args.width, Path(rows[0]["checkpoint"]))
-        exports = [export(document, rows[0]["checkpoint"], tmp / f"export-{d}", d) for d in ("fp32", "bf16")]
+        exports = [export(document, rows[0]["checkpoint"], tmp / f"export-{d}-{shard}", d, shard)
+                   for d, shard in (("fp32", "5GB"), ("bf16", "5GB"), ("fp32", "16MB"))]
     for e in exports:
-        print(f"export {e['dtype']}: +{e['rise_bytes'] / MIB:,.0f} MiB, read {e['read_bytes'] / MIB:,.0f} MiB, "
+        print(f"export {e['dtype']}, shards {e['max_shard_size']}: +{e['rise_bytes'] / MIB:,.0f} MiB, "
+              f"read {e['read_bytes'] / MIB:,.0f} MiB, "
               f"wrote {e['written_bytes'] / MIB:,.0f} MiB")
     result = {"machine": machine(), "parameters": n, "fp32_weight_bytes": weights, "layers": args.layers,
               "width": args.width, "layouts": rows, "exports": exports}
@@ -154,9 +159,10 @@ def main() -> None:
                      f"{cell(r['rise_bytes']['save'])} | {cell(r['rise_bytes']['resume'])} | "
                      f"{cell(r['resume_read_bytes'])} | {r['peak_rss_bytes'] / MIB:,.0f} |")
     lines += ["", "`paratrain export` of the one-process checkpoint (one process, safetensors):", "",
-              "| dtype | rise | read | written |", "|---|---|---|---|"]
+              "| dtype | --max-shard-size | files | rise | read | written |", "|---|---|---|---|---|---|"]
     for e in exports:
-        lines.append(f"| {e['dtype']} | {cell(e['rise_bytes'])} | {cell(e['read_bytes'])} | "
+        lines.append(f"| {e['dtype']} | {e['max_shard_size']} | {e['files']} | {cell(e['rise_bytes'])} | "
+                     f"{cell(e['read_bytes'])} | "
                      f"{cell(e['written_bytes'])} |")
     lines += ["", "![host memory per phase](../bench/results/host_memory.png)"]
     write_section("host_memory", lines)
