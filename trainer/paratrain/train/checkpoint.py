@@ -183,8 +183,10 @@ class SafeReader(dcp.FileSystemReader):
                     info = self.storage_data[item.storage_index]
                     archive = _Window(stream, info.offset, info.length)
                     refuse_compressed(archive, f"{info.relative_path}@{info.offset}")
-                    archive.seek(0)
                     target = planner.resolve_tensor(item).detach()
+                    if target.shape != tuple(item.lengths):  # DCP's own reader checks this too
+                        raise AssertionError(f"{item.dest_index.fqn}: a piece of {tuple(item.lengths)} planned "
+                                             f"into a tensor of {tuple(target.shape)}")
                     read_box(archive, item.storage_offsets, item.lengths, target)
                     planner.commit_tensor(item, target)
         done: torch.futures.Future = torch.futures.Future()
@@ -244,13 +246,15 @@ class RangeLoadPlanner(dcp.DefaultLoadPlanner):
     def set_up_planner(self, state_dict: dict, metadata: metadata.Metadata | None = None,
                        is_coordinator: bool = False) -> None:
         """DefaultLoadPlanner's set-up less its first move (`_init_state_dict`), which makes meta-device tensors
-        real and turns every object it does not know, a FlatRange among them, into None. No template here is on
-        the meta device."""
+        real and turns every object it does not know, a FlatRange among them, into None. A template on the meta
+        device would load nothing: refused."""
         self.original_state_dict = state_dict
         if self.flatten_sharded_tensors:
             state_dict = _flatten_sharded_tensors(state_dict)
         if self.flatten_state_dict:
             state_dict, self.mappings = flatten_state_dict(state_dict)
+        if meta := [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_meta]:
+            raise ValueError(f"load templates on the meta device hold no memory to load into: {meta[:3]}")
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
 
     def lookup_tensor(self, index: metadata.MetadataIndex) -> torch.Tensor:

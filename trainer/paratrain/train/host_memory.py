@@ -1,11 +1,12 @@
-"""Host memory and reads per phase of a run (build, resume, save, train), each rank its own: at 8B a rank that
+"""Host memory and reads per phase of a run (build, resume, save), each rank its own: at 8B a rank that
 builds, saves or loads the whole fp32 state in host memory needs tens of GB more than its share, and that is
 where a node runs out, so each phase's peak resident set and bytes read are measured, not estimated.
 
 Linux keeps one peak per process (VmHWM, which getrusage's ru_maxrss also reads); writing 5 to /proc/self/clear_refs
 sets it back to the resident set of the moment, so a phase's peak is VmHWM at its end after a reset at its start.
 The peak before each reset is kept, so `peak_rss_bytes` is still the process's peak over the whole run. Where the
-kernel refuses the reset (no procfs), phases are not measured and `peak_rss_bytes` falls back to ru_maxrss."""
+kernel refuses the reset or keeps no I/O counts (no procfs, no task I/O accounting), phases are not
+measured and `peak_rss_bytes` falls back to ru_maxrss."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def _reset_peak() -> bool:
     global _peak_before_resets
     try:
         before = _status_bytes("VmHWM")
+        _bytes_read()  # a kernel without task I/O accounting has no /proc/self/io: then no phase is measured
         (PROC / "clear_refs").write_text("5")
     except (OSError, KeyError):
         return False

@@ -98,6 +98,7 @@ def read_box(archive: Any, offsets: torch.Size, lengths: torch.Size, target: tor
     """Copy the box (offsets, lengths) of the tensor saved in `archive` (a seekable file holding one torch.save
     archive, uncompressed) into `target`, reading only the box's bytes where the tensor is stored contiguous and
     little-endian, else the whole tensor."""
+    archive.seek(0)
     meta = torch.load(archive, map_location="meta", weights_only=True)
     starts, run = _runs(meta.shape, offsets, lengths)
     itemsize = meta.element_size()

@@ -213,6 +213,8 @@ def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], ou
             if names and names <= pending.keys():
                 save_file({hf: pending.pop(hf) for hf in sorted(names)}, str(out / file), metadata={"format": "pt"})
                 names.clear()
+    if pending or any(remaining.values()):  # the plan (on the meta device) and the tensors disagreed
+        raise AssertionError(f"export wrote no file for {sorted(pending or set().union(*remaining.values()))[:5]}")
     if len(remaining) > 1:
         total = sum(t.numel() for t in planned.values()) * DTYPES[dtype].itemsize
         (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards},
