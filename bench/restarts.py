@@ -1,6 +1,7 @@
 """Time from a rank's crash to the first training step after it: an in-place restart (spec.restartPolicy.inPlaceLimit:
 every pod's agent restarts its workers in the same pods) against a whole-gang restart (every pod deleted and
-created again), measured side by side in one run.
+created again); and from a pod's deletion to the first step after it, where only that pod is replaced (its peers'
+ranks wait in place); measured side by side in one run.
 
     .venv/bin/python bench/restarts.py [--nodes 2] [--repeats 3]
 
@@ -8,7 +9,14 @@ On the real control plane (scripts/testbin.sh builds it) with the operator and t
 local processes of this checkout, CPU/gloo): the tests' Shakespeare-sized stand-in, a `--nodes`-pod job with a
 checkpoint every 10 steps, whose rank 1 exits 1 after step 25 (the reliability faults' `exit_at`, which logs the
 time of its exit). Rank 0's progress endpoint is polled every 50 ms; the restart's time runs from the crash to the
-first report of a step past the step resumed from. Also counted: the pods created for the job.
+first report of a step past the step resumed from. The single-pod kind deletes pod 1 (as a drain or `kubectl delete
+pod` does: its ranks and their peers save the step in flight) once rank 0 reports step 25, and its time runs
+from that delete. Also counted: the pods created for the job.
+
+Then what each kind costs the API server, on a `--api-pods`-pod gang of hollow pods (support/hollow.py: the real
+kube-scheduler binds them, nothing runs; 0 skips it): the operator's requests through a counting proxy from the
+restart's cause until the job is Running again and quiet — in place: rank 0's report of an in-place round (the
+hollow progress endpoint says so); single pod: one pod deleted; whole gang: one pod failing with exit 1.
 
 Writes bench/results/restarts.json and its section of docs/benchmarks.md.
 """
@@ -34,11 +42,12 @@ from doc_section import arguments, write_section  # noqa: E402
 
 from paratrain import contract  # noqa: E402
 from tests.operator.support.real_cluster import RealCluster  # noqa: E402
+from tests.operator.support.scale import ScaleRig  # noqa: E402
 from tests.reliability.gang import FAULTS  # noqa: E402
-from tests.support.control_plane import ControlPlane  # noqa: E402
+from tests.support.control_plane import ControlPlane, wait_for  # noqa: E402
 
 CRASH_STEP, STEPS, INTERVAL = 25, 60, 10
-KINDS = {"in place": 2, "whole gang": 0}  # → spec.restartPolicy.inPlaceLimit
+KINDS = {"in place": 2, "single pod": 2, "whole gang": 0}  # → spec.restartPolicy.inPlaceLimit
 
 
 def job_spec(nodes: int, checkpoints: Path, in_place_limit: int) -> dict[str, Any]:
@@ -69,8 +78,8 @@ def rank0_report(cluster: RealCluster, namespace: str) -> tuple[int, dict[str, A
 def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: int) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     crash_log = workdir / "crashes.txt"
-    fault = {"PARATRAIN_TEST_FAULT": f"exit_at:1:{CRASH_STEP}:1:1", "PYTHONPATH": str(FAULTS),
-             "PARATRAIN_TEST_FAULT_LOG": str(crash_log)}
+    fault = {} if kind == "single pod" else {"PARATRAIN_TEST_FAULT": f"exit_at:1:{CRASH_STEP}:1:1",
+                                             "PYTHONPATH": str(FAULTS), "PARATRAIN_TEST_FAULT_LOG": str(crash_log)}
     cluster = RealCluster(plane, workdir, node=f"bench-{run}", extra_env=fault)
     try:
         namespace = cluster.namespace(f"restarts-{run}")
@@ -79,7 +88,10 @@ def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: 
         deadline = time.monotonic() + 300
         while resumed_at is None and time.monotonic() < deadline:
             seen = rank0_report(cluster, namespace)
-            if seen and crash_log.exists():
+            if seen and kind == "single pod" and not crash_log.exists() and seen[1].get("step", 0) >= CRASH_STEP:
+                crash_log.write_text(f"{time.time()}\n")
+                cluster.api.delete("v1/pods", namespace, contract.pod_name("bench", 0, 1))
+            elif seen and crash_log.exists():
                 attempt, progress = seen
                 after_crash = attempt > 0 or progress.get("restartsInPlace", 0) > 0
                 if after_crash and progress.get("step", 0) > (progress.get("startStep") or 0):
@@ -89,21 +101,72 @@ def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: 
         crashed_at = float(crash_log.read_text().split()[0])
         status = cluster.wait_phase(namespace, "bench", "Succeeded", 240)
         return {"seconds": round(resumed_at - crashed_at, 2), "pods_created": len(cluster.pod_creations(namespace)),
-                "gang_restarts": status["restarts"], "in_place_restarts": status.get("inPlaceRestarts", 0)}
+                "gang_restarts": status["restarts"], "in_place_restarts": status.get("inPlaceRestarts", 0),
+                "pod_replacements": status.get("podReplacements", 0)}
     finally:
         cluster.close()
+
+
+def api_costs(plane: ControlPlane, workdir: Path, pods: int) -> dict[str, Any]:
+    """The operator's API requests for one restart of each kind of a `pods`-pod gang of hollow pods."""
+    workdir.mkdir(parents=True)
+    rig = ScaleRig(plane, workdir, nodes=-(-3 * pods // 128) + 1, progress=True)
+    costs: dict[str, Any] = {}
+    try:
+        for kind, limit in KINDS.items():
+            namespace = "api-" + kind.replace(" ", "-")
+            rig.start(namespace, pods, restartPolicy={"inPlaceLimit": limit})
+            mark, began = len(rig.proxy.log), time.monotonic()
+            if kind == "in place":
+                rank0 = next(p for p in rig.pods(namespace) if p["metadata"]["name"] == "gang-0-0")
+                rig.hollow.progress.said[rank0["status"]["podIP"]] = {
+                    "restartsInPlace": 1, "lastFailure": {"rank": pods // 2, "nodeRank": pods // 2, "exitCode": 1}}
+                done = lambda s: s.get("inPlaceRestarts") == 1  # noqa: E731
+            elif kind == "single pod":
+                rig.api.must(rig.api.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/gang-0-{pods // 2}"))
+                done = lambda s: s.get("podReplacements") == 1 and s.get("phase") == "Running"  # noqa: E731
+            else:
+                rig.hollow.finish(namespace, f"gang-0-{pods // 2}", exit_code=1)
+                done = lambda s: s.get("attempt") == 1 and s.get("phase") == "Running"  # noqa: E731
+            wait_for(lambda: done(rig.status(namespace, "gang")), 300, f"{kind}: the job Running again")
+            seconds = round(time.monotonic() - began, 2)
+            rig.quiet(namespace, "gang")
+            mine = [r for r in rig.proxy.log[mark:] if f"/namespaces/{namespace}/" in r[1]]
+            pod_path = f"/api/v1/namespaces/{namespace}/pods"
+            costs[kind] = {"requests": len(mine), "seconds_to_running": seconds,
+                           "pod_creates": sum(r[0] == "POST" and r[1].split("?")[0] == pod_path for r in mine),
+                           "pod_deletes": sum(r[0] == "DELETE" and r[1].startswith(pod_path + "/") for r in mine),
+                           "status_writes": sum(r[0] == "PATCH" and r[1].split("?")[0].endswith("/status")
+                                                for r in mine),
+                           "events": sum(r[0] in ("POST", "PATCH") and "/events" in r[1] for r in mine)}
+            print(f"{kind} at {pods} hollow pods: {costs[kind]}", flush=True)
+    finally:
+        rig.close()
+    return costs
 
 
 def table(results: dict[str, Any]) -> list[str]:
     rows = results["kinds"]
     gang, in_place = rows["whole gang"]["median_seconds"], rows["in place"]["median_seconds"]
-    lines = [f"Crash to the first step after it, {results['nodes']} pods on the try-out cluster (`bench/restarts.py`, "
-             f"median of {results['repeats']}; {results['machine']}):", "",
+    single = rows["single pod"]["median_seconds"]
+    lines = [f"Crash (single pod: deletion) to the first step after it, {results['nodes']} pods on the try-out cluster "
+             f"(`bench/restarts.py`, median of {results['repeats']}; {results['machine']}):", "",
              "| restart | seconds (median) | runs | pods created | gang restarts counted |", "|---|---|---|---|---|"]
     for kind, row in rows.items():
         lines.append(f"| {kind} | {row['median_seconds']} | {', '.join(map(str, row['seconds']))} | "
                      f"{row['pods_created']} | {row['gang_restarts']} |")
-    lines += ["", f"In place is {gang / in_place:.1f}x faster than a whole-gang restart here, and creates no pod."]
+    lines += ["", f"In place is {gang / in_place:.1f}x faster than a whole-gang restart here, and creates no pod; a "
+              f"single-pod replacement {gang / single:.1f}x, creating one pod."]
+    if costs := results.get("api_costs"):
+        lines += ["", f"The operator's API requests for one restart of a {results['api_pods']}-pod gang of hollow pods "
+                  "(from the cause until the job is Running again and the operator quiet; the real kube-scheduler "
+                  "binds, nothing runs; seconds: until the status shows it, for in place the operator's next read "
+                  "of rank 0's progress, every 10 s resync):", "",
+                  "| restart | API requests | pod creates | pod deletes | status writes | events | seconds |",
+                  "|---|---|---|---|---|---|---|"]
+        for kind, row in costs.items():
+            lines.append(f"| {kind} | {row['requests']} | {row['pod_creates']} | {row['pod_deletes']} | "
+                         f"{row['status_writes']} | {row['events']} | {row['seconds_to_running']} |")
     return lines
 
 
@@ -113,6 +176,7 @@ def main() -> None:
     parser = arguments(__doc__, "restarts")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--api-pods", type=int, default=256, help="the hollow gang's size for API costs (0: skip)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-restarts-"))
     plane = ControlPlane(workdir / "plane")
@@ -122,14 +186,18 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
         for repeat in range(args.repeats):  # the kinds alternate, so that a busy spell hits both
             for kind in KINDS:
-                run = len(runs["in place"]) + len(runs["whole gang"])
+                run = sum(len(r) for r in runs.values())
                 runs[kind].append(one_restart(plane, workdir / f"run-{run}", kind, args.nodes, run))
                 print(f"{kind}: {runs[kind][-1]}", flush=True)
         for kind, rows in runs.items():
             results["kinds"][kind] = {"seconds": [r["seconds"] for r in rows],
                                       "median_seconds": statistics.median(r["seconds"] for r in rows),
                                       "pods_created": rows[-1]["pods_created"],
-                                      "gang_restarts": rows[-1]["gang_restarts"]}
+                                      "gang_restarts": rows[-1]["gang_restarts"],
+                                      "pod_replacements": rows[-1]["pod_replacements"]}
+        if args.api_pods:
+            results["api_pods"] = args.api_pods
+            results["api_costs"] = api_costs(plane, workdir / "api", args.api_pods)
     finally:
         plane.close()
     shutil.rmtree(workdir, ignore_errors=True)

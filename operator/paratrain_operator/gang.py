@@ -1,8 +1,9 @@
 """Gang decisions, pure: the job's persisted gang state + the pods observed now + the time → the next decision.
 
 `decide` reads as a checklist (after JobSet's reconcile): finished? (stop leftovers, TTL) → deadline →
-suspend / resume → in-place restarts rank 0 reported → success → failure policy → old attempt still around?
-(delete it, wait) → missing pods (create) → phase.
+suspend / resume → pods being replaced (set the lost ones aside) → in-place restarts rank 0 reported → success →
+failure policy (lost pods only, not pod 0, rounds left: replace them alone; else the whole gang) → old attempt still
+around? (delete it, wait) → missing pods (create) → phase.
 
 A decision's new state is written to the job's status *before* its actions run. An operator killed in between
 redoes the same actions on restart instead of forgetting them: e.g. a gang restart persists attempt+1 first,
@@ -55,6 +56,7 @@ class Failure(status_model.Failure):
     preempted: bool = Field(False, exclude=True)
     at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
     rule: str | None = Field(None, exclude=True)  # the failure-policy rule that decided its action, if one did
+    action: str | None = Field(None, exclude=True)  # that rule's action
 
     @model_validator(mode="before")
     @classmethod
@@ -148,7 +150,8 @@ def with_policy(failure: Failure, pod: PodView | None, rules: Sequence[FailurePo
     named = f"{where} ({rule.describe()})"
     spent = "; its in-place restarts are spent" if rule.action == "RestartInPlace" else ""
     return failure.model_copy(update={"retryable": rule.action != "FailJob", "preempted": rule.action == "Ignore",
-                                      "rule": named, "message": f"{failure.message}; {named} applies{spent}"})
+                                      "rule": named, "action": rule.action,
+                                      "message": f"{failure.message}; {named} applies{spent}"})
 
 
 def trainer_error(termination_message: str | None, limit: int = 2000) -> str | None:
@@ -198,6 +201,9 @@ class GangState:
     restarts: int = 0  # failure-triggered gang restarts, counted against runPolicy.backoffLimit
     in_place_restarts: int = 0  # every attempt's in-place restarts (rank 0's reports), not counted
     attempt_in_place_restarts: int = 0  # this attempt's, as rank 0 last reported them
+    pod_replacements: int = 0  # every attempt's pods replaced alone, not counted
+    attempt_pod_replacements: int = 0  # this attempt's
+    replacing: tuple[tuple[int, str], ...] = ()  # (node rank, the lost pod's uid) of pods being replaced now
     gang_created: bool = False  # every pod of this attempt was seen: a pod missing from now on was deleted
     start_time: str | None = None
     attempt_start_time: str | None = None  # this attempt's first create: startTimeoutSeconds runs from it
@@ -215,6 +221,9 @@ class GangState:
         return cls(phase=s.get("phase"), attempt=as_int(s.get("attempt"), 0), restarts=as_int(s.get("restarts"), 0),
                    in_place_restarts=as_int(s.get("inPlaceRestarts"), 0),
                    attempt_in_place_restarts=as_int(s.get("attemptInPlaceRestarts"), 0),
+                   pod_replacements=as_int(s.get("podReplacements"), 0),
+                   attempt_pod_replacements=as_int(s.get("attemptPodReplacements"), 0),
+                   replacing=_replacing(s.get("replacing")),
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
                    attempt_start_time=s.get("attemptStartTime"), create_refused=_refusal(s.get("conditions")),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
@@ -224,7 +233,17 @@ class GangState:
     def new_attempt(self, **changes: Any) -> GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
         return replace(self, attempt=self.attempt + 1, gang_created=False, attempt_start_time=None, create_refused="",
-                       attempt_in_place_restarts=0, **changes)
+                       attempt_in_place_restarts=0, attempt_pod_replacements=0, replacing=(), **changes)
+
+
+def _replacing(said: Any) -> tuple[tuple[int, str], ...]:
+    """status.replacing as (node rank, lost uid) pairs; an entry that is not one is dropped."""
+    out = []
+    for entry in said if isinstance(said, list) else []:
+        rank = as_int(entry.get("nodeRank"), 0) if isinstance(entry, Mapping) else 0
+        if rank > 0:
+            out.append((rank, str(entry.get("lostUid") or "")))
+    return tuple(out)
 
 
 def _refusal(conditions: Any) -> str:
@@ -317,6 +336,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
 
     current = {p.rank: p for p in pods if p.attempt == state.attempt}
     stale = [p for p in pods if p.attempt != state.attempt]
+    state, current, lost_pods = _set_aside_lost(state, current)
     if in_place := restarted_in_place(policy, state, progress):
         state, events = in_place.state, [*events, *in_place.events]
     if len(current) == policy.nodes and all(p.phase == SUCCEEDED for p in current.values()):
@@ -325,16 +345,20 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         new = replace(state, phase=SUCCEEDED, completion_time=to_iso(now), reason="Succeeded", message=msg)
         return Decision(new, delete_pods=_active(stale), events=(*events, Event("Normal", "Succeeded", msg)))
 
-    failed = [(pod, f) for pod in current.values() if (f := classify(pod))]
+    failed = [(pod.rank, pod, f) for pod in current.values() if (f := classify(pod))]
     if state.gang_created:
-        vanished = [contract.pod_name(policy.name, state.attempt, r) for r in range(policy.nodes) if r not in current]
-        failed += [(None, deleted(name)) for name in vanished]
-    if failed and not _stopped_from_outside(current.values(), [f for _, f in failed]):
-        failed = [(pod, _unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f)
-                  for pod, f in failed]
-    failures = [with_policy(f, pod, policy.failure_rules) for pod, f in failed]
-    if failures:
-        return _on_failure(policy, state, pods, list(current.values()), root_cause(failures), now, events)
+        being_replaced = {rank for rank, _ in state.replacing}
+        failed += [(r, None, deleted(contract.pod_name(policy.name, state.attempt, r))) for r in range(policy.nodes)
+                   if r not in current and r not in being_replaced]
+    if failed and not _stopped_from_outside(current.values(), [f for _, _, f in failed]):
+        failed = [(rank, pod, _unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f)
+                  for rank, pod, f in failed]
+    failed = [(rank, pod, with_policy(f, pod, policy.failure_rules)) for rank, pod, f in failed]
+    if failed:
+        if replaceable(policy, state, failed):
+            return _replace(state, failed, now, events)
+        root = root_cause([f for _, _, f in failed])
+        return _on_failure(policy, state, pods, list(current.values()), root, now, events)
 
     gang_created = state.gang_created or len(current) == policy.nodes
     state = replace(state, gang_created=gang_created, create_refused="" if gang_created else state.create_refused)
@@ -347,10 +371,12 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         if stuck:
             said = f"{len(stuck)} pod(s) stuck terminating: {said}"
             msg = f"{msg}; {said}"
-        return Decision(replace(state, phase=phase, message=msg, stuck=said), delete_pods=tuple(gone),
-                        stuck_pods=tuple(p.name for p in stuck), events=tuple(events))
+        return Decision(replace(state, phase=phase, message=msg, stuck=said),
+                        delete_pods=(*gone, *_undeleted(lost_pods)), stuck_pods=tuple(p.name for p in stuck),
+                        events=tuple(events))
 
-    missing = tuple(r for r in range(policy.nodes) if r not in current)
+    # A lost pod still there holds its name: its replacement is created once it is gone.
+    missing = tuple(r for r in range(policy.nodes) if r not in current and r not in {p.rank for p in lost_pods})
     if policy.under_kueue:
         # The deadline clocks run from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
         queued = bool(missing) or any(p.queued for p in current.values())
@@ -378,27 +404,89 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         msg = _with_refusal(msg, state.create_refused)
     phase = RESTARTING if state.phase == RESTARTING else PENDING
     reason = state.reason if phase == RESTARTING else "GangStarting"
-    return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing, events=tuple(events))
+    # A lost pod stuck terminating on a node that is gone is force-deleted like an earlier attempt's (its node's
+    # kubelet will never confirm the deletion), so that its replacement can have its name.
+    return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing,
+                    delete_pods=_undeleted(lost_pods), stuck_pods=tuple(p.name for p in lost_pods if _stuck(p, now)),
+                    events=tuple(events))
+
+
+def _set_aside_lost(state: GangState, current: dict[int, PodView]
+                    ) -> tuple[GangState, dict[int, PodView], list[PodView]]:
+    """For pods being replaced (state.replacing): the state, the current pods less the lost ones still there (a
+    deleted pod terminating, an evicted one not yet deleted), and those lost pods. A replacement seen running
+    (another uid under the same name) ends its entry."""
+    if not state.replacing:
+        return state, current, []
+    lost_uids = dict(state.replacing)
+    lost = [p for r, p in current.items() if r in lost_uids and lost_uids[r] and p.uid == lost_uids[r]]
+    current = {r: p for r, p in current.items() if p not in lost}
+    running = {r for r, p in current.items() if r in lost_uids and p.phase in (RUNNING, SUCCEEDED)}
+    return replace(state, replacing=tuple(e for e in state.replacing if e[0] not in running)), current, lost
+
+
+def _lost(pod: PodView | None, failure: Failure) -> bool:
+    """Whether the pod was lost (deleted, evicted, its node gone) rather than its program having failed."""
+    return pod is None or pod.terminating or pod.disrupted or pod.reason in DISRUPTIONS or \
+        failure.reason == "PodDeleted"
+
+
+def replaceable(policy: Policy, state: GangState, failed: Sequence[tuple[int, PodView | None, Failure]]) -> bool:
+    """Whether the failed pods can be replaced alone: every one of them was lost, none is pod 0 (its agent hosts
+    the gang's rendezvous store, which the others' agents keep using), no rule of the job asks for more than a
+    restart (FailJob, RestartGang), the job restarts in place (its other pods' agents must start a round that
+    waits for the replacement) with rounds left this attempt as rank 0 last reported, and Kueue does not manage
+    it (its pod group is finished once a pod of it fails; a replacement would not be admitted)."""
+    if not policy.in_place_limit or state.attempt_in_place_restarts >= policy.in_place_limit or policy.under_kueue:
+        return False
+    return all(rank != 0 and _lost(pod, f) and f.retryable and f.action in (None, "Ignore", "RestartInPlace")
+               for rank, pod, f in failed)
+
+
+def _replace(state: GangState, failed: Sequence[tuple[int, PodView | None, Failure]], now: datetime,
+             events: list[Event]) -> Decision:
+    """Recreate only the lost pods (the next passes create each once its old pod is gone); the others' agents
+    restart their ranks in place, a round that waits for the replacements within startTimeoutSeconds, as the
+    replacements' start does here."""
+    root = root_cause([f for _, _, f in failed])
+    count = state.attempt_pod_replacements + len(failed)
+    names = ", ".join(f.pod or "?" for _, _, f in failed)
+    msg = (f"{root.message}; replacing only {'pod' if len(failed) == 1 else 'pods'} {names} (pod replacement "
+           f"{count} in attempt {state.attempt}): the other pods' ranks wait for it in place, then every rank "
+           "restarts from the newest checkpoint; not counted against backoffLimit")
+    new = replace(state, phase=RESTARTING, reason="ReplacingPod", message=msg, last_stop=root,
+                  pod_replacements=state.pod_replacements + len(failed), attempt_pod_replacements=count,
+                  replacing=(*state.replacing, *((rank, pod.uid if pod else "") for rank, pod, _ in failed)),
+                  attempt_start_time=to_iso(now))
+    doomed = _undeleted([pod for _, pod, _ in failed if pod])  # an evicted pod holds its name
+    gone = tuple(rank for rank, pod, _ in failed if pod is None)
+    return Decision(new, create_ranks=gone, delete_pods=doomed, events=(*events, Event("Normal", "ReplacingPod", msg)))
 
 
 def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, Any] | None) -> Decision | None:
     """The state once rank 0's report shows in-place restarts this state has not counted yet (`paratrain node`
-    restarted every rank in the same pods: nothing for the operator to do but say so), with a Warning Event naming
-    the rank that failed; None when there are none."""
+    restarted every rank in the same pods: nothing for the operator to do but say so), with an Event naming the
+    rank that failed (a Warning), or the pod replaced (Normal: a stop is not the job's failure, and `failure`
+    stays as it was); None when there are none."""
     count = as_int((progress or {}).get("restartsInPlace"), 0)
     if count <= state.attempt_in_place_restarts:
         return None
     said = (progress or {}).get("lastFailure") or {}
     node_rank, rank, code = (said.get(k) for k in ("nodeRank", "rank", "exitCode"))
+    rounds = (f"in-place restart {count} of spec.restartPolicy.inPlaceLimit {policy.in_place_limit} in attempt "
+              f"{state.attempt}")
+    new = replace(state, in_place_restarts=state.in_place_restarts + count - state.attempt_in_place_restarts,
+                  attempt_in_place_restarts=count)
+    replaced = state.last_stop.pod if state.attempt_pod_replacements and state.last_stop else None
+    if replaced and code in (contract.EXIT_RETRYABLE, contract.EXIT_PREEMPTED):  # its peers' ranks saw it go
+        msg = f"pod {replaced} was replaced; every rank restarted in place from the newest checkpoint ({rounds})"
+        return Decision(new, events=(Event("Normal", "RestartedInPlace", msg),))
     pod = contract.pod_name(policy.name, state.attempt, node_rank) if isinstance(node_rank, int) else None
     what = (f"rank {rank} in pod {pod} exited with code {code} ({describe_exit(code)})"
             if pod and isinstance(code, int) else "a rank failed")
     failure = Failure(reason="Error", pod=pod, exit_code=code if isinstance(code, int) else None, message=(
-        f"{what}; every rank restarted in place from the newest checkpoint, no pod replaced (in-place restart "
-        f"{count} of spec.restartPolicy.inPlaceLimit {policy.in_place_limit} in attempt {state.attempt})"))
-    new = replace(state, in_place_restarts=state.in_place_restarts + count - state.attempt_in_place_restarts,
-                  attempt_in_place_restarts=count, failure=failure)
-    return Decision(new, events=(Event("Warning", "RestartedInPlace", failure.message),))
+        f"{what}; every rank restarted in place from the newest checkpoint, no pod replaced ({rounds})"))
+    return Decision(replace(new, failure=failure), events=(Event("Warning", "RestartedInPlace", failure.message),))
 
 
 def _stuck(pod: PodView, now: datetime) -> bool:
@@ -469,7 +557,7 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         msg = f"{root.message}; restarting the whole gang from its newest checkpoint ({what} against backoffLimit)"
         new = state.new_attempt(phase=RESTARTING, last_stop=root, reason=root.reason, message=msg)
         event = Event("Normal", "RestartingGang" if root.rule else "Preempted", msg)
-        return Decision(new, delete_pods=_whole_gang(current), events=(*events, event))
+        return Decision(new, delete_pods=_undeleted(current), events=(*events, event))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
@@ -477,12 +565,13 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
     restarts = state.restarts + 1
     msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
     new = state.new_attempt(phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason, message=msg)
-    return Decision(new, delete_pods=_whole_gang(current), events=(*events, Event("Warning", "RestartingGang", msg)))
+    return Decision(new, delete_pods=_undeleted(current), events=(*events, Event("Warning", "RestartingGang", msg)))
 
 
-def _whole_gang(current: Sequence[PodView]) -> tuple[str, ...]:
-    """The whole gang goes, finished pods too: the next attempt reuses their hostnames (and rendezvous address)."""
-    return tuple(p.name for p in current if not p.terminating)
+def _undeleted(pods: Sequence[PodView]) -> tuple[str, ...]:
+    """The pods not yet deleted, finished ones too: a whole gang goes so that the next attempt can reuse its
+    hostnames (and rendezvous address); a lost pod so that its replacement can have its name."""
+    return tuple(p.name for p in pods if not p.terminating)
 
 
 def _suspend(state: GangState, pods: Sequence[PodView]) -> Decision:

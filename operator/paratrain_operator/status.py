@@ -8,6 +8,9 @@ Fields written (all under `.status`):
     observedGeneration  the spec generation this status describes
     attempt             gang attempt; pod names are `<job>-<attempt>-<rank>`
     restarts            failure-triggered gang restarts so far (limit: runPolicy.backoffLimit)
+    inPlaceRestarts     rounds of in-place restarts so far (attemptInPlaceRestarts: this attempt's)
+    podReplacements     pods replaced alone so far (attemptPodReplacements: this attempt's; replacing: those
+                        under way, each {nodeRank, lostUid})
     gangCreated         every pod of this attempt has been seen (a pod missing after that was deleted)
     startTime, completionTime
     failure             {pod, exitCode, reason, message}: the root cause of the last restart or of the failure
@@ -43,7 +46,8 @@ STALLED = "Stalled"
 GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler place the gang as a whole?
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
-              "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "gangCreated", "startTime", "attemptStartTime",
+              "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "podReplacements", "attemptPodReplacements",
+              "replacing", "gangCreated", "startTime", "attemptStartTime",
               "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
@@ -159,6 +163,12 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["inPlaceRestarts"] = state.in_place_restarts
     if state.attempt_in_place_restarts:
         out["attemptInPlaceRestarts"] = state.attempt_in_place_restarts
+    if state.pod_replacements:
+        out["podReplacements"] = state.pod_replacements
+    if state.attempt_pod_replacements:
+        out["attemptPodReplacements"] = state.attempt_pod_replacements
+    if state.replacing:
+        out["replacing"] = [{"nodeRank": rank, "lostUid": uid} for rank, uid in state.replacing]
     if state.start_time:
         out["startTime"] = state.start_time
     if state.attempt_start_time:

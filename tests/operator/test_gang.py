@@ -473,3 +473,82 @@ def test_a_pod_terminating_past_its_grace_period_and_the_margin_is_named_as_stuc
     assert decision.stuck_pods == ("job-0-0",) and not decision.create_ranks
     assert "1 pod(s) stuck terminating: job-0-0 (node n1" in decision.state.message
     assert decision.state.stuck in decision.state.message
+
+
+# --- single-pod replacement ---------------------------------------------------------------------------------------
+REPLACING = replace(POLICY, in_place_limit=2)
+
+
+def test_a_deleted_pod_is_replaced_alone_and_its_replacement_ends_the_replacement():
+    deleted = decide([pod(0), pod(1, terminating=True, uid="u1"), pod(2)], RUNNING, REPLACING)
+    s = decision_state = deleted.state
+    assert (s.phase, s.reason, s.attempt, s.restarts, s.pod_replacements, s.attempt_pod_replacements) == \
+        ("Restarting", "ReplacingPod", 0, 0, 1, 1)
+    assert s.replacing == ((1, "u1"),) and s.last_stop.reason == "PodDeleted" and s.failure is None
+    assert not deleted.create_ranks and not deleted.delete_pods  # its name is held until it is gone
+    message = ("pod job-0-1 was deleted before it finished; replacing only pod job-0-1 (pod replacement 1 in attempt "
+               "0): the other pods' ranks wait for it in place, then every rank restarts from the newest checkpoint; "
+               "not counted against backoffLimit")
+    assert [(e.type, e.reason, e.message) for e in deleted.events] == [("Normal", "ReplacingPod", message)]
+
+    still_there = decide([pod(0), pod(1, terminating=True, uid="u1"), pod(2)], decision_state, REPLACING)
+    assert still_there.state.pod_replacements == 1 and not still_there.events and not still_there.create_ranks
+    gone = decide([pod(0), pod(2)], decision_state, REPLACING)
+    assert gone.create_ranks == (1,) and gone.state.phase == "Restarting" and gone.state.pod_replacements == 1
+    starting = decide([pod(0), pod(1, "Pending", uid="u2"), pod(2)], gone.state, REPLACING).state
+    assert starting.replacing == ((1, "u1"),) and starting.phase == "Restarting"
+    running = decide([pod(0), pod(1, uid="u2"), pod(2)], starting, REPLACING)
+    assert (running.state.phase, running.state.replacing, running.state.attempt) == ("Running", (), 0)
+    assert [e.reason for e in running.events] == ["GangRunning"]
+    # Its peers' ranks restarted in place for it: rank 0's report of that round says so, without a failure.
+    report = {"step": 30, "restartsInPlace": 1, "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": 76}}
+    told = decide([pod(0), pod(1, uid="u2"), pod(2)], running.state, REPLACING, progress=report)
+    assert told.state.failure is None and told.state.in_place_restarts == 1
+    assert [(e.type, e.reason, e.message) for e in told.events] == [("Normal", "RestartedInPlace", (
+        "pod job-0-1 was replaced; every rank restarted in place from the newest checkpoint (in-place restart 1 of "
+        "spec.restartPolicy.inPlaceLimit 2 in attempt 0)"))]
+    # A replacement that fails on its own is a failure like any other.
+    failed = decide([pod(0), pod(1, "Failed", exit_code=1, uid="u2"), pod(2)], told.state, REPLACING).state
+    assert (failed.phase, failed.attempt, failed.restarts, failed.replacing) == ("Restarting", 1, 1, ())
+
+
+def test_an_evicted_pod_is_deleted_then_replaced_and_counted_once():
+    evicted = dict(phase="Failed", reason="Evicted", exit_code=137, disrupted=True, uid="u1")
+    first = decide([pod(0), pod(1, **evicted), pod(2)], RUNNING, REPLACING)
+    assert first.delete_pods == ("job-0-1",) and first.state.replacing == ((1, "u1"),)
+    assert first.state.last_stop.reason == "Evicted" and first.state.restarts == 0
+    again = decide([pod(0), pod(1, **evicted), pod(2)], first.state, REPLACING)  # the delete not seen yet
+    assert again.delete_pods == ("job-0-1",) and not again.create_ranks and again.state.pod_replacements == 1
+
+
+def test_a_pod_that_vanished_is_recreated_at_once():
+    vanished = decide([pod(0), pod(2)], RUNNING, REPLACING)
+    assert vanished.create_ranks == (1,) and vanished.state.replacing == ((1, ""),)
+    assert decide([pod(0), pod(1, "Pending", uid="u2"), pod(2)], vanished.state, REPLACING).state.replacing == \
+        ((1, ""),)
+
+
+@pytest.mark.parametrize("why,policy,state,pods", [
+    ("pod 0 hosts the rendezvous store", REPLACING, RUNNING, [pod(0, terminating=True), pod(1), pod(2)]),
+    ("no in-place restarts", POLICY, RUNNING, [pod(0), pod(1, terminating=True), pod(2)]),
+    ("the attempt's in-place restarts are spent", REPLACING, replace(RUNNING, attempt_in_place_restarts=2),
+     [pod(0), pod(1, terminating=True), pod(2)]),
+    ("Kueue's pod group is finished", replace(REPLACING, under_kueue=True), RUNNING,
+     [pod(0), pod(1, terminating=True), pod(2)]),
+    ("a rule asks for the gang", replace(REPLACING, failure_rules=(FailurePolicyRule(
+        action="RestartGang", pod_conditions=["DisruptionTarget"]),)), RUNNING,
+     [pod(0), pod(1, "Failed", reason="Evicted", disrupted=True), pod(2)]),
+    ("a program failed too", REPLACING, RUNNING, [pod(0), pod(1, terminating=True), pod(2, "Failed", exit_code=1)]),
+    ("a program failed, no pod was lost", REPLACING, RUNNING, [pod(0), pod(1, "Failed", exit_code=1), pod(2)]),
+])
+def test_where_a_pod_cannot_be_replaced_alone_the_whole_gang_restarts(why, policy, state, pods):
+    decision = decide(pods, state, policy)
+    assert (decision.state.attempt, decision.state.pod_replacements) == (1, 0), why
+    assert [e.reason for e in decision.events] in (["RestartingGang"], ["Preempted"]), why
+
+
+def test_a_lost_pod_stuck_terminating_is_handed_on_as_stuck():
+    gone_by = to_iso(NOW - timedelta(seconds=gang.STUCK_AFTER_SECONDS + 1))
+    lost = [pod(0), pod(1, terminating=True, uid="u1", gone_by=gone_by, node="gone-node"), pod(2)]
+    replacing = decide(lost, RUNNING, REPLACING).state
+    assert decide(lost, replacing, REPLACING).stuck_pods == ("job-0-1",)

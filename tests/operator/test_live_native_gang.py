@@ -70,3 +70,31 @@ def test_a_native_gang_is_held_whole_binds_whole_and_restarts_into_a_fresh_podgr
     creates = [r[1] for r in rig.requests() if r[0] == "POST" and f"/namespaces/{NS}/" in r[1]
                and not r[1].split("?")[0].endswith("/events")]
     assert creates and all("fieldValidation=Strict" in c for c in creates), creates
+
+
+def test_a_lost_pod_of_a_native_gang_is_replaced_alone_into_its_attempts_podgroup(rig: ScaleRig):
+    """With in-place restarts, a deleted pod of a running native gang is recreated alone under its name, naming
+    the attempt's PodGroup, and kube-scheduler binds it there: the group's other pods are bound, so the gang
+    stays whole (minCount is met by the bound pods and the new one together). No new attempt, no new PodGroup."""
+    rig.hollow.add(2)  # the first test's gang holds three nodes
+    rig.submit(NS, "swap", 2, scheduling={"gang": "kubernetes"}, resources={"cpu": "3", "memory": "1Gi"},
+               restartPolicy={"inPlaceLimit": 1})
+    wait_for(lambda: (b := {p["metadata"]["name"]: p["spec"].get("nodeName") for p in rig.pods(NS)
+                            if p["metadata"]["name"].startswith("swap-0-")}) and len(b) == 2 and all(b.values()),
+             60, "the gang to bind whole")
+    wait_for(lambda: rig.status(NS, "swap").get("phase") == "Running", 30, "the job Running")
+    uid = {n: rig.api.must(rig.api.get(f"/api/v1/namespaces/{NS}/pods/swap-0-{n}"))["metadata"]["uid"] for n in (0, 1)}
+    lost = uid[1]
+    rig.api.must(rig.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/swap-0-1"))
+
+    def replaced() -> dict | None:
+        pod = rig.api.get(f"/api/v1/namespaces/{NS}/pods/swap-0-1").body
+        meta = pod.get("metadata") or {}
+        return pod if meta.get("uid") not in (None, lost) and pod["spec"].get("nodeName") else None
+    pod = wait_for(replaced, 60, "the replacement of swap-0-1 to bind")
+    assert pod["spec"]["schedulingGroup"] == {"podGroupName": "swap-0"}
+    status = wait_for(lambda: (s := rig.status(NS, "swap")).get("phase") == "Running" and s, 30, "Running again")
+    assert (status["attempt"], status["restarts"], status.get("podReplacements")) == (0, 0, 1), status
+    assert "replacing" not in status
+    assert rig.api.get(f"/api/v1/namespaces/{NS}/pods/swap-0-0").body["metadata"]["uid"] == uid[0]  # untouched
+    assert not rig.api.get(f"{PODGROUPS}/swap-1").ok and rig.api.get(f"{PODGROUPS}/swap-0").ok

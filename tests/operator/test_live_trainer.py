@@ -171,6 +171,41 @@ def test_a_stopped_pod_checkpoints_the_step_in_flight_and_the_gang_resumes_there
     assert final["losses"] == straight["losses"], "the curve goes on from the stopped step exactly"
 
 
+def test_a_deleted_pod_is_replaced_alone_while_its_peers_wait_in_place_and_the_curve_goes_on_exactly(
+        cluster: Cluster, ns: str, tmp_path: Path):
+    """spec.restartPolicy.inPlaceLimit, and pod 1 deleted mid-training (a drain, by hand): its ranks and their peers
+    save the step in flight; pod 0's agent restarts its ranks in place, which wait at its rendezvous store; the
+    operator recreates only pod 1 (same name, once the old one is gone), whose fresh ranks join them; the gang
+    resumes at the saved step, nothing counted, and the whole loss curve is the uninterrupted run's."""
+    checkpoints = tmp_path / "ckpt"
+    spec = tiny_job("replace", ns, checkpoints, steps=400)["spec"]
+    spec["checkpoint"]["interval"] = 0
+    spec["restartPolicy"] = {"inPlaceLimit": 2}
+    cluster.submit(ns, "replace", spec)
+    cluster.wait_phase(ns, "replace", "Running", 90)
+    wait_for(lambda: (cluster.status(ns, "replace").get("progress") or {}).get("step", 0) >= 10, 120, "step 10")
+    lost_uid = cluster.api.object("v1/pods", ns, "replace-0-1")["metadata"]["uid"]
+    cluster.api.delete("v1/pods", ns, "replace-0-1")
+
+    status = cluster.wait_phase(ns, "replace", "Succeeded", 240)
+    assert (status["restarts"], status["attempt"], status.get("podReplacements")) == (0, 0, 1), \
+        cluster.diagnostics(ns, "replace")
+    assert "failure" not in status and status["lastStop"]["pod"] == "replace-0-1", status
+    assert cluster.pod_creations(ns) == ["replace-0-0", "replace-0-1", "replace-0-1"]  # pod 1 twice, pod 0 once
+    new_uid = cluster.api.object("v1/pods", ns, "replace-0-1")["metadata"]["uid"]
+    assert new_uid != lost_uid
+    reasons = cluster.event_reasons(ns, "replace", until="Succeeded")
+    assert "ReplacingPod" in reasons and "RestartingGang" not in reasons and "Preempted" not in reasons, reasons
+    logs = cluster.kubectl("logs", "-n", ns, "replace-0-0").stdout  # rank 0, both rounds, in the same pod
+    resumed = re.search(r"resume step=(\d+)", logs)
+    assert resumed and 10 <= int(resumed[1]) < 400, logs[-3000:]
+    final = json.loads((checkpoints / "step-00000400" / "manifest.json").read_text())
+    _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
+                                                       "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
+                                                       "spec": {**spec, "checkpoint": {}}})
+    assert final["losses"] == straight["losses"], "the curve goes on from the saved step exactly"
+
+
 def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_on_exactly(control_plane,
                                                                                             tmp_path: Path):
     """spec.restartPolicy.inPlaceLimit: rank 1 exits 1 after step 25 (in the first round only). Its pod's agent

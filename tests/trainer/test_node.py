@@ -30,7 +30,7 @@ def test_node_exit_code(codes, expected):
 @pytest.mark.parametrize("code,rules,in_place", [
     (1, [], True), (137, [], True), (75, [], True),  # a crash, a kill, a peer's death
     (2, [], False), (78, [], False), (127, [], False),  # permanent: the operator fails the job
-    (76, [], False),  # stopped (SIGTERM): the pod is going
+    (76, [], True),  # another pod was stopped (this one's agent would have ended): the next round waits for it
     (3, [{"action": "FailJob", "exitCodes": [3]}], False),
     (3, [{"action": "RestartGang", "exitCodes": [1, 3]}], False),
     (2, [{"action": "RestartInPlace", "exitCodes": [2]}], True),  # the job's own rule wins

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             if bool(args.spec) == bool(program):
                 raise SpecError([Problem("paratrain node", "give --spec JOB.yaml (the built-in trainer) or "
                                          "-- PROGRAM [ARG ...] (your own), not both")])
-            return node_main(["paratrain", "train", "--spec", args.spec] if args.spec else program)
+            return node_main(program, spec_path=args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
             from .launch import broken_data

@@ -42,7 +42,7 @@ class RendezvousStore:
     loads torch; it serves until `close()`, or until the launcher is gone."""
 
     def __init__(self, timeout: float = 120.0):
-        context = _fork_context()
+        context = fork_context()
         self._ours, theirs = context.Pipe()
         self._host = context.Process(target=_host_store, args=(theirs,), name="rendezvous-store")
         self._host.start()
@@ -138,14 +138,14 @@ def start_rank(spec_file: Path, env: dict[str, str], log: Path) -> RankProcess:
     in `log`. Forked from a server that has imported the trainer's modules (RANK_MODULES) and done nothing else: no
     torch op (a fork after OpenMP ran can hang the child's first parallel region) and no CUDA call (CUDA does not
     survive a fork), so GPU ranks fork from it too."""
-    process = _fork_context().Process(target=_rank_main, args=(str(spec_file), env, str(log)), name=log.stem)
+    process = fork_context().Process(target=_rank_main, args=(str(spec_file), env, str(log)), name=log.stem)
     process.start()
     return RankProcess(process)
 
 
-def _fork_context():
+def fork_context():
     """multiprocessing's fork server, started on first use with RANK_MODULES imported: the ranks and their store's
-    host fork from it."""
+    host fork from it (and, in a pod, `paratrain node`'s workers)."""
     import multiprocessing
     import multiprocessing.forkserver
 
@@ -164,16 +164,20 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
         os.dup2(nothing.fileno(), 0)
     os.environ.clear()
     os.environ.update(env)
-    import torch
-
-    # OpenMP read OMP_NUM_THREADS when the fork server loaded it, from the launcher's environment, not this rank's
-    # (its first level, as OpenMP reads a nested "4,2").
-    threads = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    use_own_threads()
     from .train.entrypoint import exit_now, train_main
 
     exit_now(train_main(spec_file))
+
+
+def use_own_threads() -> None:
+    """In a forked rank: the threads its OMP_NUM_THREADS asks for. OpenMP read the variable when the fork server
+    loaded it, from the launcher's environment, not this rank's (its first level, as OpenMP reads a nested "4,2")."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _name_process(name: str) -> None:

@@ -39,16 +39,18 @@ class ProgressServer:
 
     def __init__(self) -> None:
         self.reads: Counter[str] = Counter()  # pod IP → progress reads
+        self.said: dict[str, dict[str, Any]] = {}  # pod IP → more the pod's report says (restartsInPlace, ...)
         self._addresses = (f"127.{a}.{b}.{c}" for a, b, c in itertools.product(range(1, 255), range(256),
                                                                                  range(1, 255)))
-        self._lock, started, reads = threading.Lock(), time.time(), self.reads
+        self._lock, started, reads, said = threading.Lock(), time.time(), self.reads, self.said
 
         def report(request: http.server.BaseHTTPRequestHandler) -> dict[str, Any]:
-            reads[request.connection.getsockname()[0]] += 1  # the pod's own address
+            address = request.connection.getsockname()[0]  # the pod's own
+            reads[address] += 1
             now = time.time()
             return {"step": int((now - started) * 10) + 1, "totalSteps": 10**9, "loss": 2.5,
                     "tokensPerSecond": 1000.0, "phase": "training",
-                    "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat()}
+                    "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat(), **said.get(address, {})}
 
         self.server = http.server.ThreadingHTTPServer(("0.0.0.0", contract.PROGRESS_PORT), json_handler(report))
         self.server.daemon_threads = True

@@ -8,6 +8,10 @@
                                        multiplied by 2**100 (fp16 gradients overflow to inf, as in a real overflow
                                        storm); the loss scaler grows every <growth> clean steps; each rank prints
                                        `fault-scale {"step", "applied", "scale"}` after every optimizer step
+    lose_node:<rank>:<step>:<KILL|TERM>
+                                       after <step> optimizer steps of its process, <rank> signals its node's agent
+                                       (`paratrain node`): KILL kills the agent and the rank at once (a
+                                       pod whose node is gone), TERM stops it as the kubelet stops a deleted pod
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
     exit_at:<rank>:<step>:<code>:<rounds>
@@ -20,7 +24,11 @@
 
 import os
 
-FAULT = os.environ.get("PARATRAIN_TEST_FAULT")
+import sys
+
+# Not in `paratrain node`'s own process (torchrun's agent): it runs no rank, and importing the trainer there would
+# slow every pod's start, which the restart benchmark measures.
+FAULT = os.environ.get("PARATRAIN_TEST_FAULT") if sys.argv[1:2] != ["node"] else None
 
 # Patched in every process that starts with it (the launcher, its fork server, torchrun), and the rank asked at
 # each call: a rank forked from `paratrain run`'s fork server gets its RANK after this ran; other processes have none.
@@ -114,6 +122,28 @@ if FAULT:
                     with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
                         log.write(f"{time.time()}\n")
                 os._exit(exit_code)
+            return outcome
+
+        engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "lose_node":
+        from paratrain.train import engine
+
+        lost_rank, lost_step, how = int(args[0]), int(args[1]), getattr(signal, f"SIG{args[2]}")
+        original_step = engine.TorchEngine.optimizer_step
+        steps = {"done": 0}
+
+        def optimizer_step(self, lr):
+            outcome = original_step(self, lr)
+            steps["done"] += 1
+            if _rank() == lost_rank and steps["done"] == lost_step:
+                agent = os.getppid()  # a program's parent; a forked worker's is the agent's fork server
+                with open(f"/proc/{agent}/cmdline", "rb") as cmdline:
+                    if b"forkserver" in cmdline.read():
+                        with open(f"/proc/{agent}/stat") as stat:
+                            agent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                os.kill(agent, how)
+                if how == signal.SIGKILL:
+                    _die()
             return outcome
 
         engine.TorchEngine.optimizer_step = optimizer_step

@@ -74,8 +74,8 @@ if MUTANT:
 
         # Asked at the call, not here: a rank forked from the launcher's fork server gets its RANK after this ran.
         original_join = preflight.join
-        preflight.join = lambda rank, world, timeout: (time.sleep(3600) if str(rank) == MUTANT.split(":")[1]
-                                                       else original_join(rank, world, timeout))
+        preflight.join = lambda rank, world, *timeouts: (time.sleep(3600) if str(rank) == MUTANT.split(":")[1]
+                                                         else original_join(rank, world, *timeouts))
     elif MUTANT == "fabric_drops_the_all_reduce":
         # An all-reduce that completes and sums nothing (each rank keeps its own value): the data are wrong.
         dist.all_reduce = lambda tensor, *args, **kwargs: None

@@ -339,8 +339,9 @@ class RestartPolicy(_Model):
     in_place_limit: int = Field(0, ge=0, le=100, description=(
         "In-place restarts per gang: when a rank fails and its pod is alive, every pod's agent restarts its workers "
         "in the same pods (a new rendezvous round, resuming from the newest checkpoint; no pod is deleted, created "
-        "or scheduled), up to this many times; after that the pod fails and the whole gang restarts. 0: every "
-        "failure restarts the whole gang."))
+        "or scheduled), up to this many times; after that the pod fails and the whole gang restarts. A pod lost "
+        "(deleted, evicted, its node gone), other than pod 0, is then recreated alone while the others' ranks wait "
+        "for it in such a round. 0: every failure restarts the whole gang."))
 
 
 class Toleration(_Model):

@@ -67,6 +67,14 @@ class RankFailure(_StatusModel):
     exit_code: int | None = None
 
 
+class ReplacingPod(_StatusModel):
+    """A lost pod being recreated alone (its peers' ranks wait in place): its rank, and the uid of the pod lost, so
+    that its replacement (same name, another uid) is told apart from it."""
+
+    node_rank: int = Field(ge=1)
+    lost_uid: str = Field("", max_length=64, description="Empty where the pod was gone before it was seen lost.")
+
+
 class Progress(_StatusModel):
     """Training progress reported by rank 0 (read by the operator; pods hold no API credentials)."""
 
@@ -102,6 +110,13 @@ class JobStatus(_StatusModel):
         "In-place restarts so far, every attempt's (each attempt allows spec.restartPolicy.inPlaceLimit; not "
         "counted against runPolicy.backoffLimit)."))
     attempt_in_place_restarts: int | None = Field(None, ge=0, description="The current attempt's in-place restarts.")
+    pod_replacements: int | None = Field(None, ge=0, description=(
+        "Pods replaced alone so far, every attempt's: a pod lost (deleted, evicted, its node gone) recreated while "
+        "the other pods' ranks waited in place (spec.restartPolicy.inPlaceLimit > 0); not counted against "
+        "runPolicy.backoffLimit."))
+    attempt_pod_replacements: int | None = Field(None, ge=0, description="The current attempt's pod replacements.")
+    replacing: list[ReplacingPod] | None = Field(None, max_length=4096, description=(
+        "The pods being replaced now, until each replacement runs."))
     attempt: int | None = Field(None, ge=0, description="Current gang attempt, part of pod names; bumped by every "
                                 "gang restart and by resuming a suspended job.")
     gang_created: bool | None = Field(None, description="Every pod of the current attempt has been seen; a pod "

@@ -128,21 +128,20 @@ def train_main(spec_path: str) -> int:
         raise
 
 
-def _last_round_failure(world: int) -> tuple[int, dict] | None:
-    """In a round of in-place restarts: (the round, the rank whose exit ended the last one), from what each node's
-    agent told its workers (ENV_LAST_FAILURE), gathered from every rank; the root cause is a rank that did not
-    merely see its peer die (exit 75). None in the first round."""
+def _last_round_failure(world: int, round_: int) -> tuple[int, dict] | None:
+    """In round `round_` of in-place restarts (preflight.join's, the same on every rank): (the round, the rank
+    whose exit ended the last one), from what each node's agent told its workers (ENV_LAST_FAILURE), gathered from
+    every rank; the root cause is a rank that did not merely see its peer die (exit 75). A replaced pod's fresh
+    agent tells nothing. None in the first round."""
     import torch.distributed as dist
 
-    from .preflight import restart_round
-
-    if not restart_round():
+    if not round_:
         return None
     said: list = [None] * world
     dist.all_gather_object(said, os.environ.get(contract.ENV_LAST_FAILURE))
     failures = sorted((json.loads(s) for s in said if s), key=lambda f: (f.get("exitCode") == contract.EXIT_RETRYABLE,
                                                                         f.get("rank", 0)))
-    return restart_round(), failures[0] if failures else {}
+    return round_, failures[0] if failures else {}
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -196,13 +195,14 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         raise ValueError(problem)
     timeout = datetime.timedelta(seconds=spec.run_policy.collective_timeout_seconds)
     preflight_seconds = min(PREFLIGHT_SECONDS, spec.run_policy.collective_timeout_seconds)
-    store, hosts = join(rank, world, preflight_seconds)
+    # After a failure, the gang's survivors wait for a replaced pod as long as the operator waits for it to start.
+    store, hosts, round_ = join(rank, world, preflight_seconds, spec.scheduling.start_timeout_seconds)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
     try:
         prove_fabric(device, hosts, preflight_seconds)
         wait_everywhere(timeout)
-        return _run(job, rank, world, device, dims)
+        return _run(job, rank, world, device, dims, round_)
     except Exception as exc:
         if is_peer_failure(exc) and _is_timeout(exc):
             wait = min(ROLL_CALL_SECONDS, spec.run_policy.collective_timeout_seconds)
@@ -212,8 +212,9 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         dist.destroy_process_group()
 
 
-def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
-    """The run, once the gang is proven: data, engine, training, the final report."""
+def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int) -> int:
+    """The run, once the gang is proven (in-place restart round `round_`): data, engine, training, the final
+    report."""
     import torch
     import torch.distributed as dist
 
@@ -240,7 +241,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims) -> int:
     if problem := memory_problem(spec, corpus.vocab_size):  # the operator may not know the data's vocabulary
         raise ValueError(f"spec.resources.gpuMemory: {problem}")
     torch.manual_seed(dims.dropout_seed(spec.training.seed))
-    restarted = _last_round_failure(world)
+    restarted = _last_round_failure(world, round_)
     reporter = None
     if rank == 0:
         port = os.environ.get(contract.ENV_PROGRESS_PORT)

@@ -30,36 +30,43 @@ class FabricError(RuntimeError):
     """The gang cannot communicate: an infrastructure failure, which a gang restart (elsewhere) may not have."""
 
 
-def restart_round() -> int:
-    """Which round of in-place restarts this process belongs to (torchrun's agent counts them; 0 elsewhere)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-
-
 def _key(rank: int) -> str:
     return f"paratrain/preflight/{rank}"
 
 
-def join(rank: int, world: int, timeout: float) -> tuple[dist.Store, list[str]]:
-    """This rank's rendezvous store (torchrun's env:// contract), once every rank has checked in; and each rank's
-    host. Raises FabricError naming the ranks that did not arrive within `timeout` seconds."""
+def _joins_key(rank: int) -> str:
+    return f"paratrain/joins/{rank}"
+
+
+def join(rank: int, world: int, timeout: float, rejoin_timeout: float | None = None
+         ) -> tuple[dist.Store, list[str], int]:
+    """This rank's rendezvous store (torchrun's env:// contract), once every rank has checked in; each rank's host;
+    and the round: 0 in a gang's first, n after n in-place restarts (`paratrain node`). Raises FabricError naming
+    the ranks that did not arrive within `timeout` seconds (`rejoin_timeout` in a later round, where a replaced
+    pod may still be starting).
+
+    The rounds share node 0's agent store, which keeps every round's keys (this check-in, the process groups'):
+    each round keeps to its own, keyed by how many times this rank has joined the store. That count agrees
+    across ranks where the agents' restart counts (TORCHELASTIC_RESTART_COUNT) do not: a pod replaced alone
+    starts a fresh agent at 0 while its peers' agents have counted on, but its rank's count lives in the store."""
     host = socket.gethostname()
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
+        round_ = store.add(_joins_key(rank), 1) - 1
     except (RuntimeError, ValueError) as exc:
         raise FabricError(f"rank {rank} on {host} cannot reach the rendezvous store at {where}: {exc}") from None
-    # An in-place restart (paratrain node) reuses node 0's agent store, which still holds the last round's keys
-    # (this check-in, the process groups'): each round keeps to its own.
-    store = dist.PrefixStore(f"paratrain/round-{restart_round()}", store)
+    wait = rejoin_timeout if round_ and rejoin_timeout else timeout
+    store = dist.PrefixStore(f"paratrain/round-{round_}", store)
     store.set(_key(rank), host)
     try:
-        store.wait([_key(r) for r in range(world)], datetime.timedelta(seconds=timeout))
+        store.wait([_key(r) for r in range(world)], datetime.timedelta(seconds=wait))
     except RuntimeError:  # DistStoreError: the wait timed out
         missing = [r for r in range(world) if not store.check([_key(r)])]
         raise FabricError(f"rank {rank} on {host}: rank(s) {_ranges(missing)} of {world} did not reach the "
-                          f"rendezvous at {where} within {timeout:g} s (their pods did not start, or cannot reach "
+                          f"rendezvous at {where} within {wait:g} s (their pods did not start, or cannot reach "
                           "rank 0's)") from None
-    return store, [store.get(_key(r)).decode() for r in range(world)]
+    return store, [store.get(_key(r)).decode() for r in range(world)], round_
 
 
 # What to check where a link fails: the variable that picks its interface.

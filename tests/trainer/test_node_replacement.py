@@ -1,0 +1,91 @@
+"""A pod replaced alone, without Kubernetes: two `paratrain node` processes stand for a 2-pod gang with
+restartPolicy.inPlaceLimit; node 1 is lost (its whole process tree killed, as when its node goes; or stopped with
+SIGTERM, as a drain or `kubectl delete pod` stops it) and a fresh node 1 is started, as the operator recreates the
+pod. Node 0's agent restarts its worker in place, the new round waits for the fresh node's worker at node 0's
+store (that worker's agent counts its restarts from 0, its peer's from 1: the round is keyed by the store), and
+the gang resumes from the newest checkpoint: the whole loss curve is the uninterrupted run's, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paratrain import contract
+from paratrain.launch import free_port
+
+from ..reliability.gang import FAULTS
+from .harness import TINY_JOB, job_env, run_job
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 300
+
+
+def job(checkpoints: Path, interval: int) -> dict:
+    spec = {**TINY_JOB["spec"], "nodes": 2, "parallelism": {"data": 2},
+            "training": {**TINY_JOB["spec"]["training"], "steps": STEPS, "evalInterval": STEPS},
+            "checkpoint": {"path": str(checkpoints), "interval": interval},
+            "runPolicy": {"collectiveTimeoutSeconds": 30}, "restartPolicy": {"inPlaceLimit": 2}}
+    return {**TINY_JOB, "metadata": {"name": "replaced"}, "spec": spec}
+
+
+def start_node(spec: Path, rank: int, port: int, log: Path, fault: str | None = None) -> subprocess.Popen:
+    """`paratrain node` as pod `rank` runs it, in a session of its own (the pod's process tree)."""
+    faults = {"PARATRAIN_TEST_FAULT": fault, "PYTHONPATH": str(FAULTS)} if fault else {}
+    env = {**job_env(faults), "OMP_NUM_THREADS": "1",
+           **contract.node_env(nnodes=2, nproc_per_node=1, node_rank=rank, master_addr="127.0.0.1",
+                               master_port=port, in_place_limit=2)}
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "paratrain.cli", "node", "--spec", str(spec)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=spec.parent, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("loss", ["killed", "stopped"])
+def test_a_lost_node_replaced_alone_rejoins_and_the_curve_goes_on_exactly(tmp_path: Path, loss: str):
+    checkpoints = tmp_path / "ckpt"
+    doc = job(checkpoints, interval=10 if loss == "killed" else 0)  # a stop saves the step in flight itself
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    port = free_port()
+    logs = [tmp_path / "node-0.log", tmp_path / "node-1.log"]
+    # Rank 1 signals its own agent after step 25: KILL takes agent and rank at once (no step saved, no goodbye);
+    # TERM is the kubelet's stop, which the agent passes on to its worker.
+    fault = f"lose_node:1:25:{'KILL' if loss == 'killed' else 'TERM'}"
+    node0, node1 = start_node(spec, 0, port, logs[0], fault), start_node(spec, 1, port, logs[1], fault)
+    try:
+        lost = node1.wait(120)
+        assert lost == (-signal.SIGKILL if loss == "killed" else contract.EXIT_PREEMPTED), logs[1].read_text()[-3000:]
+        assert node0.poll() is None, "node 0's agent restarts its worker in place instead of failing"
+        node1 = start_node(spec, 1, port, logs[1])  # the replacement: a fresh agent, restart count 0
+        assert node1.wait(240) == 0, logs[1].read_text()[-3000:]
+        assert node0.wait(60) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for node in (node0, node1):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    said = logs[0].read_text()
+    # Rank 0 tells the operator of the in-place round; the kill left step 20's checkpoint, the stop saved the step
+    # at whose boundary the ranks agreed on it.
+    assert "restart restartsInPlace=1 " in said, said[-3000:]
+    saved = re.search(r"preempted step=(\d+) saved=True", said)
+    resumed = 20 if loss == "killed" else int(saved[1]) if saved else -1
+    assert resumed >= 20 and f"start step={resumed} " in said, said[-3000:]
+    final = json.loads((checkpoints / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    _, straight = run_job(tmp_path / "straight", job={**doc, "spec": {**doc["spec"], "checkpoint": {}}})
+    assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
