@@ -376,7 +376,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
                         events=tuple(events))
 
     # A lost pod still there holds its name: its replacement is created once it is gone.
-    missing = tuple(r for r in range(policy.nodes) if r not in current and r not in {p.rank for p in lost_pods})
+    held = {p.rank for p in lost_pods}
+    missing = tuple(r for r in range(policy.nodes) if r not in current and r not in held)
     if policy.under_kueue:
         # The deadline clocks run from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
         queued = bool(missing) or any(p.queued for p in current.values())

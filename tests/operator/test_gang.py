@@ -481,7 +481,7 @@ REPLACING = replace(POLICY, in_place_limit=2)
 
 def test_a_deleted_pod_is_replaced_alone_and_its_replacement_ends_the_replacement():
     deleted = decide([pod(0), pod(1, terminating=True, uid="u1"), pod(2)], RUNNING, REPLACING)
-    s = decision_state = deleted.state
+    s = deleted.state
     assert (s.phase, s.reason, s.attempt, s.restarts, s.pod_replacements, s.attempt_pod_replacements) == \
         ("Restarting", "ReplacingPod", 0, 0, 1, 1)
     assert s.replacing == ((1, "u1"),) and s.last_stop.reason == "PodDeleted" and s.failure is None
@@ -491,9 +491,9 @@ def test_a_deleted_pod_is_replaced_alone_and_its_replacement_ends_the_replacemen
                "not counted against backoffLimit")
     assert [(e.type, e.reason, e.message) for e in deleted.events] == [("Normal", "ReplacingPod", message)]
 
-    still_there = decide([pod(0), pod(1, terminating=True, uid="u1"), pod(2)], decision_state, REPLACING)
+    still_there = decide([pod(0), pod(1, terminating=True, uid="u1"), pod(2)], s, REPLACING)
     assert still_there.state.pod_replacements == 1 and not still_there.events and not still_there.create_ranks
-    gone = decide([pod(0), pod(2)], decision_state, REPLACING)
+    gone = decide([pod(0), pod(2)], s, REPLACING)
     assert gone.create_ranks == (1,) and gone.state.phase == "Restarting" and gone.state.pod_replacements == 1
     starting = decide([pod(0), pod(1, "Pending", uid="u2"), pod(2)], gone.state, REPLACING).state
     assert starting.replacing == ((1, "u1"),) and starting.phase == "Restarting"
