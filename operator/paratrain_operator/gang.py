@@ -13,7 +13,6 @@ the attempt, so creating a pod twice is a harmless 409, never a duplicate.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from paratrain.api import status as status_model
 from paratrain.api.spec import FailurePolicyRule, first_rule
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
+from . import decode
 from .clock import from_iso, to_iso
 from .observe import PodView, as_int
 
@@ -42,6 +42,7 @@ _STOP_SIGNAL_EXITS = frozenset({128 + 9, 128 + 15})  # how the kubelet stops a d
 CREATE_REFUSED = "CreateRefused"
 # The condition naming pods of an earlier attempt stuck terminating, which the next attempt waits for.
 PODS_STUCK = "PodsStuck"
+RESTART_BACKOFF_SECONDS, RESTART_BACKOFF_MAX = 10.0, 360.0
 # How long past its grace period a deleted pod counts as stuck (its kubelet has not confirmed the deletion).
 STUCK_AFTER_SECONDS = float(os.environ.get("PARATRAIN_STUCK_POD_SECONDS", "60"))
 
@@ -162,8 +163,8 @@ def trainer_error(termination_message: str | None, limit: int = 2000) -> str | N
     if not text:
         return None
     try:
-        parsed = json.loads(text)
-    except (ValueError, RecursionError):
+        parsed = decode.loads(text)
+    except decode.Undecodable:
         return clip(text.splitlines()[-1].strip(), limit)
     error = parsed.get("error") if isinstance(parsed, dict) else None
     return clip(error, limit) if isinstance(error, str) and error else None
@@ -208,6 +209,10 @@ class GangState:
     start_time: str | None = None
     attempt_start_time: str | None = None  # this attempt's first create: startTimeoutSeconds runs from it
     create_refused: str = ""  # the last refused create of this attempt ("Pod ns/name: the API's message")
+    failures_in_a_row: int = 0  # gang restarts since a step was last trained (the restart backoff's count)
+    restart_not_before: str | None = None  # this attempt's pods are created no sooner (the restart backoff)
+    uncounted_restarts: int = 0  # gang restarts not counted against backoffLimit (stops, Ignore rules)
+    start_timeouts: int = 0  # attempts ended by startTimeoutSeconds (their own limit: startAttempts)
     stuck: str = ""  # pods of an earlier attempt stuck terminating (this pass's finding; not read back)
     completion_time: str | None = None
     failure: Failure | None = None
@@ -226,14 +231,28 @@ class GangState:
                    replacing=_replacing(s.get("replacing")),
                    gang_created=bool(s.get("gangCreated")), start_time=s.get("startTime"),
                    attempt_start_time=s.get("attemptStartTime"), create_refused=_refusal(s.get("conditions")),
+                   failures_in_a_row=as_int(s.get("failuresInARow"), 0), restart_not_before=s.get("restartNotBefore"),
+                   uncounted_restarts=as_int(s.get("uncountedRestarts"), 0),
+                   start_timeouts=as_int(s.get("startTimeouts"), 0),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    last_stop=Failure.from_status(s.get("lastStop")), reason=s.get("reason") or "",
                    message=s.get("message") or "")
 
     def new_attempt(self, **changes: Any) -> GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
+        fresh: dict[str, Any] = {"restart_not_before": None, **changes}
         return replace(self, attempt=self.attempt + 1, gang_created=False, attempt_start_time=None, create_refused="",
-                       attempt_in_place_restarts=0, attempt_pod_replacements=0, replacing=(), **changes)
+                       attempt_in_place_restarts=0, attempt_pod_replacements=0, replacing=(), **fresh)
+
+    def restarted(self, now: datetime, **changes: Any) -> GangState:
+        """The next attempt after a gang restart (a failure or a stop): the first since a step was trained starts at
+        once; each later one waits twice as long as the one before, from RESTART_BACKOFF_SECONDS up to
+        RESTART_BACKOFF_MAX (the Job controller's 10 s doubling to 6 min), so a gang that fails before training
+        anything does not hammer the scheduler, the image registry and the API server."""
+        failures = self.failures_in_a_row + 1
+        delay = 0.0 if failures == 1 else min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_SECONDS * 2 ** (failures - 2))
+        not_before = to_iso(now + timedelta(seconds=delay)) if delay else None
+        return self.new_attempt(failures_in_a_row=failures, **changes, restart_not_before=not_before)
 
 
 def _replacing(said: Any) -> tuple[tuple[int, str], ...]:
@@ -263,6 +282,8 @@ class Policy:
     ttl_seconds_after_finished: int | None = None
     under_kueue: bool = False  # admitted by Kueue (the job names a LocalQueue)
     start_timeout_seconds: int = 1200
+    start_attempts: int = 3
+    max_uncounted_restarts: int = 100
     failure_rules: tuple[FailurePolicyRule, ...] = ()
     in_place_limit: int = 0
 
@@ -274,6 +295,7 @@ class Policy:
                    ttl_seconds_after_finished=rp.ttl_seconds_after_finished,
                    under_kueue=bool(kueue.queue_name(job)),
                    start_timeout_seconds=spec.scheduling.start_timeout_seconds,
+                   start_attempts=spec.scheduling.start_attempts, max_uncounted_restarts=rp.max_uncounted_restarts,
                    failure_rules=tuple(spec.failure_policy.rules), in_place_limit=spec.restart_policy.in_place_limit)
 
 
@@ -336,6 +358,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
 
     current = {p.rank: p for p in pods if p.attempt == state.attempt}
     stale = [p for p in pods if p.attempt != state.attempt]
+    if state.failures_in_a_row and trained_a_step(progress):
+        state = replace(state, failures_in_a_row=0)  # the restart backoff starts from scratch
     state, current, lost_pods = _set_aside_lost(state, current)
     if in_place := restarted_in_place(policy, state, progress):
         state, events = in_place.state, [*events, *in_place.events]
@@ -365,9 +389,11 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     if stale:
         gone = [p.name for p in stale if not p.terminating]
         stuck = [p for p in stale if _stuck(p, now)]
+        if held := [p for p in stuck if _stuck(p, now, policy.start_timeout_seconds)]:
+            return _stuck_timed_out(policy, state, pods, held, now, events)
         phase = RESTARTING if state.phase == RESTARTING else PENDING
         msg = f"waiting for {len(stale)} pod(s) of an earlier attempt to go before starting attempt {state.attempt}"
-        said = ", ".join(f"{p.name} (node {p.node or 'none'}, grace period ended {p.gone_by})" for p in stuck[:8])
+        said = ", ".join(f"{p.name} (held by {holder(p)}; grace period ended {p.gone_by})" for p in stuck[:8])
         if stuck:
             said = f"{len(stuck)} pod(s) stuck terminating: {said}"
             msg = f"{msg}; {said}"
@@ -378,6 +404,11 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     # A lost pod still there holds its name: its replacement is created once it is gone.
     held = {p.rank for p in lost_pods}
     missing = tuple(r for r in range(policy.nodes) if r not in current and r not in held)
+    not_before = from_iso(state.restart_not_before)
+    if missing and not current and not_before and now < not_before:  # the restart backoff (the resync ends it)
+        msg = (f"restarting: attempt {state.attempt}'s gang is created at {state.restart_not_before} (restart "
+               f"backoff: {state.failures_in_a_row} gang restarts since a step was last trained)")
+        return Decision(replace(state, phase=RESTARTING, message=msg), events=tuple(events))
     if policy.under_kueue:
         # The deadline clocks run from Kueue's admission of the gang, as for a Job that Kueue suspends while queued.
         queued = bool(missing) or any(p.queued for p in current.values())
@@ -490,10 +521,31 @@ def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, 
     return Decision(replace(new, failure=failure), events=(Event("Warning", "RestartedInPlace", failure.message),))
 
 
-def _stuck(pod: PodView, now: datetime) -> bool:
-    """Deleted, and still there STUCK_AFTER_SECONDS after its grace period ended (deletionTimestamp)."""
+def _stuck(pod: PodView, now: datetime, seconds: float = STUCK_AFTER_SECONDS) -> bool:
+    """Deleted, and still there `seconds` after its grace period ended (deletionTimestamp)."""
     gone_by = from_iso(pod.gone_by) if pod.terminating else None
-    return gone_by is not None and now >= gone_by + timedelta(seconds=STUCK_AFTER_SECONDS)
+    return gone_by is not None and now >= gone_by + timedelta(seconds=seconds)
+
+
+def holder(pod: PodView) -> str:
+    """What keeps a deleted pod in the API: its finalizers, else a kubelet that has not confirmed the deletion."""
+    if pod.finalizers:
+        return f"finalizer(s) {', '.join(pod.finalizers)} (the controller that owns them has not removed them)"
+    return f"node {pod.node}, whose kubelet has not confirmed the deletion" if pod.node else "nothing known"
+
+
+def _stuck_timed_out(policy: Policy, state: GangState, pods: Sequence[PodView], held: Sequence[PodView],
+                     now: datetime, events: list[Event]) -> Decision:
+    """A pod of an earlier attempt still terminating startTimeoutSeconds after its grace period ended: the next
+    attempt would wait for it forever, so this one ends, naming the pod and what holds it."""
+    pod = held[0]
+    others = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+    message = (f"pod {pod.name}{others} of an earlier attempt has been terminating for longer than "
+               f"spec.scheduling.startTimeoutSeconds ({policy.start_timeout_seconds}s past its grace period, which "
+               f"ended {pod.gone_by}): held by {holder(pod)}; attempt {state.attempt} cannot start beside it")
+    failure = Failure(reason="PodStuckTerminating", pod=pod.name, message=message, retryable=False)
+    decision = fail(state, pods, failure, now, reason="StartTimeout", message=message)
+    return replace(decision, events=(*events, *decision.events))
 
 
 def waiting_summary(pods: Sequence[PodView], reasons: int = 4, names: int = 3, message_chars: int = 300) -> str:
@@ -537,9 +589,24 @@ def _start_timed_out(policy: Policy, state: GangState, pods: Sequence[PodView], 
         why = waiting or f"{policy.nodes - started} pod(s) not running"
     message = (f"not all {policy.nodes} pods were running {policy.start_timeout_seconds}s after attempt "
                f"{state.attempt} began (spec.scheduling.startTimeoutSeconds; {started} running): {why}")
+    if state.start_timeouts + 1 < policy.start_attempts:  # requeued, as Kueue requeues after waitForPodsReady
+        stop = Failure(reason=reason, message=message, retryable=True)
+        msg = (f"{message}; starting the gang afresh (start attempt {state.start_timeouts + 2} of "
+               f"{policy.start_attempts}, spec.scheduling.startAttempts)")
+        new = state.new_attempt(phase=RESTARTING, reason="StartTimeout", message=msg, last_stop=stop,
+                                start_timeouts=state.start_timeouts + 1)
+        return Decision(new, delete_pods=_undeleted(current), events=(*events, Event("Warning", "StartTimeout", msg)))
+    if policy.start_attempts > 1:
+        message = f"{message}; startAttempts ({policy.start_attempts}) spent"
     failure = Failure(reason=reason, message=message, retryable=False)
     decision = fail(state, pods, failure, now, reason="StartTimeout", message=message)
     return replace(decision, events=(*events, *decision.events))
+
+
+def trained_a_step(progress: Mapping[str, Any] | None) -> bool:
+    """Whether rank 0's report shows a step trained by this run (past the checkpoint it resumed from)."""
+    step, start = (progress or {}).get("step"), (progress or {}).get("startStep") or 0
+    return isinstance(step, int) and isinstance(start, int) and step > start
 
 
 def _main_waiting_reason(pods: Sequence[PodView]) -> str | None:
@@ -554,19 +621,36 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         decision = fail(state, pods, root, now, reason="FailurePolicy" if root.rule else None)
         return replace(decision, events=(*events, *decision.events))
     if root.preempted:  # stopped from outside (its ranks save the step in flight when they can), or ignored by a rule
+        if state.uncounted_restarts >= policy.max_uncounted_restarts:
+            msg = (f"{root.message}; runPolicy.maxUncountedRestarts ({policy.max_uncounted_restarts} gang restarts "
+                   "not counted against backoffLimit) reached")
+            decision = fail(state, pods, root, now, reason="MaxUncountedRestartsExceeded", message=msg)
+            return replace(decision, events=(*events, *decision.events))
         what = "not counted" if root.rule else "a stop, not counted"
-        msg = f"{root.message}; restarting the whole gang from its newest checkpoint ({what} against backoffLimit)"
-        new = state.new_attempt(phase=RESTARTING, last_stop=root, reason=root.reason, message=msg)
+        new = state.restarted(now, phase=RESTARTING, last_stop=root, reason=root.reason,
+                              uncounted_restarts=state.uncounted_restarts + 1)
+        msg = (f"{root.message}; restarting the whole gang from its newest checkpoint{_after(new, now)} ({what} "
+               "against backoffLimit)")
         event = Event("Normal", "RestartingGang" if root.rule else "Preempted", msg)
-        return Decision(new, delete_pods=_undeleted(current), events=(*events, event))
+        return Decision(replace(new, message=msg), delete_pods=_undeleted(current), events=(*events, event))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
         return replace(decision, events=(*events, *decision.events))
     restarts = state.restarts + 1
-    msg = f"{root.message}; restarting the whole gang (restart {restarts} of {policy.backoff_limit})"
-    new = state.new_attempt(phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason, message=msg)
-    return Decision(new, delete_pods=_undeleted(current), events=(*events, Event("Warning", "RestartingGang", msg)))
+    new = state.restarted(now, phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason)
+    msg = f"{root.message}; restarting the whole gang{_after(new, now)} (restart {restarts} of {policy.backoff_limit})"
+    return Decision(replace(new, message=msg), delete_pods=_undeleted(current),
+                    events=(*events, Event("Warning", "RestartingGang", msg)))
+
+
+def _after(state: GangState, now: datetime) -> str:
+    """When the restarted gang starts, where the restart backoff delays it."""
+    not_before = from_iso(state.restart_not_before)
+    if not_before is None or not_before <= now:
+        return ""
+    return (f" in {int((not_before - now).total_seconds())}s ({state.failures_in_a_row} restarts since a step was "
+            "last trained: each waits twice as long)")
 
 
 def _undeleted(pods: Sequence[PodView]) -> tuple[str, ...]:

@@ -28,10 +28,11 @@ from typing import Any
 
 import kopf
 
-from paratrain.api import API_GROUP, API_VERSION, PLURAL
+from paratrain.api import API_GROUP, API_GROUP_VERSION, API_VERSION, KIND, PLURAL
 from paratrain.api.status import FAILED, SUCCEEDED
 
-from . import kube, leader, metrics, observe, reconcile
+from . import apply, decode, kube, leader, metrics, observe, reconcile, kopf_guard
+from .gang import Event
 
 JOB = (API_GROUP, API_VERSION, PLURAL)
 RESYNC_SECONDS = float(os.environ.get("PARATRAIN_RESYNC_SECONDS", "10"))
@@ -44,6 +45,8 @@ _tasks: list[asyncio.Task[None]] = []  # the pod informer, the resync loop, the 
 _resyncs: dict[observe.JobKey, asyncio.Task[None]] = {}  # each job's resync in flight
 # Bounded retries for change handlers; the resync timer keeps reconciling after they give up.
 RETRIES, BACKOFF, TIMEOUT = 8, 5, 600
+log = logging.getLogger("paratrain.operator")
+_unreadable_reported: set[tuple[str, ...]] = set()  # (uid, generation, reason) already told to the job's owner
 
 
 class SpecDigestStorage(kopf.AnnotationsDiffBaseStorage):
@@ -68,6 +71,14 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     kube.connect(kube.Kube.from_environment(QPS, BURST))
+    if leader.elector is not None:  # no write of ours, nor of kopf's, leaves past the Lease's renew deadline
+        kube.client().write_guard = leader.elector.may_write
+    # Jobs listed as watch events, one object a line, wherever the API server can (Kubernetes 1.34+, and 1.32):
+    # one job the operator cannot read is then skipped alone (kopf_guard), not a whole page with it.
+    settings.watching.initial_streaming = await observe.streams_lists(
+        kube.api_path(API_GROUP_VERSION, PLURAL, NAMESPACES[0] if len(NAMESPACES) == 1 else None))
+    kopf_guard.install(on_undecodable=_report_unreadable,
+                       write_guard=leader.elector.may_write if leader.elector is not None else lambda: None)
     loop = asyncio.get_running_loop()
     if leader.elector is not None:
         _tasks.append(loop.create_task(_keep_lease(leader.elector, logger)))
@@ -83,20 +94,50 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
 
 @kopf.on.probe(id="pods")
 def pods_informer(**_: Any) -> dict[str, int]:
-    """Liveness (kopf answers 500 when a probe fails): the pod cache every pass reads must be kept up to date."""
+    """Liveness (kopf answers 500 when a probe fails): the pod cache every pass reads must be kept up to date,
+    and kopf's own watchers (the jobs') must be running."""
     problem = reconcile.pods.problem() if reconcile.pods is not None else "the pods informer has not started"
-    if problem:
+    if problem := problem or kopf_guard.problem():
         raise kopf.PermanentError(problem)
     return {"cachedPods": len(reconcile.pods)}
+
+
+def _report_unreadable(exc: decode.Undecodable) -> None:
+    """A job kopf's watch skipped (kopf_guard): counted, and told once per generation on the job itself, as a
+    Warning Event and the status's reason and message, where its first bytes name it."""
+    metrics.UNDECODABLE.inc()
+    ref = exc.ref
+    key = (ref.uid, ref.generation, exc.reason)
+    if ref.kind != KIND or not (ref.namespace and ref.name and ref.uid) or key in _unreadable_reported:
+        return
+    _unreadable_reported.add(key)
+    task = asyncio.get_running_loop().create_task(_tell_unreadable(ref, exc.reason))
+    _tasks.append(task)
+    task.add_done_callback(_tasks.remove)
+
+
+async def _tell_unreadable(ref: decode.ObjectRef, reason: str) -> None:
+    message = (f"The operator skips this job: it is {reason} (the operator reads at most {decode.MAX_DEPTH}; a "
+               "Kubernetes affinity needs about 10). Fix spec.scheduling.affinity or other free-form fields.")
+    job = {"kind": KIND, "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid}}
+    await apply.post_event(job, Event("Warning", "Unreadable", message))
+    try:
+        await apply.patch_status(ref.namespace, ref.name, {"reason": "Unreadable", "message": message})
+    except kube.ApiError as exc:
+        if exc.status != kube.UNDECODABLE:  # written: only its answer, the whole job again, cannot be read
+            log.warning("%s: could not write its status: %s", ref, exc)
 
 
 async def _keep_lease(elector: leader.Elector, logger: logging.Logger) -> None:
     try:
         await elector.keep()
-    except leader.LostLease as exc:
+    except Exception as exc:  # noqa: BLE001 (fail-stop: whatever ends renewals ends leadership)
         # Another replica may act from now on: stop acting this instant, as client-go's elector does (the
-        # container restarts and stands by).
-        logger.error("%s: exiting", exc)
+        # container restarts and stands by). Writes already stop at the renew deadline (Elector.may_write).
+        elector.leading = False
+        why = exc if isinstance(exc, leader.LostLease) else \
+            f"could not renew Lease {elector.namespace}/{elector.name}: {type(exc).__name__}: {exc}"
+        logger.error("%s: exiting", why)
         logging.shutdown()
         os._exit(1)
 

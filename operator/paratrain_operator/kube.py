@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
+
+from . import decode
+from .decode import ObjectRef
 
 TRANSIENT = frozenset({429, 500, 502, 503, 504})
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # in-place retries of transient errors; then kopf's handler retry takes over
@@ -30,6 +32,11 @@ DEFAULT_QPS, DEFAULT_BURST = 100.0, 200
 MAX_CONNECTIONS = 64  # requests in flight at once (aiohttp's pool); more wait for a connection
 # One watch event at most: etcd stores objects of up to 1.5 MiB, and JSON can escape each byte as six (\u003c).
 MAX_EVENT_BYTES = 10 << 20
+# One answer to a plain request at most: one object, or a page of a list (see observe.PodCache._list).
+MAX_RESPONSE_BYTES = 4 * MAX_EVENT_BYTES
+# ApiError.status of what no retry mends: an answer the operator will not decode (too large, too deep, not JSON);
+# a write refused before it left because this replica may not write (its Lease's renew deadline passed).
+UNDECODABLE, NOT_LEADING = 1, 2
 log = logging.getLogger("paratrain.operator")
 _NAMESPACED = re.compile(r"/apis?/(?:[^/]+/)*?namespaces/([^/?]+)/")
 
@@ -117,6 +124,9 @@ class Kube:
         self._ssl_context: ssl.SSLContext | bool | None = None
         self.limiter = RateLimiter(qps, burst)
         self.stopped = False
+        # Why this replica may not write now (None: it may): leader election sets it, so that no write leaves
+        # after the Lease's renew deadline, whatever pass or handler sends it.
+        self.write_guard: Callable[[], str | None] = lambda: None
 
     @classmethod
     def from_environment(cls, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST) -> Kube:
@@ -168,14 +178,15 @@ class Kube:
         await self.close()
 
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
-                      content_type: str | None = None) -> Any:
-        """One API call, retried in place on transient errors; raises ApiError (with the server's reason)."""
+                      content_type: str | None = None, max_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+        """One API call, retried in place on transient errors; raises ApiError (with the server's reason). An
+        answer over `max_bytes`, or one decode refuses, raises ApiError with status UNDECODABLE (not retried)."""
         if body is not None and content_type is None:
             content_type = "application/json"
         for delay in (*RETRY_DELAYS, None):
             try:
                 await self.limiter.acquire(namespace_of(path))
-                return await self._once(method, path, body, params, content_type)
+                return await self._once(method, path, body, params, content_type, max_bytes)
             except ApiError as exc:
                 if not exc.transient or delay is None or self.stopped:
                     raise
@@ -183,9 +194,11 @@ class Kube:
         raise AssertionError("unreachable")
 
     async def _once(self, method: str, path: str, body: Any, params: Mapping[str, str] | None,
-                    content_type: str | None) -> Any:
+                    content_type: str | None, max_bytes: int) -> Any:
         if self.stopped:  # checked after every wait: not even a retry goes out after stop()
             raise ApiError(0, "Stopped", f"{method} {path}: the operator is stopping")
+        if method != "GET" and (why := self.write_guard()):  # the last check before a write leaves
+            raise ApiError(NOT_LEADING, "NotLeading", f"{method} {path}: {why}")
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5),
                                                   connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
@@ -193,17 +206,18 @@ class Kube:
         try:
             async with self._session.request(method, url, json=body, params=params, ssl=self._ssl(),
                                              headers=self._headers(content_type)) as response:
-                data = await response.json(content_type=None) if response.content_length != 0 else None
+                raw = await read_body(response, max_bytes)
                 if response.status >= 400:
-                    data = data if isinstance(data, Mapping) else {}
+                    data = lenient_json(raw)
                     retry_after = response.headers.get("Retry-After")
                     raise ApiError(response.status, str(data.get("reason") or response.reason),
                                    str(data.get("message") or ""),
                                    float(retry_after) if retry_after and retry_after.isdigit() else None)
-                return data
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                return decode.loads(raw) if raw.strip() else None
+        except decode.Undecodable as exc:  # the answer, not the request, is at fault: sending it again won't help
+            raise ApiError(UNDECODABLE, "Undecodable", f"{method} {path}: the answer is {exc.reason}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ApiError(0, type(exc).__name__, f"{method} {path}: {exc}") from None
-
 
     async def watch(self, path: str, params: Mapping[str, str], silence: float) -> AsyncIterator[dict[str, Any]]:
         """The events of one watch request (`watch=true` is added), until the server ends it or `silence`
@@ -219,8 +233,10 @@ class Kube:
             async with self._watch_session.get(url, params={**params, "watch": "true"}, ssl=self._ssl(),
                                                headers=self._headers(None)) as response:
                 if response.status >= 400:
-                    data = await response.json(content_type=None)
-                    data = data if isinstance(data, Mapping) else {}
+                    try:
+                        data = lenient_json(await read_body(response, MAX_EVENT_BYTES))
+                    except decode.Undecodable:
+                        data = {}
                     raise ApiError(response.status, str(data.get("reason") or response.reason),
                                    str(data.get("message") or ""))
                 async for line in lines(response.content.iter_any(), MAX_EVENT_BYTES, path):
@@ -229,13 +245,6 @@ class Kube:
                         yield event
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ApiError(0, type(exc).__name__, f"watch {path}: {exc}") from None
-
-
-def describe_object(head: bytes) -> str:
-    """`namespace/name` of the object an event's first bytes name, as far as they tell (for a warning)."""
-    meta = head.partition(b'"metadata":')[2]
-    found = [re.search(rb'"%s":"([^"\\]{1,253})"' % key, meta) for key in (b"namespace", b"name")]
-    return "/".join(m.group(1).decode("ascii", "replace") if m else "?" for m in found)
 
 
 async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIterator[bytes]:
@@ -259,7 +268,7 @@ async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIte
                 break
             if skipped:
                 log.warning("%s: skipped a watch event of %d bytes (over %d) for %s", what, skipped, limit,
-                            describe_object(head))
+                            ObjectRef.of(head))
                 skipped = 0
             elif buffer.strip():
                 yield bytes(buffer)
@@ -269,13 +278,32 @@ async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIte
         yield bytes(buffer)
 
 
-def parse_event(line: bytes, what: str) -> dict[str, Any] | None:
-    """One watch event's JSON, or None (with a warning naming its object) where it is not a JSON object."""
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """A response's body, read in chunks and refused (decode.Undecodable) past `max_bytes` before it is held whole."""
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 20):
+        body += chunk
+        if len(body) > max_bytes:
+            raise decode.Undecodable(f"over {max_bytes} bytes", bytes(body[:4096]))
+    return bytes(body)
+
+
+def lenient_json(raw: bytes) -> Mapping[str, Any]:
+    """An error answer's Status object, or {} where it is none (a proxy's text page, say)."""
     try:
-        event = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        log.warning("%s: skipped a watch event that is not JSON (%s) for %s", what, type(exc).__name__,
-                    describe_object(line[:4096]))
+        data = decode.loads(raw)
+    except decode.Undecodable:
+        return {}
+    return data if isinstance(data, Mapping) else {}
+
+
+def parse_event(line: bytes, what: str) -> dict[str, Any] | None:
+    """One watch event's JSON, or None (with a warning naming its object) where it is not a JSON object or is
+    nested deeper than the operator reads (decode.MAX_DEPTH)."""
+    try:
+        event = decode.loads(line)
+    except decode.Undecodable as exc:
+        log.warning("%s: skipped a watch event for %s: %s", what, exc.ref, exc.reason)
         return None
     if not isinstance(event, dict):
         log.warning("%s: skipped a watch event that is not an object", what)

@@ -4,7 +4,8 @@ replicas exactly one acts; the others stand by and take over when its lease runs
 - The holder renews the Lease every `retry_seconds`. It gives up `renew_deadline` seconds after its last successful
   renewal was sent, however long a try hangs (each try is cut at the deadline), or at once when it finds another
   holder; `python -m paratrain_operator` then ends the process: an operator that might have lost its lease must stop
-  acting before another one starts.
+  acting before another one starts. Fail-stop: any error in renewal ends the process the same way, and no write
+  leaves after the deadline even before it ends (`may_write`, which the API clients check before every write).
 - The Lease has an API client of its own (own connections, no rate limiter): a renewal never waits behind the
   operator's pod writes.
 - A standby tries every `retry_seconds`. It takes the Lease once it has seen the same record (holder, renewTime)
@@ -87,6 +88,16 @@ class Elector:
                                f"{self.renew_deadline:g}s of the last renewal")
                 await asyncio.sleep(min(self.retry_seconds, max(0.0, left)))
 
+    def may_write(self) -> str | None:
+        """Why this replica may not write now, or None: it leads, and its renew deadline has not passed (a
+        standby may take over only after the whole lease; a write after the deadline could race it)."""
+        if not self.leading:
+            return f"this replica does not hold Lease {self.namespace}/{self.name}"
+        late = time.monotonic() - (self._renewed_at + self.renew_deadline)
+        if late >= 0:
+            return f"Lease {self.namespace}/{self.name} was not renewed within {self.renew_deadline:g}s"
+        return None
+
     def _lose(self, why: str) -> None:
         self.leading = False
         raise LostLease(why)
@@ -112,6 +123,8 @@ class Elector:
         now, sent = micro_time(), time.monotonic()
         try:
             lease = await self.api.request("GET", self.path)
+            if not isinstance(lease, dict):
+                raise ApiError(0, "Malformed", f"GET {self.path} answered without a Lease")
         except ApiError as exc:
             if exc.status != 404:
                 log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)
@@ -141,6 +154,8 @@ class Elector:
         path = api_path(LEASES, "leases", self.namespace, None if method == "POST" else self.name)
         try:
             written = await self.api.request(method, path, body=lease)
+            if not isinstance(written, dict):
+                raise ApiError(0, "Malformed", f"{method} {path} answered without a Lease")
         except ApiError as exc:
             if exc.status not in (409, 422):  # 409: another replica wrote first (it holds the Lease now)
                 log.warning("Lease %s/%s: %s", self.namespace, self.name, exc)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import fnmatch
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,7 +32,8 @@ from paratrain.api import API_GROUP_VERSION, PLURAL, kueue
 from paratrain.api.platform import spec_bytes
 from paratrain.api.status import FAILED, PENDING, SUCCEEDED
 
-from .kube import ApiError, api_path, client
+from . import decode
+from .kube import UNDECODABLE, ApiError, api_path, client
 
 log = logging.getLogger("paratrain.operator")
 # A pods watch that says nothing (not even a bookmark) for this long is cut and resumed: a resumed watch costs
@@ -42,15 +42,55 @@ SILENCE_SECONDS = 60.0
 # A scope whose list or watch keeps failing this long makes the liveness probe fail: the pod restarts and lists
 # afresh, and the failure shows as restarts, not as jobs quietly waiting on a cache that no longer moves.
 UNHEALTHY_AFTER = 300.0
-# Pods per LIST page (client-go's informers page by 500 too): a relist of 10,000 pods is 20 short requests, none
-# near the client's timeout, and only one page is held as raw JSON at a time.
+# Pods per LIST page (client-go's informers page by 500 too), where lists are not streamed: a relist of 10,000
+# pods is 20 short requests, none near the client's timeout, and only one page is held as raw JSON at a time.
 LIST_PAGE = 500
+# A list streamed as watch events (Kubernetes' WatchList, on by default from 1.34 and in 1.32): each object is one
+# event line, read within kube.MAX_EVENT_BYTES, so no relist holds more than one object's JSON at a time whatever
+# the pods hold; the list ends at a bookmark annotated INITIAL_EVENTS_END.
+STREAMING_LIST = {"sendInitialEvents": "true", "resourceVersionMatch": "NotOlderThan", "allowWatchBookmarks": "true"}
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 PROGRESS_MIN_INTERVAL = 1.0  # seconds between two reads of one host
 PROGRESS_HOSTS_KEPT = 4096
 _progress_session: aiohttp.ClientSession | None = None
 _progress_read_at: dict[tuple[str, int], float] = {}  # (host, port) → when its last read started
+
+
+def initial_events_end(event: Mapping[str, Any]) -> bool:
+    """Whether a watch event is the bookmark that ends a streamed list."""
+    if event.get("type") != "BOOKMARK":
+        return False
+    meta = (event.get("object") or {}).get("metadata") or {}
+    return (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true"
+
+
+async def streams_lists(path: str, patience: float = 30.0) -> bool:
+    """Whether the API server streams lists of the collection at `path` (sendInitialEvents): it answers such a
+    watch with its end bookmark, where one that cannot refuses it (400 or 422). A list that matches nothing is
+    asked for, so the answer costs one short request. Transient refusals (a watch cache still initialising: 429)
+    are retried for `patience` seconds; past that it says yes, as every supported release but 1.33 would."""
+    params = {"labelSelector": f"{contract.LABEL_JOB}=paratrain-probe,!{contract.LABEL_JOB}", **STREAMING_LIST,
+              "timeoutSeconds": "10"}
+    deadline, delay = time.monotonic() + patience, 0.2
+    while True:
+        events = client().watch(path, params, silence=15)
+        try:
+            async for event in events:
+                return initial_events_end(event)
+            return False
+        except ApiError as exc:
+            if exc.status in (400, 422):
+                log.info("the API server does not stream lists of %s (%s): kopf lists jobs page by page", path, exc)
+                return False
+            if not exc.transient or time.monotonic() + delay > deadline:
+                log.warning("could not ask whether the API server streams lists (%s): assuming it does", exc)
+                return True
+        finally:
+            await events.aclose()
+        await asyncio.sleep(delay)
+        delay = min(2.0, delay * 2)
 
 
 @dataclass(frozen=True)
@@ -76,6 +116,7 @@ class PodView:
     oom_killed: bool = False  # the failed container was ended by the kernel's OOM killer (even where the pod's
     # own reason, e.g. Evicted, is what `reason` shows)
     uid: str = ""
+    finalizers: tuple[str, ...] = ()  # what must let a deleted pod go before the API server removes it
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
 
     @property
@@ -142,6 +183,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
                       for c in status.get("conditions") or []),
         oom_killed=term.get("reason") == "OOMKilled",
         uid=meta.get("uid", ""),
+        finalizers=tuple(str(f) for f in meta.get("finalizers") or ())[:8],
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )
 
@@ -171,6 +213,7 @@ class PodCache:
         self._failing_since: dict[str | None, float] = {}  # scope → when its list or watch began to fail
         self._last_error = ""
         self.stopped = False
+        self.streaming = True  # list by streaming (sendInitialEvents) until the API server refuses it
 
     def pods(self, namespace: str, job: str, job_uid: str | None = None) -> list[PodView]:
         """The job's pods of any attempt; with `job_uid`, only those that job owns."""
@@ -217,22 +260,34 @@ class PodCache:
         failures = 0
         while True:
             try:
-                if version is None:
+                if version is None and not self.streaming:
                     items, version = await self._list(path, selector)
-                    self._replace(scope, items)
-                    self._failing_since.pop(scope, None)
-                    if self._refused.pop(scope, None):
-                        log.info("pods in %s: listed again, the refusal is over", scope or "all namespaces")
-                async for event in client().watch(path, {**selector, "resourceVersion": version,
-                                                         "allowWatchBookmarks": "true",
-                                                         "timeoutSeconds": str(int(self.watch_seconds))},
+                    self._listed(scope, items)
+                if version is None:  # a streaming list: the initial pods as events, then the watch goes on
+                    params = {**selector, **STREAMING_LIST}
+                else:
+                    params = {**selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
+                listing: list[ListedPod] | None = [] if version is None else None
+                async for event in client().watch(path, {**params, "timeoutSeconds": str(int(self.watch_seconds))},
                                                   silence=min(self.watch_seconds, SILENCE_SECONDS) + 5):
-                    version = self._apply_event(event) or version
+                    if listing is None:
+                        version = self._apply_event(event) or version
+                    elif initial_events_end(event):
+                        version, listing = event["object"]["metadata"]["resourceVersion"], self._listed(scope, listing)
+                    elif event.get("type") == "ADDED":
+                        listing.append(self._read_listed(event.get("object")))
+                    else:
+                        self._apply_event(event)  # an ERROR ends the stream; a bookmark before the end says nothing
                     self._failing_since.pop(scope, None)
                 failures = 0
             except ApiError as exc:
                 if exc.status == 410:
                     version = None  # resuming (or an expired continue token) is refused: list again
+                    continue
+                if version is None and self.streaming and exc.status in (400, 422):
+                    log.info("pods (%s): the API server does not stream lists (%s); paging instead",
+                             scope or "all namespaces", exc)
+                    self.streaming = False
                     continue
                 failures = self._failed(scope, failures, exc)
                 if exc.status == 403:
@@ -246,26 +301,48 @@ class PodCache:
                 version = None
                 await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
 
-    async def _list(self, path: str, selector: Mapping[str, str]) -> tuple[list[ListedPod], str]:
-        """Every labelled pod of a scope, page by page (`limit`/`continue`), and the list's resourceVersion. Each
-        page is parsed into views before the next is read: one page of raw JSON is held at a time. The pages are
+    def _listed(self, scope: str | None, items: Sequence[ListedPod | None]) -> None:
+        """A scope's list is complete: it replaces what the cache held there."""
+        self._replace(scope, [item for item in items if item is not None])
+        self._failing_since.pop(scope, None)
+        if self._refused.pop(scope, None):
+            log.info("pods in %s: listed again, the refusal is over", scope or "all namespaces")
+
+    @staticmethod
+    def _read_listed(pod: Any) -> ListedPod | None:
+        """One listed pod, or None (with a warning naming it) where the cache cannot read it."""
+        try:
+            return listed_pod(pod)
+        except Exception as exc:  # noqa: BLE001 (one tenant's odd object never stops the list)
+            meta = (pod.get("metadata") if isinstance(pod, Mapping) else None) or {}
+            log.warning("pods list: skipped a pod it cannot read, %s/%s: %s: %s", meta.get("namespace", "?"),
+                        meta.get("name", "?"), type(exc).__name__, exc)
+            return None
+
+    async def _list(self, path: str, selector: Mapping[str, str]) -> tuple[list[ListedPod | None], str]:
+        """Every labelled pod of a scope, page by page (`limit`/`continue`), and the list's resourceVersion, where
+        the API server does not stream lists. Each page is read within kube.MAX_RESPONSE_BYTES and parsed into
+        views before the next is read: one page of raw JSON is held at a time. A page over the bound is asked for
+        again at half the size (and the rest of the list at that size), down to one pod, which always fits: etcd
+        holds 1.5 MiB an object. The pages are
         one consistent snapshot; a continue token that expired (410) ends the list, and the informer lists again
-        from the start. A pod the cache cannot read is skipped with a warning naming it."""
-        listed: list[ListedPod] = []
-        params = {**selector, "limit": str(LIST_PAGE)}
+        from the start."""
+        listed: list[ListedPod | None] = []
+        limit, token = LIST_PAGE, ""
         while True:
-            page = await client().request("GET", path, params=params)
-            for pod in page.get("items") or []:
-                try:
-                    listed.append(listed_pod(pod))
-                except Exception as exc:  # noqa: BLE001 (one tenant's odd object never stops the list)
-                    meta = (pod.get("metadata") if isinstance(pod, Mapping) else None) or {}
-                    log.warning("pods list: skipped a pod it cannot read, %s/%s: %s: %s", meta.get("namespace", "?"),
-                                meta.get("name", "?"), type(exc).__name__, exc)
+            params = {**selector, "limit": str(limit), **({"continue": token} if token else {})}
+            try:
+                page = await client().request("GET", path, params=params)
+            except ApiError as exc:
+                if exc.status != UNDECODABLE or limit == 1:
+                    raise
+                limit = max(1, limit // 2)
+                continue
+            listed += [self._read_listed(pod) for pod in page.get("items") or []]
             meta = page["metadata"]
             if not meta.get("continue"):
                 return listed, meta["resourceVersion"]
-            params = {**selector, "limit": str(LIST_PAGE), "continue": meta["continue"]}
+            token = meta["continue"]
 
     def _refuse(self, scope: str | None, exc: ApiError) -> None:
         """The operator may not list or watch this scope's pods: said once in the log and to every job there (a
@@ -464,9 +541,14 @@ async def get_object(ref: Mapping[str, Any], plural: str) -> dict[str, Any] | No
         raise
 
 
-async def node_lost(name: str) -> bool | None:
-    """Whether node `name` is gone or not Ready (its kubelet will not confirm a pod's deletion); None when the
-    operator may not read nodes (a namespaced install without the ClusterRole)."""
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+
+
+async def node_gone(name: str) -> bool | None:
+    """Whether node `name` is known to run nothing any more, as Kubernetes' pod garbage collector judges it before
+    it force-deletes a pod: the Node is gone, or an admin tainted it `node.kubernetes.io/out-of-service` (the node
+    is shut down). A NotReady node may only be cut off from the network with its containers still running: a
+    pod of it force-deleted could leave two copies of a rank. None when the operator may not read nodes."""
     try:
         node = await client().request("GET", api_path("v1", "nodes", None, name))
     except ApiError as exc:
@@ -475,8 +557,7 @@ async def node_lost(name: str) -> bool | None:
         if exc.status == 403:
             return None
         raise
-    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
-    return ready.get("status") != "True"
+    return any(t.get("key") == OUT_OF_SERVICE_TAINT for t in (node.get("spec") or {}).get("taints") or [])
 
 
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
@@ -509,9 +590,9 @@ async def fetch_progress(pod_ip: str, port: int = contract.PROGRESS_PORT) -> Any
             body = await response.content.read(PROGRESS_MAX_BYTES + 1)
             if len(body) > PROGRESS_MAX_BYTES:
                 return None
-            return json.loads(body)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError):
-        return None  # RecursionError: JSON nested deeper than the parser's stack
+            return decode.loads(body)
+    except (aiohttp.ClientError, asyncio.TimeoutError, decode.Undecodable):
+        return None
 
 
 async def close() -> None:

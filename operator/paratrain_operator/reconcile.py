@@ -49,6 +49,10 @@ STREAK_SECONDS = MAX_COALESCE_SECONDS + 1
 PROGRESS_SECONDS = float(os.environ.get("PARATRAIN_PROGRESS_SECONDS", "30"))
 PROGRESS_KEYS = frozenset({"progress", "progressText"})
 CONFLICT_RETRIES = 3
+# A job whose creates or deletes the API server refused (after the client's own retries) sends its next ones this
+# long after, doubling with each refusal in a row up to WRITE_BACKOFF_MAX (as the Job controller backs off), and
+# from scratch once one goes through: a webhook that is down is not hammered every pass.
+WRITE_BACKOFF_SECONDS, WRITE_BACKOFF_MAX = 1.0, 60.0
 GANG_RECHECK_SECONDS = 60.0
 # The platform's choices for every job (--platform FILE, which the Helm chart writes); the defaults without one.
 PLATFORM = load_platform(os.environ["PARATRAIN_PLATFORM"]) if os.environ.get("PARATRAIN_PLATFORM") else Platform()
@@ -65,6 +69,10 @@ _answered: dict[JobKey, int] = {}
 _scheduled: dict[JobKey, tuple[asyncio.Task[None], float]] = {}  # a pass asked for and not started: when it runs
 _streaks: dict[JobKey, tuple[int, float]] = {}  # passes asked for in a row, and when the last one was
 _tasks: set[asyncio.Task[None]] = set()
+_write_backoff: dict[JobKey, tuple[int, float]] = {}  # refusals in a row, and when writes may go again (monotonic)
+_backoff_passes: dict[JobKey, asyncio.Task[None]] = {}
+_force_deleted: dict[str, None] = {}  # uids of pods force-deleted (insertion-ordered, the oldest forgotten first)
+FORCE_DELETED_KEPT = 4096  # the pass asked for at the end of a job's backoff
 
 
 def job_document(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,6 +173,9 @@ def forget(namespace: str, name: str) -> None:
     _progress.pop(key, None)
     _progress_written.pop(key, None)
     _superseded_gone.pop(key, None)
+    _write_backoff.pop(key, None)
+    if (waiting := _backoff_passes.pop(key, None)) is not None:
+        waiting.cancel()
     jobs.forget(key)
     expectations.forget(key)
     metrics.forget(namespace, name)
@@ -238,10 +249,11 @@ async def _pass(body: dict[str, Any]) -> str | None:
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
-            if isinstance(exc, apply.Refused) and not exc.transient:
+            if isinstance(exc, apply.Refused) and exc.reason not in ("Stopped", "NotLeading"):
+                _back_off(key)
                 await _report_refusal(written, decision, job, views, filled, exc)
-            # Maybe fixable (quota freed, a name released, a webhook back): retried by the next passes, until
-            # spec.scheduling.startTimeoutSeconds ends the attempt; transient errors likewise.
+            # Maybe fixable (quota freed, a name released, a webhook back): retried with backoff by the next
+            # passes, until spec.scheduling.startTimeoutSeconds ends the attempt; transient errors likewise.
             raise
         decision = gang.fail(decision.state, views, rejected, now)
         written = await _persist_rejection(written, decision, job, views, filled)
@@ -286,27 +298,35 @@ async def _delete_superseded(key: JobKey, job: ParallelTrainJob | None, decision
 
 
 async def _release_stuck(body: dict[str, Any], stuck: Sequence[str], views: Sequence[PodView]) -> None:
-    """Pods of an earlier attempt stuck terminating: on a node that is gone or NotReady no kubelet will confirm the
-    deletion, so they are force-deleted (as the pod garbage collector does) and the restart proceeds; on a Ready
-    node (or where nodes cannot be read) the kubelet may still be stopping the containers, and a second copy of a
-    rank must never run beside them: they are reported and waited for."""
+    """Pods stuck terminating: where their node is gone or tainted out-of-service no kubelet will confirm the
+    deletion, so they are force-deleted (as the pod garbage collector does), once per pod, and the restart
+    proceeds; elsewhere (a NotReady node may still run the containers, or nodes cannot be read) a second copy of
+    a rank must never run beside them: they are reported and waited for, until startTimeoutSeconds ends the
+    attempt (gang.decide)."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     by_name = {p.name: p for p in views}
     for name in stuck:
         pod = by_name[name]
-        lost = await observe.node_lost(pod.node) if pod.node else True  # never bound: no kubelet holds it
+        if pod.uid in _force_deleted:  # once: a finalizer keeps a force-deleted pod; saying it again helps nobody
+            continue
+        gone = await observe.node_gone(pod.node) if pod.node else True  # never bound: no kubelet holds it
         where = f"node {pod.node}" if pod.node else "no node"
-        if lost:
+        if gone:
             expectations.deleted(key, name, pod.uid)
             await apply.force_delete_pod(meta["namespace"], name, pod.uid)
+            _force_deleted[pod.uid] = None
+            while len(_force_deleted) > FORCE_DELETED_KEPT:
+                _force_deleted.pop(next(iter(_force_deleted)))
             message = (f"pod {name} was stuck terminating past its grace period (ended {pod.gone_by}) on {where}, "
-                       "which is gone or NotReady: force-deleted so that the gang can restart")
+                       "which is gone or tainted out-of-service: force-deleted so that the gang can restart")
             await apply.post_event(body, gang.Event("Warning", "ForceDeleted", message))
         else:
-            why = "Ready" if lost is False else "of unknown state (the operator may not read nodes)"
-            message = (f"pod {name} is stuck terminating past its grace period (ended {pod.gone_by}) on {where}, "
-                       f"which is {why}: waiting for its kubelet; the gang restarts once it is gone")
+            why = "still there and not tainted out-of-service" if gone is False else \
+                "of unknown state (the operator may not read nodes)"
+            message = (f"pod {name} is stuck terminating past its grace period (ended {pod.gone_by}), held by "
+                       f"{gang.holder(pod)}; {where} is {why}: waiting (once the node is really down, taint it "
+                       f"{observe.OUT_OF_SERVICE_TAINT}=nodeshutdown:NoExecute and the pod is force-deleted)")
             await apply.post_event(body, gang.Event("Warning", "PodStuck", message))
 
 
@@ -456,6 +476,22 @@ async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild |
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     key = (namespace, name)
+    if (decision.create_ranks or decision.delete_pods) and (wait := _backoff_left(key)) > 0:
+        log.info("%s/%s: creates and deletes wait %.1fs more (backing off after refusals)", namespace, name, wait)
+        _pass_after(key, wait)
+    elif decision.create_ranks or decision.delete_pods:
+        await _write_pods(key, decision, gang_build, views)
+        _write_backoff.pop(key, None)
+    if decision.stuck_pods:
+        await _release_stuck(body, decision.stuck_pods, views)
+    if decision.delete_job:
+        log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
+        await apply.delete_job(namespace, name, meta["uid"])
+
+
+async def _write_pods(key: JobKey, decision: Decision, gang_build: GangBuild | None,
+                      views: Sequence[PodView]) -> None:
+    namespace, name = key
     if decision.create_ranks and gang_build:
         created = await apply.create_gang(gang_build.shared, decision.create_ranks, gang_build.pods,
                                           created=lambda pod, uid: expectations.created(key, pod, uid))
@@ -469,8 +505,32 @@ async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild |
                                 deleted=lambda pod: expectations.deleted(key, pod, uids.get(pod, "")))
         log.info("%s/%s: deleting %d pods: %s", namespace, name, len(decision.delete_pods),
                  _names(decision.delete_pods))
-    if decision.stuck_pods:
-        await _release_stuck(body, decision.stuck_pods, views)
-    if decision.delete_job:
-        log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job", namespace, name)
-        await apply.delete_job(namespace, name, meta["uid"])
+
+
+def _back_off(key: JobKey) -> None:
+    """One more refusal in a row: the job's next creates and deletes wait twice as long as the last ones did."""
+    refusals = _write_backoff.get(key, (0, 0.0))[0] + 1
+    delay = min(WRITE_BACKOFF_MAX, WRITE_BACKOFF_SECONDS * 2 ** (refusals - 1))
+    _write_backoff[key] = (refusals, time.monotonic() + delay)
+    _pass_after(key, delay)
+
+
+def _backoff_left(key: JobKey) -> float:
+    return _write_backoff.get(key, (0, 0.0))[1] - time.monotonic()
+
+
+def _pass_after(key: JobKey, delay: float) -> None:
+    """A pass of the job once `delay` seconds have passed (one at a time: a later call leaves the first, unless it
+    comes from that pass itself)."""
+    waiting = _backoff_passes.get(key)
+    if waiting is not None and waiting is not asyncio.current_task() and not waiting.done():
+        return
+    task = asyncio.get_running_loop().create_task(_later(key, delay))
+    _backoff_passes[key] = task
+    _tasks.add(task)
+
+    def done(finished: asyncio.Task[None]) -> None:
+        _tasks.discard(finished)
+        if _backoff_passes.get(key) is finished:
+            del _backoff_passes[key]
+    task.add_done_callback(done)

@@ -28,7 +28,6 @@ that model, so a field the schema would prune fails a test here instead of vanis
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -36,7 +35,7 @@ from typing import Any
 
 from paratrain.api.status import JobStatus, fit_to_schema, progress_text
 
-from . import gang
+from . import decode, gang
 from .clock import from_iso, to_iso
 from .gang import GangState
 from .observe import PodView
@@ -47,7 +46,8 @@ GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler pl
 # Every top-level status key this module owns; a key it no longer writes is removed by the patch.
 OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
               "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "podReplacements", "attemptPodReplacements",
-              "replacing", "gangCreated", "startTime", "attemptStartTime",
+              "replacing", "gangCreated", "startTime", "attemptStartTime", "failuresInARow", "restartNotBefore",
+              "uncountedRestarts", "startTimeouts",
               "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
@@ -62,8 +62,8 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
     length), since the pod runs user code."""
     if isinstance(raw, (str, bytes)):
         try:
-            raw = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+            raw = decode.loads(raw)
+        except decode.Undecodable:
             return None
     if not isinstance(raw, Mapping):
         return None
@@ -169,6 +169,10 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["attemptPodReplacements"] = state.attempt_pod_replacements
     if state.replacing:
         out["replacing"] = [{"nodeRank": rank, "lostUid": uid} for rank, uid in state.replacing]
+    for key, value in (("failuresInARow", state.failures_in_a_row), ("restartNotBefore", state.restart_not_before),
+                       ("uncountedRestarts", state.uncounted_restarts), ("startTimeouts", state.start_timeouts)):
+        if value:
+            out[key] = value
     if state.start_time:
         out["startTime"] = state.start_time
     if state.attempt_start_time:

@@ -173,10 +173,12 @@ def test_a_pass_never_acts_on_a_cache_that_misses_its_own_creates(monkeypatch: p
 
 
 class PagedApi:
-    """Serves `pods` by namespace in pages of at most `limit`, as the API server does; refuses `forbidden`."""
+    """Serves `pods` by namespace in pages of at most `limit`, as an API server that does not stream lists does;
+    refuses `forbidden`; a page of more than `max_page` pods is over the client's byte bound."""
 
-    def __init__(self, pods: dict[str, list[dict[str, Any]]], forbidden: frozenset[str] = frozenset()):
-        self.pods, self.forbidden = pods, forbidden
+    def __init__(self, pods: dict[str, list[dict[str, Any]]], forbidden: frozenset[str] = frozenset(),
+                 max_page: int = 1 << 30):
+        self.pods, self.forbidden, self.max_page = pods, forbidden, max_page
         self.lists: list[tuple[str, dict[str, str]]] = []  # (namespace, query) of each LIST
         self.watched: list[tuple[str, str]] = []
 
@@ -186,15 +188,43 @@ class PagedApi:
         if namespace in self.forbidden:
             raise kube.ApiError(403, "Forbidden", f'pods is forbidden: cannot list resource "pods" in "{namespace}"')
         start, limit = int(params.get("continue", "0")), int(params["limit"])
+        if limit > self.max_page:
+            raise kube.ApiError(kube.UNDECODABLE, "Undecodable", "the answer is over 41943040 bytes")
         items = self.pods[namespace][start:start + limit]
         more = start + limit < len(self.pods[namespace])
         return {"metadata": {"resourceVersion": "77", **({"continue": str(start + limit)} if more else {})},
                 "items": items}
 
     async def watch(self, path: str, params: dict[str, str], silence: float) -> Any:
+        if path.split("/")[4] in self.forbidden:
+            raise kube.ApiError(403, "Forbidden", "pods is forbidden")
+        if params.get("sendInitialEvents"):
+            raise kube.ApiError(422, "Invalid", "sendInitialEvents is forbidden for watch unless the WatchList "
+                                "feature gate is enabled")
         self.watched.append((path.split("/")[4], params["resourceVersion"]))
         await asyncio.sleep(3600)
         yield {}
+
+
+def test_a_page_over_the_byte_bound_is_asked_for_again_at_half_the_size(monkeypatch: pytest.MonkeyPatch):
+    """A page of 500 pods with megabytes each would be read whole: past kube.MAX_RESPONSE_BYTES the same page is
+    asked for again with half the limit, and so is the rest of the list."""
+    api = PagedApi({"ns": [pod(f"job-0-{r}") for r in range(300)]}, max_page=100)
+    monkeypatch.setattr(observe, "client", lambda: api)
+
+    async def main() -> int:
+        cache = observe.PodCache(["ns"])
+        cache.streaming = False
+        task = asyncio.create_task(cache.run())
+        await asyncio.wait_for(cache.listed("ns"), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return len(cache)
+
+    assert asyncio.run(main()) == 300
+    assert [(q.get("continue"), q["limit"]) for _, q in api.lists] == [
+        (None, "500"), (None, "250"), (None, "125"), (None, "62"), ("62", "62"), ("124", "62"), ("186", "62"),
+        ("248", "62")]
 
 
 def test_a_relist_is_paged_and_a_namespace_the_operator_may_not_list_stops_only_its_own_jobs(

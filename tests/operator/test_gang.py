@@ -10,7 +10,7 @@ import pytest
 from paratrain import contract
 from paratrain.api.spec import FailurePolicyRule
 from paratrain_operator import gang, observe
-from paratrain_operator.clock import to_iso
+from paratrain_operator.clock import from_iso, to_iso
 from paratrain_operator.gang import Failure, GangState, Policy
 from paratrain_operator.observe import PodView
 
@@ -395,12 +395,25 @@ def test_the_attempts_clock_starts_at_its_first_create_and_waiting_inside_it_is_
     assert decision.state.phase == "Pending" and not decision.delete_pods
 
 
-def test_a_gang_not_all_running_by_the_start_timeout_fails_with_the_pods_reason_and_no_restart():
+def test_a_gang_not_all_running_by_the_start_timeout_starts_afresh_then_fails_with_the_pods_reason():
+    """A brief capacity gap need not fail the job: the attempt ends and the gang is created afresh (not counted
+    against backoffLimit), startAttempts times in all; then the job fails with what kept the pods waiting."""
     unplaced = [pod(0), *(pod(r, "Pending", waiting="Unschedulable: 0/2 nodes are available") for r in (1, 2))]
-    decision = decide(unplaced, STARTING, policy=QUICK)
+    requeued = decide(unplaced, STARTING, policy=QUICK)
+    assert requeued.state.phase == "Restarting" and requeued.state.reason == "StartTimeout"
+    assert (requeued.state.attempt, requeued.state.start_timeouts, requeued.state.restarts) == (1, 1, 0)
+    assert requeued.state.last_stop.reason == "Unschedulable" and "start attempt 2 of 3" in requeued.state.message
+    assert set(requeued.delete_pods) == {p.name for p in unplaced} and not requeued.create_ranks
+    assert [e.reason for e in requeued.events] == ["StartTimeout"]
+    fresh = decide([], replace(requeued.state, attempt_start_time=None))
+    assert fresh.create_ranks == (0, 1, 2) and fresh.state.attempt_start_time == to_iso(NOW)  # a new clock
+
+    last = replace(STARTING, start_timeouts=2)
+    decision = decide(unplaced, last, policy=QUICK)
     assert decision.state.phase == "Failed" and decision.state.reason == "StartTimeout"
     assert decision.state.failure.reason == "Unschedulable" and decision.state.restarts == 0
     assert "startTimeoutSeconds" in decision.state.message and "2 Unschedulable" in decision.state.message
+    assert "startAttempts (3) spent" in decision.state.message
     assert set(decision.delete_pods) == {p.name for p in unplaced}  # the pods that did start are released too
     assert [e.reason for e in decision.events] == ["StartTimeout"]
 
@@ -411,7 +424,7 @@ def test_a_refused_create_is_the_reason_when_the_start_timeout_ends_the_attempt(
     pending = decide(gang_of("Running", "Running"), replace(waiting, attempt_start_time=to_iso(NOW)), policy=QUICK)
     assert pending.state.create_refused == refusal and "cannot create" in pending.state.message
     assert pending.create_ranks == (2,)
-    decision = decide(gang_of("Running", "Running"), waiting, policy=QUICK)
+    decision = decide(gang_of("Running", "Running"), waiting, policy=replace(QUICK, start_attempts=1))
     assert decision.state.phase == "Failed" and decision.state.failure.reason == "FailedCreate"
     assert "exceeded quota" in decision.state.failure.message and decision.state.restarts == 0
 
@@ -471,8 +484,63 @@ def test_a_pod_terminating_past_its_grace_period_and_the_margin_is_named_as_stuc
     decision = decide([pod(0, terminating=True, gone_by=ended, node="n1"), pod(1, terminating=True, gone_by=recent)],
                       restarting)
     assert decision.stuck_pods == ("job-0-0",) and not decision.create_ranks
-    assert "1 pod(s) stuck terminating: job-0-0 (node n1" in decision.state.message
+    assert "1 pod(s) stuck terminating: job-0-0 (held by node n1, whose kubelet has not confirmed" in \
+        decision.state.message
     assert decision.state.stuck in decision.state.message
+
+
+def test_a_pod_held_terminating_past_the_start_timeout_ends_the_attempt_naming_it_and_its_holder():
+    """A finalizer nobody removes (or a hung node) kept the next attempt waiting forever: past
+    startTimeoutSeconds after its grace period the attempt ends, with the pod and what holds it in the reason."""
+    restarting = GangState(phase="Restarting", attempt=1, restarts=1)
+    timeout = POLICY.start_timeout_seconds
+    within = to_iso(NOW - timedelta(seconds=timeout - 1))
+    past = to_iso(NOW - timedelta(seconds=timeout + 1))
+    held = pod(0, terminating=True, gone_by=past, node="n1", finalizers=("example.com/hold",))
+    assert decide([replace(held, gone_by=within)], restarting).state.phase == "Restarting"
+    decision = decide([held, pod(1, terminating=True, gone_by=past, node="n2")], restarting)
+    assert decision.state.phase == "Failed" and decision.state.reason == "StartTimeout"
+    failure = decision.state.failure
+    assert (failure.reason, failure.pod, failure.retryable) == ("PodStuckTerminating", "job-0-0", False)
+    assert "held by finalizer(s) example.com/hold" in failure.message and "(and 1 more)" in failure.message
+    assert f"startTimeoutSeconds ({timeout}s past its grace period" in failure.message
+    assert [e.reason for e in decision.events] == ["StartTimeout"]
+
+
+# --- the restart backoff and the bound on uncounted restarts ------------------------------------------------------
+def test_gang_restarts_without_a_step_trained_back_off_doubling_and_a_step_resets_it():
+    """The first gang restart since a step was trained starts at once; each later one waits twice as long, from
+    10 s up to 6 min (the Job controller's backoff); rank 0 reporting a step trained resets the count."""
+    failing = [pod(0), pod(1, "Failed", exit_code=1, reason="Error"), pod(2)]
+    state, waits = RUNNING, []
+    for _ in range(8):
+        decision = decide(failing, replace(state, restarts=0), policy=replace(POLICY, backoff_limit=100))
+        state = decision.state
+        not_before = from_iso(state.restart_not_before)
+        waits.append(round((not_before - NOW).total_seconds()) if not_before else 0)
+        failing = [replace(p, attempt=state.attempt) for p in failing]
+    assert waits == [0, 10, 20, 40, 80, 160, 320, 360]
+    assert state.failures_in_a_row == 8 and "restarts since a step was last trained" in state.message
+
+    waiting = decide([], state)  # the old pods are gone: nothing is created before restartNotBefore
+    assert waiting.create_ranks == () and waiting.state.phase == "Restarting" and "restart backoff" in \
+        waiting.state.message
+    due = decide([], state, now=from_iso(state.restart_not_before))
+    assert due.create_ranks == (0, 1, 2)
+    trained = decide(gang_of("Running", "Running", "Running", attempt=state.attempt), state,
+                     progress={"step": 120, "startStep": 100})
+    assert trained.state.failures_in_a_row == 0
+
+
+def test_restarts_not_counted_have_a_bound_of_their_own():
+    stopped = [pod(0), pod(1, terminating=True), pod(2)]  # deleted from outside: a stop, not counted
+    many = replace(RUNNING, uncounted_restarts=99)
+    restarted = decide(stopped, many)
+    assert restarted.state.phase == "Restarting" and restarted.state.uncounted_restarts == 100
+    assert restarted.state.restarts == 0
+    ended = decide(stopped, replace(RUNNING, uncounted_restarts=100))
+    assert ended.state.phase == "Failed" and ended.state.reason == "MaxUncountedRestartsExceeded"
+    assert "runPolicy.maxUncountedRestarts (100" in ended.state.message
 
 
 # --- single-pod replacement ---------------------------------------------------------------------------------------

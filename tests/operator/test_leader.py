@@ -169,3 +169,65 @@ def test_a_graceful_stop_ends_passes_and_writes_before_it_releases_the_lease(mon
         await handlers.close()
     asyncio.run(main())
     assert order == ["pass ended", "client stopped", "lease released"]
+
+
+@pytest.mark.parametrize("answer", ["empty 2xx", "500", "409"])
+def test_any_renewal_failure_ends_leadership_and_no_write_may_leave_past_the_renew_deadline(store: LeaseStore,
+                                                                                            answer: str):
+    """An empty 2xx to the Lease GET once raised AttributeError in the renewal task, which ended it quietly:
+    `leading` stayed True and writes went on while a standby took over. Whatever the answer, renewals end by
+    the renew deadline, and `may_write` (which every write checks) refuses from that instant on."""
+    async def main() -> tuple[str | None, str | None, str]:
+        a = elector(store, "a")
+        assert await a._try()
+        allowed = a.may_write()
+        real = store.request
+
+        async def broken(method: str, path: str, **kwargs: Any) -> Any:
+            if answer == "empty 2xx" and method == "GET":
+                return None
+            if answer == "500":
+                raise kube.ApiError(500, "InternalError", "etcd timed out")
+            if answer == "409" and method == "PUT":
+                raise kube.ApiError(409, "Conflict", "the object has been modified")
+            return await real(method, path, **kwargs)
+
+        store.request = broken  # type: ignore[method-assign]
+        with pytest.raises(leader.LostLease) as lost:
+            await asyncio.wait_for(a.keep(), 5)
+        return allowed, a.may_write(), str(lost.value)
+
+    allowed, refused, lost = asyncio.run(main())
+    assert allowed is None
+    assert refused and "does not hold Lease ops/lease" in refused
+    assert "could not renew Lease ops/lease within 0.35s" in lost
+
+
+def test_a_write_is_refused_at_the_renew_deadline_even_while_renewal_still_hangs(store: LeaseStore):
+    async def main() -> list[str | None]:
+        a = elector(store, "a")
+        assert await a._try()
+        seen = [a.may_write()]
+        await asyncio.sleep(a.renew_deadline + 0.01)  # no renewal meanwhile (a hung keep)
+        seen.append(a.may_write())
+        return seen
+
+    before, after = asyncio.run(main())
+    assert before is None and after and "was not renewed within 0.35s" in after
+
+
+def test_the_api_client_checks_the_guard_before_every_write_and_never_before_a_read():
+    client = kube.Kube(SimpleNamespace(host="http://127.0.0.1:1", get_api_key_with_prefix=lambda key: None))
+    client.write_guard = lambda: "Lease ops/lease was not renewed within 7s"
+
+    async def main() -> kube.ApiError:
+        with pytest.raises(kube.ApiError) as refused:
+            await client._once("PATCH", "/apis/x", {}, None, "application/json", 1 << 20)
+        with pytest.raises(kube.ApiError) as read:  # a read goes out (and finds no server here)
+            await client._once("GET", "/apis/x", None, None, None, 1 << 20)
+        await client.close()
+        assert read.value.reason != "NotLeading"
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.reason == "NotLeading" and "not renewed within 7s" in refused.message and not refused.transient

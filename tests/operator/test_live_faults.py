@@ -145,6 +145,37 @@ def test_api_errors_on_creates_and_status_patches_are_retried_and_lose_nothing(c
         assert condition(status, "CreateRefused") is None
 
 
+def test_a_webhook_that_cannot_be_reached_is_named_at_once_and_retried_with_backoff(cluster: RealCluster, ns: str):
+    """Issue 42: every pod create answered 500 "failed calling webhook" (a mutating webhook whose service is down)
+    for 16 s. The client's own retries (3) are spent, so the pass's create is refused: a FailedCreate Event and
+    the status's message name the webhook within one pass, and the next tries come further and further apart
+    (1, 2, 4 ... s after each refusal, not every pass). Once the webhook is back, the job succeeds."""
+    webhook = ('Internal error occurred: failed calling webhook "inject.sidecar.example.com": failed to call '
+               'webhook: Post "https://sidecar.sidecar-system.svc:443/inject": dial tcp 10.96.0.42:443: connect: '
+               'connection refused')
+    down = cluster.proxy.inject("POST", rf"/namespaces/{ns}/pods$", status=500, times=None, message=webhook)
+    cluster.submit(ns, "hooked", fake_job(steps=3))
+    refused = wait_for(lambda: (c := condition(cluster.status(ns, "hooked"), "CreateRefused")) and c, 15,
+                       "the refusal in the job's status")
+    assert refused["status"] == "True" and f"Pod {ns}/hooked-0-0" in refused["message"]
+    assert "failed calling webhook" in cluster.status(ns, "hooked")["message"]
+    cluster.event_reasons(ns, "hooked", until="FailedCreate")
+    event = next(e for e in cluster.events(ns, "hooked") if e["reason"] == "FailedCreate")
+    assert event["type"] == "Warning" and "inject.sidecar.example.com" in event["message"]
+    time.sleep(16 - (time.monotonic() - down.faulted_at[0]))
+    down.times = down.faulted  # the webhook is back
+    status = cluster.wait_phase(ns, "hooked", "Succeeded", 90)
+    assert (status["restarts"], status["attempt"]) == (0, 0) and condition(status, "CreateRefused")["status"] == "False"
+    assert cluster.pod_creations(ns) == ["hooked-0-0", "hooked-0-1"]
+    # Each pass's try is a burst of four requests (the client's and its three retries, 0.5, 1 and 2 s apart);
+    # between bursts the backoff doubles, so the bursts come further and further apart, never every pass (the
+    # resync here runs every second).
+    assert down.faulted % 4 == 0, down.faulted_at
+    starts = down.faulted_at[::4]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and all(later - earlier >= 0.7 for earlier, later in zip(gaps, gaps[1:])), gaps
+
+
 # ---- a deleted job, a finished job ------------------------------------------------------------------------
 
 def schedule_as_volcano(cluster: RealCluster, ns: str, job: str, nodes: int) -> None:
@@ -308,7 +339,8 @@ def test_a_quota_smaller_than_the_gang_is_named_at_once_and_ends_the_attempt_at_
     wait_for(lambda: (cluster.api.object("v1/resourcequotas", ns, "two-pods").get("status") or {}).get("hard"), 30,
              "the resource-quota controller to take up the quota")
     submitted = time.monotonic()
-    cluster.submit(ns, "quota", {**fake_job(nodes=4, steps=1000), "scheduling": {"startTimeoutSeconds": 30}})
+    cluster.submit(ns, "quota", {**fake_job(nodes=4, steps=1000),
+                                 "scheduling": {"startTimeoutSeconds": 30, "startAttempts": 1}})
     refused = wait_for(lambda: (c := condition(cluster.status(ns, "quota"), "CreateRefused")) and c, 15,
                        "the refusal in the job's status")
     assert refused["status"] == "True" and refused["reason"] == "FailedCreate"
@@ -328,17 +360,21 @@ def test_a_quota_smaller_than_the_gang_is_named_at_once_and_ends_the_attempt_at_
     assert len(cluster.pod_creations(ns)) == 2  # the refused pods were never created; the quota held
 
 
-def test_a_gang_that_cannot_all_be_placed_ends_its_attempt_at_the_start_timeout(cluster: RealCluster, ns: str):
-    """The job's pods can never be scheduled (no node has the label): at startTimeoutSeconds the job fails with
-    the scheduler's reason, Unschedulable, without a restart, and its pods are deleted."""
-    spec = {**fake_job(steps=1000), "scheduling": {"startTimeoutSeconds": 30,
+def test_a_gang_that_cannot_all_be_placed_is_started_afresh_then_fails_at_the_start_timeout(cluster: RealCluster,
+                                                                                            ns: str):
+    """The job's pods can never be scheduled (no node has the label): at startTimeoutSeconds the attempt ends,
+    its pods are deleted and the gang is created afresh (startAttempts: 2, no restart counted); at the second
+    timeout the job fails with the scheduler's reason, Unschedulable, and its pods are deleted."""
+    spec = {**fake_job(steps=1000), "scheduling": {"startTimeoutSeconds": 30, "startAttempts": 2,
                                                   "nodeSelector": {"paratrain.dev/nowhere": "true"}}}
     cluster.submit(ns, "unplaced", spec)
-    status = cluster.wait_phase(ns, "unplaced", "Failed", 75)
+    status = cluster.wait_phase(ns, "unplaced", "Failed", 110)
     assert (status["reason"], status["failure"]["reason"], status["restarts"]) == ("StartTimeout", "Unschedulable", 0)
-    assert "2 Unschedulable" in status["message"] and "startTimeoutSeconds" in status["message"]
+    assert (status["attempt"], status["startTimeouts"]) == (1, 1) and status["lastStop"]["reason"] == "Unschedulable"
+    assert "2 Unschedulable" in status["message"] and "startAttempts (2) spent" in status["message"]
     wait_for(lambda: not cluster.pods(ns, "unplaced"), 30, "the unplaced gang to be deleted")
-    assert cluster.event_reasons(ns, "unplaced", until="StartTimeout")[-1] == "StartTimeout"
+    wait_for(lambda: cluster.event_reasons(ns, "unplaced").count("StartTimeout") == 2, 15, "both StartTimeout Events")
+    assert cluster.pod_creations(ns) == ["unplaced-0-0", "unplaced-0-1", "unplaced-1-0", "unplaced-1-1"]
 
 
 def test_pod_changes_missed_by_a_silent_watch_are_still_acted_on(cluster: RealCluster, ns: str):

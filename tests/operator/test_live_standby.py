@@ -1,7 +1,7 @@
 """Two operator replicas (`--leader-elect`, as the Helm chart runs them) on the real control plane: one acts, the
 other stands by (healthy, doing nothing) and takes over when the first dies, without duplicating a pod; a leader
-that stops gracefully releases its Lease and the standby takes over at once; a leader whose renewals hang stops
-writing before the standby acts. Both run as the operator's ServiceAccount with the chart's rules (a Role for
+that stops gracefully releases its Lease and the standby takes over at once; a leader whose renewals hang or fail
+(500, 409, an empty 200) stops writing before the standby acts, and exits. Both run as the operator's ServiceAccount with the chart's rules (a Role for
 Leases in its own namespace). The leader talks to the API server through the fault proxy (which logs its every
 request); the standby directly."""
 
@@ -90,12 +90,23 @@ def test_a_leader_that_stops_gracefully_hands_over_at_once(cluster: RealCluster,
     cluster.wait_phase(ns, "after", "Succeeded", 30)
 
 
-def test_a_leader_whose_renewals_hang_makes_no_write_once_the_standby_leads(cluster: RealCluster,
-                                                                             standby: OperatorProcess, ns: str,
-                                                                             tmp_path: Path):
-    """The split-leader case: the leader's Lease renewals are held (a stalled connection), its other requests
+# How the leader's Lease requests go wrong (the fault proxy's injection: method, status, hold, empty).
+LEASE_FAULTS = {
+    "hang": ("PUT", None, True, False),  # a stalled connection: renewals never answer
+    "500": ("PUT", 500, False, False),  # every renewal refused by a server error
+    "409": ("PUT", 409, False, False),  # every renewal loses a conflict it cannot win
+    "empty 2xx": ("GET", 200, False, True),  # the Lease read answers 200 with no body at all
+}
+
+
+@pytest.mark.parametrize("fault", LEASE_FAULTS)
+def test_a_leader_whose_renewals_fail_makes_no_write_once_the_standby_leads(cluster: RealCluster,
+                                                                            standby: OperatorProcess, ns: str,
+                                                                            tmp_path: Path, fault: str):
+    """The split-leader case: the leader's Lease requests fail (hang, 500, 409, an empty 200), its other requests
     still pass. It must stop acting within its renew deadline (7 s of its last renewal), before the standby may
-    take the Lease (10 s after it last saw it renewed): after that, not one write of the old leader's arrives."""
+    take the Lease (10 s after it last saw it renewed): after that, not one write of the old leader's arrives,
+    and it exits (to restart as a standby)."""
     cluster.submit(ns, "split", fake_job(steps=200, step_seconds=0.2))  # 40 s of progress: a status write a resync
     cluster.wait_phase(ns, "split", "Running", 30)
     time.sleep(3)
@@ -104,7 +115,8 @@ def test_a_leader_whose_renewals_hang_makes_no_write_once_the_standby_leads(clus
     assert len([e for e in job_writes if e[4] > before - 3]) >= 2  # a leader that kept acting would be seen
 
     lease = lease_of(tmp_path)
-    held = cluster.proxy.inject("PUT", rf"/leases/{lease}$", status=None, hold=True, times=None)
+    method, status, hold, empty = LEASE_FAULTS[fault]
+    held = cluster.proxy.inject(method, rf"/leases/{lease}$", status=status, hold=hold, times=None, empty=empty)
     wait_for(lambda: "leading: acquired" in log(standby), 30, "the standby to take the Lease")
     spec = cluster.plane.api.must(cluster.plane.api.get(
         f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NAMESPACE}/leases/{lease}"))["spec"]

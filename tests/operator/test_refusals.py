@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from paratrain_operator import apply, reconcile
@@ -33,3 +35,28 @@ def test_only_refusals_no_retry_can_change_fail_the_job_at_once(status, message,
     assert (failure.reason if failure else None) == reason
     if failure:
         assert not failure.retryable and "Pod ml/job-0-3" in failure.message
+
+
+def test_refused_writes_back_off_doubling_to_a_cap_and_start_again_from_scratch(monkeypatch):
+    """Each refusal in a row doubles the wait before the job's next creates and deletes (1, 2, 4 ... 60 s), and a
+    pass is asked for at its end; writes that go through reset it."""
+    asked: list[float] = []
+
+    async def later(key, delay):
+        asked.append(delay)
+
+    monkeypatch.setattr(reconcile, "_later", later)
+    key = ("ml", "job")
+
+    async def main() -> list[float]:
+        waits = []
+        for _ in range(8):
+            reconcile._back_off(key)
+            waits.append(round(reconcile._backoff_left(key)))
+            await asyncio.sleep(0)  # the pass asked for runs (here: is recorded) before the next refusal
+        reconcile._write_backoff.pop(key)
+        return waits
+
+    assert asyncio.run(main()) == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert [round(d) for d in asked] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert reconcile._backoff_left(key) <= 0

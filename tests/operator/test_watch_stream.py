@@ -128,6 +128,7 @@ def test_the_informer_lists_again_after_any_error_and_liveness_reports_a_cache_t
 
     async def main() -> tuple[int, int, str | None, str | None]:
         cache = observe.PodCache()
+        cache.streaming = False  # paged lists (the streamed list is test_a_streamed_list_...)
         task = asyncio.create_task(cache.run())
         await asyncio.wait_for(api.watched.wait(), 5)
         healthy = cache.problem()
@@ -142,6 +143,58 @@ def test_the_informer_lists_again_after_any_error_and_liveness_reports_a_cache_t
     lists, cached, healthy, failing = asyncio.run(main())
     assert lists == 2 and cached == 1 and healthy is None
     assert failing and "no list or watch has succeeded" in failing and "forbidden" in failing
+
+
+class StreamingApi:
+    """A client whose watch streams the list (sendInitialEvents) where asked to, then one change; it refuses to
+    stream where `refuse` is set (an API server without WatchList), and then serves paged lists."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse, self.watches, self.pages = refuse, [], 0
+        self.done = asyncio.Event()
+
+    async def request(self, method: str, path: str, *, params: Any = None, **_: Any) -> dict[str, Any]:
+        self.pages += 1
+        return {"metadata": {"resourceVersion": "7"}, "items": [pod("job-0-0"), pod("job-0-1")]}
+
+    async def watch(self, path: str, params: Any, silence: float) -> AsyncIterator[dict[str, Any]]:
+        self.watches.append(dict(params))
+        if params.get("sendInitialEvents") == "true":
+            if self.refuse:
+                raise kube.ApiError(422, "Invalid", "sendInitialEvents is forbidden for watch unless ...")
+            yield {"type": "ADDED", "object": pod("job-0-0", version=3)}
+            yield {"type": "ADDED", "object": "not a pod"}  # skipped, naming nothing
+            yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "4"}}}  # not the end yet
+            yield {"type": "ADDED", "object": pod("job-0-1", version=4)}
+            yield {"type": "BOOKMARK", "object": {"metadata": {
+                "resourceVersion": "5", "annotations": {observe.INITIAL_EVENTS_END: "true"}}}}
+        yield {"type": "DELETED", "object": pod("job-0-0", version=6)}
+        self.done.set()
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["streamed", "paged where streaming is refused"])
+def test_a_streamed_list_fills_the_cache_one_pod_at_a_time_and_the_watch_goes_on_from_its_end(monkeypatch, refuse):
+    api = StreamingApi(refuse)
+    monkeypatch.setattr(observe, "client", lambda: api)
+    relisted = []
+
+    async def main() -> list[str]:
+        cache = observe.PodCache(relisted=relisted.append)
+        task = asyncio.create_task(cache.run())
+        await asyncio.wait_for(api.done.wait(), 5)
+        names = sorted(p.name for p in cache.pods("ns", "job"))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return names
+
+    assert asyncio.run(main()) == ["job-0-1"]  # both listed, then job-0-0 deleted
+    assert relisted == [None]
+    if refuse:
+        assert api.pages == 1 and api.watches[-1]["resourceVersion"] == "7"
+    else:
+        assert api.pages == 0 and len(api.watches) == 1  # one request: the list, then the watch, from it
 
 
 _real_sleep = asyncio.sleep

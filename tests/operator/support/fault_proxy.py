@@ -58,11 +58,15 @@ class Resource:
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str, headers: Mapping[str, str] | None = None):
+    def __init__(self, code: int, reason: str, message: str, headers: Mapping[str, str] | None = None,
+                 empty: bool = False):
         super().__init__(message)
         self.code, self.reason, self.message, self.headers = code, reason, message, dict(headers or {})
+        self.empty = empty
 
     def response(self) -> aiohttp.web.Response:
+        if self.empty:
+            return aiohttp.web.Response(status=self.code, body=b"", headers=self.headers)
         body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
                 "reason": self.reason, "code": self.code}
         return aiohttp.web.json_response(body, status=self.code, headers=self.headers)
@@ -98,7 +102,8 @@ class Fault:
 
     `after` matching requests are served normally first; the next `times` are faulted (None: all). With
     `hold`, a faulted request waits until `release()` before answering (with `status` if set, else normally):
-    a test can kill a client while its request is in flight."""
+    a test can kill a client while its request is in flight. With `empty`, the answer is `status` with no body at
+    all (a 200 with nothing in it, as a broken proxy or server can send)."""
 
     method: str | None = None
     path: re.Pattern[str] | None = None
@@ -107,6 +112,8 @@ class Fault:
     after: int = 0
     hold: bool = False
     retry_after: int | None = None
+    empty: bool = False
+    message: str | None = None  # the answer's message (default: "injected fault: METHOD PATH")
     seen: int = 0  # matching requests so far
     faulted: int = 0
     faulted_at: list[float] = field(default_factory=list)  # time.monotonic() of each faulted request
@@ -146,7 +153,8 @@ async def apply_faults(faults: list[Fault], method: str, path: str) -> None:
         headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
         reason = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
                   503: "ServiceUnavailable"}.get(fault.status, "InternalError")
-        raise ApiError(fault.status, reason, f"injected fault: {method} {path}", headers)
+        raise ApiError(fault.status, reason, fault.message or f"injected fault: {method} {path}", headers,
+                       empty=fault.empty)
 
 
 def expired_watch_event(position: int, expired_before: int) -> bytes:

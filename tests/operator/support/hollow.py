@@ -125,6 +125,15 @@ class HollowNodes:
                                        {"status": {"conditions": [condition]}},
                                        content_type="application/strategic-merge-patch+json"))
 
+    def shut_down(self, node: str) -> None:
+        """An admin marks the lost node as shut down (non-graceful node shutdown): the out-of-service taint, after
+        which Kubernetes' pod garbage collector force-deletes its terminating pods."""
+        node_body = self.api.must(self.api.get(f"/api/v1/nodes/{node}"))
+        taints = [*(node_body["spec"].get("taints") or []),
+                  {"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown", "effect": "NoExecute"}]
+        self.api.must(self.api.request("PATCH", f"/api/v1/nodes/{node}", {"spec": {"taints": taints}},
+                                       content_type=MERGE_PATCH))
+
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -277,6 +277,20 @@ def install_crd(plane: ControlPlane, manifest: Mapping[str, Any] | None = None) 
     wait_for(lambda: plane.api.get(f"/apis/{group}/{version}").ok, 30, f"the CRD of {group} to be served")
 
 
+def replace_crd(plane: ControlPlane, manifest: Mapping[str, Any]) -> None:
+    """Replace (or create) the CRD `manifest` names with it; returns once its resource is served."""
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    existing = plane.api.get(f"{crds}/{manifest['metadata']['name']}")
+    if existing.status == 404:
+        install_crd(plane, manifest)
+        return
+    body = {**manifest, "metadata": {**manifest["metadata"],
+                                     "resourceVersion": existing.body["metadata"]["resourceVersion"]}}
+    plane.api.must(plane.api.request("PUT", f"{crds}/{manifest['metadata']['name']}", body))
+    group, version = manifest["spec"]["group"], manifest["spec"]["versions"][0]["name"]
+    wait_for(lambda: plane.api.get(f"/apis/{group}/{version}").ok, 30, f"the CRD of {group} to be served")
+
+
 def operator_kubeconfig(plane: ControlPlane, path: Path, server: str | None = None) -> Path:
     """A kubeconfig for the operator's ServiceAccount, bound cluster-wide to exactly the rules it declares; at
     `server` (plain HTTP: the fault proxy) instead of the API server if given."""

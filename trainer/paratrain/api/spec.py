@@ -267,6 +267,10 @@ class ResourcesSpec(_Model):
 
 class RunPolicy(_Model):
     backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
+    max_uncounted_restarts: int = Field(100, ge=0, le=100000, description=(
+        "Gang restarts not counted against backoffLimit (stops from outside: a drain, a preemption, a pod deleted; "
+        "failures an Ignore rule matches) allowed before the job fails: a gang stopped over and over, or a failure "
+        "ignored in a loop, ends instead of restarting forever."))
     active_deadline_seconds: int | None = Field(None, ge=1, le=10 * 365 * 86400, description=(
         "Fail the job once it has run this long (from its gang's start; a resume restarts the clock)."))
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=10 * 365 * 86400, description=(
@@ -386,9 +390,14 @@ class SchedulingSpec(_Model):
     start_timeout_seconds: int = Field(1200, ge=30, le=7 * 86400, description=(
         "How long an attempt's whole gang may take to be running, from the first create of its pods (under Kueue, "
         "from admission): past it, the attempt ends with the waiting pods' reason (Unschedulable, an image pull, a "
-        "refused create such as exceeded quota), its pods are deleted and the job fails without counting a restart. "
+        "refused create such as exceeded quota), its pods are deleted and the gang starts afresh, startAttempts "
+        "times in all, then the job fails; no restart is counted against backoffLimit. "
         "Each pod's torchrun waits as long for the rendezvous. The default, 20 min, leaves room for a large gang's "
         "image pulls."))
+    start_attempts: int = Field(3, ge=1, le=100, description=(
+        "Attempts whose gang did not start in startTimeoutSeconds allowed before the job fails: each one that times "
+        "out is ended (its pods deleted) and the gang is created afresh, as Kueue requeues a workload whose pods "
+        "were not ready in time (a brief capacity gap need not fail the job). 1: the first timeout fails it."))
 
 
 class KeyRef(_Model):

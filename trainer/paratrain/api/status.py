@@ -117,6 +117,14 @@ class JobStatus(_StatusModel):
     attempt_pod_replacements: int | None = Field(None, ge=0, description="The current attempt's pod replacements.")
     replacing: list[ReplacingPod] | None = Field(None, max_length=4096, description=(
         "The pods being replaced now, until each replacement runs."))
+    failures_in_a_row: int | None = Field(None, ge=0, description=(
+        "Gang restarts since rank 0 last reported a step trained: the second and later wait restartNotBefore."))
+    restart_not_before: datetime | None = Field(None, description=(
+        "The restarted gang's pods are created no sooner (10 s, doubling to 6 min with failuresInARow)."))
+    uncounted_restarts: int | None = Field(None, ge=0, description=(
+        "Gang restarts not counted against backoffLimit (stops, Ignore rules); limit runPolicy.maxUncountedRestarts."))
+    start_timeouts: int | None = Field(None, ge=0, description=(
+        "Attempts ended because their gang was not running in startTimeoutSeconds; limit startAttempts."))
     attempt: int | None = Field(None, ge=0, description="Current gang attempt, part of pod names; bumped by every "
                                 "gang restart and by resuming a suspended job.")
     gang_created: bool | None = Field(None, description="Every pod of the current attempt has been seen; a pod "

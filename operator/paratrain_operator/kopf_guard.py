@@ -1,0 +1,129 @@
+"""kopf's client, made to survive any object and any answer, and to write only while this replica may (kopf 1.45
+offers no hook for any of it).
+
+kopf decodes each watch line with `json.loads` and each list page with aiohttp's `response.json()`, unbounded,
+and a watcher that raises ends the whole operator: its multitasker fails and `kopf.run` returns, so one tenant's
+job nested 1,500 deep stopped every namespace, and a restarted operator failed again at its first list. `install`
+replaces four functions of kopf's client modules, by name, before kopf starts any watcher:
+- `api.json` (the stream's decoder): a line is decoded by `decode.loads`; one it refuses becomes an event of a
+  type kopf ignores (it logs it), and `on_undecodable` is told which object it was;
+- `api.get` (lists, discovery): the body is read within kube.MAX_RESPONSE_BYTES and decoded by `decode.loads`;
+- `watching.continuous_watch` (one list + watch): any exception is caught, logged and counted; the watcher
+  waits with exponential backoff and starts again (kopf's `infinite_watch` loops), and `problem()` reports a
+  watcher that has not been back for DOWN_SECONDS, which fails the liveness probe (the kubelet restarts a replica
+  that cannot recover);
+- `api.request` (every call kopf makes): a write (kopf's bookkeeping annotations on a job) is refused while
+  `write_guard` says why not: a replica past its Lease's renew deadline writes nothing, kopf's writes included.
+With `settings.watching.initial_streaming` (set where the API server streams lists), kopf reads its initial list
+as watch events, one object a line, so an undecodable job is skipped alone instead of failing a whole page.
+tests/operator/test_kopf_guard.py checks that the names replaced still exist with the signatures used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import kopf._cogs.clients.api as kopf_api
+import kopf._cogs.clients.watching as kopf_watching
+
+from . import decode
+from .kube import MAX_RESPONSE_BYTES, read_body
+
+log = logging.getLogger("paratrain.operator")
+SKIPPED_EVENT = "ParatrainUndecodable"  # not ADDED/MODIFIED/DELETED/BOOKMARK: kopf's watch loop passes it by
+DOWN_SECONDS = 60.0  # a watcher failing this long without one good event fails the liveness probe
+_down_since: dict[str, float] = {}  # watcher → when it began failing
+_failures: dict[str, int] = {}
+_last_error: dict[str, str] = {}
+_on_undecodable: Callable[[decode.Undecodable], None] = lambda exc: None
+_write_guard: Callable[[], str | None] = lambda: None
+_kopf_request = kopf_api.request
+
+
+class NotLeading(RuntimeError):
+    """A write kopf was about to send while this replica may not write."""
+
+
+class BoundedJson:
+    """Stands in for the `json` module inside kopf's client: `loads` is decode.loads, and a line it refuses is
+    reported and becomes an event kopf passes by."""
+
+    dumps = staticmethod(json.dumps)
+
+    @staticmethod
+    def loads(text: str | bytes) -> Any:
+        try:
+            return decode.loads(text)
+        except decode.Undecodable as exc:
+            log.warning("jobs watch: skipped %s: %s", exc.ref, exc.reason)
+            _on_undecodable(exc)
+            return {"type": SKIPPED_EVENT, "object": {}}
+
+
+async def bounded_get(url: str, *, settings: Any, payload: object | None = None,
+                      headers: dict[str, str] | None = None, timeout: Any = None, logger: Any) -> Any:
+    """kopf's `api.get`, its answer read within MAX_RESPONSE_BYTES and decoded within decode.MAX_DEPTH."""
+    response = await guarded_request(method="get", url=url, payload=payload, headers=headers, timeout=timeout,
+                                      settings=settings, logger=logger)
+    async with response:
+        return decode.loads(await read_body(response, MAX_RESPONSE_BYTES))
+
+
+async def guarded_request(method: str, url: str, **kwargs: Any) -> Any:
+    """kopf's `api.request`, refusing writes while `_write_guard` says why not."""
+    if method.lower() != "get" and (why := _write_guard()):
+        raise NotLeading(f"{method.upper()} {url}: {why}")
+    return await _kopf_request(method, url, **kwargs)
+
+
+def resilient(watch: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """`watch` (kopf's continuous_watch), ended by any exception after a backoff instead of ending kopf."""
+
+    async def continuous_watch(**kwargs: Any) -> AsyncIterator[Any]:
+        namespace, resource = kwargs.get("namespace"), kwargs.get("resource")
+        name = f"{getattr(resource, 'plural', resource)} in {namespace or 'all namespaces'}"
+        try:
+            async for event in watch(**kwargs):
+                if _down_since.pop(name, None) is not None:
+                    log.info("watcher of %s is back", name)
+                _failures.pop(name, None)
+                yield event
+        except Exception as exc:  # noqa: BLE001 (nothing a watch meets may end the operator)
+            failures = _failures[name] = _failures.get(name, 0) + 1
+            _down_since.setdefault(name, time.monotonic())
+            _last_error[name] = f"{type(exc).__name__}: {exc}"[:300]
+            delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+            log.error("watcher of %s failed (%s); starting it again in %.1f s", name, _last_error[name], delay)
+            await asyncio.sleep(delay)
+
+    return continuous_watch
+
+
+def problem(now: float | None = None) -> str | None:
+    """Why a kopf watcher cannot be trusted (for the liveness probe), or None."""
+    now = time.monotonic() if now is None else now
+    down = sorted((since, name) for name, since in _down_since.items() if now - since >= DOWN_SECONDS)
+    if not down:
+        return None
+    since, name = down[0]
+    return f"the watcher of {name} has failed for {now - since:.0f} s: {_last_error.get(name, '')}"
+
+
+def install(on_undecodable: Callable[[decode.Undecodable], None],
+            write_guard: Callable[[], str | None] = lambda: None) -> None:
+    """Bound kopf's decoding, keep its watchers going and guard its writes (idempotent); `on_undecodable` hears
+    of each skipped object, on the event loop."""
+    global _on_undecodable, _write_guard
+    _on_undecodable, _write_guard = on_undecodable, write_guard
+    kopf_api.json = BoundedJson  # type: ignore[assignment]
+    kopf_api.get = bounded_get  # type: ignore[assignment]
+    kopf_api.request = guarded_request  # type: ignore[assignment]
+    if not getattr(kopf_watching.continuous_watch, "paratrain_resilient", False):
+        wrapped = resilient(kopf_watching.continuous_watch)
+        wrapped.paratrain_resilient = True  # type: ignore[attr-defined]
+        kopf_watching.continuous_watch = wrapped  # type: ignore[assignment]

@@ -1,0 +1,133 @@
+"""No object and no answer can stop a watcher (issue 42, item 1), without a cluster: the bounded decoder, kopf's
+watch loop with the guard installed (its own `continuous_watch` and `infinite_watch`, fed by a stand-in stream),
+and the names the guard replaces in kopf, so a kopf upgrade that moves them fails here, not in production.
+tests/operator/test_live_hostile.py has the live case."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kopf
+import kopf._cogs.clients.api as kopf_api
+import kopf._cogs.clients.watching as kopf_watching
+import pytest
+
+from paratrain_operator import decode, kopf_guard
+
+
+def nested(depth: int) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize("depth, deep", [(1, False), (decode.MAX_DEPTH, False), (decode.MAX_DEPTH + 1, True),
+                                         (1500, True), (9999, True)])
+def test_depth_is_measured_exactly_and_strings_do_not_count(depth: int, deep: bool):
+    assert decode.deeper_than(nested(depth), decode.MAX_DEPTH) is deep
+    as_text = json.dumps({"s": "[{" * 5000}).encode()  # brackets inside a string are text
+    assert not decode.deeper_than(as_text, decode.MAX_DEPTH)
+    escaped = json.dumps({"s": '\\"[[[[' * 100, "t": [[[]]]}).encode()
+    assert not decode.deeper_than(escaped, 4) and decode.deeper_than(escaped, 3)  # the object and three lists
+
+
+def test_a_deep_or_broken_object_is_refused_naming_it():
+    line = (b'{"type":"ADDED","object":{"apiVersion":"paratrain.dev/v1alpha1","kind":"ParallelTrainJob",'
+            b'"metadata":{"name":"deep","namespace":"team-a","uid":"u-1","generation":3,"ownerReferences":'
+            b'[{"uid":"other"}]},"spec":{"scheduling":{"affinity":' + nested(1500) + b"}}}}")
+    with pytest.raises(decode.Undecodable) as caught:
+        decode.loads(line)
+    assert caught.value.reason == f"nested deeper than {decode.MAX_DEPTH} levels"
+    assert caught.value.ref == decode.ObjectRef("ParallelTrainJob", "team-a", "deep", "u-1", "3")
+    with pytest.raises(decode.Undecodable, match="not JSON"):
+        decode.loads(b'{"a": [1, 2')
+    assert decode.loads(nested(decode.MAX_DEPTH)) == json.loads(nested(decode.MAX_DEPTH))
+
+
+def test_the_names_the_guard_replaces_are_still_kopfs():
+    """kopf 1.45's stream decodes with the module's `json.loads`, lists with `api.get`, and its infinite watch
+    calls `continuous_watch` by its module name: what install() replaces."""
+    assert "json.loads(" in inspect.getsource(kopf_api.stream)
+    assert "api.get(" in inspect.getsource(kopf._cogs.clients.fetching.fetch_objs)
+    assert "continuous_watch(" in inspect.getsource(kopf_watching.infinite_watch)
+    request = inspect.signature(kopf_api.request).parameters
+    assert {"method", "url", "settings", "payload", "headers", "timeout", "logger"} <= request.keys()
+    assert inspect.signature(kopf_guard.bounded_get).parameters.keys() <= \
+        inspect.signature(kopf_api.get).parameters.keys() | {"logger"}
+
+
+def test_the_stream_decoder_skips_what_it_refuses_and_reports_it(caplog):
+    heard: list[decode.Undecodable] = []
+    kopf_guard.install(heard.append)
+    with caplog.at_level(logging.WARNING, "paratrain.operator"):
+        skipped = kopf_api.json.loads(b'{"type":"MODIFIED","object":{"kind":"ParallelTrainJob","metadata":'
+                                      b'{"name":"deep","namespace":"a","uid":"u"},"spec":' + nested(2000) + b"}}")
+    assert skipped == {"type": kopf_guard.SKIPPED_EVENT, "object": {}}
+    assert [str(exc.ref) for exc in heard] == ["ParallelTrainJob a/deep"]
+    assert "skipped ParallelTrainJob a/deep" in caplog.text
+    assert kopf_api.json.loads('{"type":"ADDED","object":{}}') == {"type": "ADDED", "object": {}}
+
+
+def test_kopfs_watch_loop_passes_a_skipped_event_by_and_survives_any_failure(monkeypatch, caplog):
+    """kopf's own infinite_watch → (guarded) continuous_watch → watch_objs, with the stream stood in for: a
+    skipped line, then a job, then an error that once ended the operator; the watch starts again, the probe
+    reports the failure only while it lasts past DOWN_SECONDS, and the events still flow."""
+    kopf_guard.install(lambda exc: None)
+    rounds: list[str | None] = []  # what the probe said as each round began
+
+    async def stream(**_: Any) -> AsyncIterator[Any]:
+        rounds.append(kopf_guard.problem(float("inf")))
+        if len(rounds) == 1:
+            yield kopf_guard.BoundedJson.loads(nested(3000))
+            yield {"type": "ADDED", "object": {"metadata": {"name": "job-1", "resourceVersion": "5"}}}
+            raise RecursionError("maximum recursion depth exceeded")  # what kopf's own watcher once let out
+        yield {"type": "ADDED", "object": {"metadata": {"name": f"job-{len(rounds)}", "resourceVersion": "6"}}}
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(kopf_watching, "watch_objs", stream)
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(kopf_guard.asyncio, "sleep", lambda seconds: real_sleep(0.01))
+    settings = kopf.OperatorSettings()
+    settings.watching.initial_streaming = True
+    resource = kopf._cogs.structs.references.Resource("paratrain.dev", "v1alpha1", "paralleltrainjobs")
+
+    async def main() -> tuple[list[str], str | None]:
+        names = []
+        async for event in kopf_watching.infinite_watch(settings=settings, resource=resource, namespace=None):
+            if isinstance(event, dict):
+                names.append(event["object"]["metadata"]["name"])
+            if len(names) == 2:
+                return names, kopf_guard.problem(float("inf"))
+        raise AssertionError("the watch ended")
+
+    with caplog.at_level(logging.ERROR, "paratrain.operator"):
+        names, after = asyncio.run(asyncio.wait_for(main(), 10))
+    assert names == ["job-1", "job-2"]  # the skipped line never reached kopf's handlers
+    assert rounds[0] is None and rounds[1] and "RecursionError" in rounds[1]  # down between the two rounds
+    assert after is None  # back with the first good event
+    assert "failed (RecursionError" in caplog.text
+
+
+def test_kopfs_writes_are_refused_while_the_replica_may_not_write(monkeypatch):
+    """kopf's own bookkeeping patches go through its `api.request`: past the Lease's renew deadline they stop too."""
+    sent: list[str] = []
+
+    async def request(method: str, url: str, **_: Any) -> str:
+        sent.append(method)
+        return "answer"
+
+    monkeypatch.setattr(kopf_guard, "_kopf_request", request)
+    kopf_guard.install(lambda exc: None, write_guard=lambda: "Lease ops/lease was not renewed within 7s")
+    try:
+        async def main() -> None:
+            assert await kopf_api.request("get", "/apis/x", settings=None, logger=None) == "answer"
+            with pytest.raises(kopf_guard.NotLeading, match="PATCH /apis/x: Lease ops/lease was not renewed"):
+                await kopf_api.request(method="patch", url="/apis/x", settings=None, logger=None)
+
+        asyncio.run(main())
+    finally:
+        kopf_guard.install(lambda exc: None)
+    assert sent == ["get"]
