@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platform", metavar="FILE", default=os.environ.get("PARATRAIN_PLATFORM", ""),
                         help="the platform's choices for every job: host access jobs may ask for, the gangs' "
                              "NetworkPolicy (paratrain.api.platform; the Helm chart writes it from its values)")
+    parser.add_argument("--paged-lists", action="store_true",
+                        default=os.environ.get("PARATRAIN_PAGED_LISTS", "") not in ("", "0"),
+                        help="list jobs and pods page by page even where the API server streams lists "
+                             "(sendInitialEvents); the default streams them where it can, one object at a time")
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     # The handlers module reads these at import (kopf fixes a timer's interval when it is declared).
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PARATRAIN_NAMESPACES"] = ",".join(args.namespace)
     os.environ["PARATRAIN_WRITE_CONCURRENCY"] = str(args.write_concurrency)
     os.environ["PARATRAIN_PLATFORM"] = args.platform
+    os.environ["PARATRAIN_PAGED_LISTS"] = "1" if args.paged_lists else ""
 
     import kopf
 

@@ -10,7 +10,8 @@ job, or its namespace, waits for a running operator; without one, deletion never
 
 Settings (environment, set by `python -m paratrain_operator`'s flags): PARATRAIN_RESYNC_SECONDS (default 10),
 PARATRAIN_METRICS_PORT (default 9090; 0: off), PARATRAIN_QPS and PARATRAIN_BURST (the API client's rate limit),
-PARATRAIN_NAMESPACES (comma-separated; empty: all), PARATRAIN_WATCH_SECONDS (how long one pods watch request
+PARATRAIN_NAMESPACES (comma-separated; empty: all), PARATRAIN_PAGED_LISTS (non-empty: never stream lists),
+PARATRAIN_WATCH_SECONDS (how long one pods watch request
 lasts; default 300), PARATRAIN_PROGRESS_SECONDS (at most one progress-only status write a job this often; default
 30; reconcile.py reads it).
 """
@@ -29,7 +30,7 @@ from typing import Any
 import kopf
 
 from paratrain.api import API_GROUP, API_GROUP_VERSION, API_VERSION, KIND, PLURAL
-from paratrain.api.status import FAILED, SUCCEEDED
+from paratrain.api.status import FAILED, SUCCEEDED, SUSPENDED
 
 from . import apply, decode, kube, leader, metrics, observe, reconcile, kopf_guard
 from .gang import Event
@@ -41,6 +42,7 @@ QPS = float(os.environ.get("PARATRAIN_QPS", str(kube.DEFAULT_QPS)))
 BURST = int(os.environ.get("PARATRAIN_BURST", str(kube.DEFAULT_BURST)))
 NAMESPACES = [n for n in os.environ.get("PARATRAIN_NAMESPACES", "").split(",") if n]
 WATCH_SECONDS = float(os.environ.get("PARATRAIN_WATCH_SECONDS", "300"))
+PAGED_LISTS = os.environ.get("PARATRAIN_PAGED_LISTS", "") not in ("", "0")
 _tasks: list[asyncio.Task[None]] = []  # the pod informer, the resync loop, the Lease's renewal
 _resyncs: dict[observe.JobKey, asyncio.Task[None]] = {}  # each job's resync in flight
 # Bounded retries for change handlers; the resync timer keeps reconciling after they give up.
@@ -75,8 +77,9 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
         kube.client().write_guard = leader.elector.may_write
     # Jobs listed as watch events, one object a line, wherever the API server can (Kubernetes 1.34+, and 1.32):
     # one job the operator cannot read is then skipped alone (kopf_guard), not a whole page with it.
-    settings.watching.initial_streaming = await observe.streams_lists(
-        kube.api_path(API_GROUP_VERSION, PLURAL, NAMESPACES[0] if len(NAMESPACES) == 1 else None))
+    plain = [n for n in NAMESPACES if not any(ch in n for ch in "*?[")]  # a namespaced RBAC may list only these
+    settings.watching.initial_streaming = not PAGED_LISTS and await observe.streams_lists(
+        kube.api_path(API_GROUP_VERSION, PLURAL, plain[0] if plain and len(plain) == len(NAMESPACES) else None))
     kopf_guard.install(on_undecodable=_report_unreadable,
                        write_guard=leader.elector.may_write if leader.elector is not None else lambda: None)
     loop = asyncio.get_running_loop()
@@ -84,6 +87,7 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
         _tasks.append(loop.create_task(_keep_lease(leader.elector, logger)))
     reconcile.pods = observe.PodCache(NAMESPACES, changed=reconcile.request, watch_seconds=WATCH_SECONDS,
                                       relisted=reconcile.expectations.relisted)
+    reconcile.pods.streaming = settings.watching.initial_streaming
     _tasks.append(loop.create_task(reconcile.pods.run()))
     _tasks.append(loop.create_task(_resync_forever(logger)))
     if METRICS_PORT:
@@ -174,9 +178,13 @@ async def job_changed(namespace: str, name: str, body: kopf.Body, **_: Any) -> N
 
 
 def resync_due(body: Mapping[str, Any]) -> bool:
-    """Unfinished jobs, and finished ones whose TTL is still to act."""
-    finished = (body.get("status") or {}).get("phase") in (SUCCEEDED, FAILED)
-    return not finished or ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished") is not None
+    """Unfinished jobs, and finished ones whose TTL is still to act; a suspended job costs nothing until it is
+    resumed (the spec change that resumes it starts a pass; so do its pods' events while they go)."""
+    phase = (body.get("status") or {}).get("phase")
+    run_policy = (body.get("spec") or {}).get("runPolicy") or {}
+    if phase == SUSPENDED and run_policy.get("suspend"):
+        return False
+    return phase not in (SUCCEEDED, FAILED) or run_policy.get("ttlSecondsAfterFinished") is not None
 
 
 class ResyncSchedule:

@@ -304,6 +304,8 @@ class PodCache:
     def _listed(self, scope: str | None, items: Sequence[ListedPod | None]) -> None:
         """A scope's list is complete: it replaces what the cache held there."""
         self._replace(scope, [item for item in items if item is not None])
+        log.info("pods (%s): listed %d labelled pods (%s)", scope or "all namespaces", len(items),
+                 "streamed" if self.streaming else "paged")
         self._failing_since.pop(scope, None)
         if self._refused.pop(scope, None):
             log.info("pods in %s: listed again, the refusal is over", scope or "all namespaces")

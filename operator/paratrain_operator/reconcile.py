@@ -228,6 +228,9 @@ async def _pass(body: dict[str, Any]) -> str | None:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
         decision = gang.decide(gang.Policy.from_job(job), state, views, now, _progress_of(body, state, views))
+        if decision.create_ranks and not views and (held := over_namespace_limit(key, jobs.items())):
+            decision = Decision(replace(state, phase=gang.PENDING, reason="NamespaceJobLimit", message=held),
+                                events=(gang.Event("Normal", "NamespaceJobLimit", held),))
         if decision.create_ranks:
             try:
                 # Off the event loop: thousands of pods take seconds of CPU, during which the Lease, the liveness
@@ -370,6 +373,29 @@ async def _report_refusal(body: dict[str, Any], decision: Decision, job: Paralle
         await _persist_rejection(body, Decision(state, events=(event,)), job, views, filled)
     except Exception as exc:  # noqa: BLE001 (the refusal itself is what the caller re-raises)
         log.warning("%s: could not record the refusal: %s", what, exc)
+
+
+def over_namespace_limit(key: JobKey, known: Sequence[tuple[JobKey, Mapping[str, Any]]],
+                         limit: int | None = None) -> str | None:
+    """Why the job `key` may not start yet, where the platform caps the unfinished jobs of a namespace
+    (maxJobsPerNamespace): the jobs already started there count first, then the waiting ones by creation; a job
+    past the cap waits for one of them to finish or be suspended."""
+    limit = PLATFORM.max_jobs_per_namespace if limit is None else limit
+    if not limit:
+        return None
+    ahead, order = 0, {}
+    for other, body in known:
+        status, spec = body.get("status") or {}, body.get("spec") or {}
+        if other[0] != key[0] or status.get("phase") in gang.FINISHED or (spec.get("runPolicy") or {}).get("suspend"):
+            continue
+        started = status.get("phase") not in (None, gang.PENDING) or bool(status.get("attemptStartTime"))
+        order[other] = (not started, (body.get("metadata") or {}).get("creationTimestamp") or "", other[1])
+    mine = order.get(key, (True, "~", key[1]))
+    ahead = sum(place < mine for other, place in order.items() if other != key)
+    if ahead < limit:
+        return None
+    return (f"waiting: {ahead} unfinished jobs in namespace {key[0]} start before this one, and the platform "
+            f"lets {limit} run at once there (maxJobsPerNamespace); this job starts when one finishes or is suspended")
 
 
 def _acts(decision: Decision) -> bool:

@@ -15,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from paratrain import contract
+
 from .conftest import CHART_DIR, CUSTOMIZED, NAMESPACED, RELEASE_NS, VALUE_SETS
 from .policy import only
 
@@ -128,9 +130,24 @@ def test_the_operators_pods_admit_only_metrics_scrapes_and_keep_a_replica_throug
     objects = render()
     selector = only(objects, "Deployment")["spec"]["selector"]["matchLabels"]
     policy = only(objects, "NetworkPolicy")
-    assert policy["spec"]["podSelector"]["matchLabels"] == selector and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert policy["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}],
                                           "from": [{"podSelector": {}}]}]  # the release's namespace only
+    # Issue 42: egress only to the API server, DNS and rank 0's progress port (the trainer's contract).
+    api, dns, progress = policy["spec"]["egress"]
+    assert api == {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]}
+    assert dns["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}}]
+    assert progress == {"ports": [{"port": contract.PROGRESS_PORT, "protocol": "TCP"}], "to": [
+        {"namespaceSelector": {}, "podSelector": {"matchExpressions": [
+            {"key": contract.LABEL_JOB, "operator": "Exists"}]}}]}
+    control_plane = [{"ipBlock": {"cidr": "10.0.0.0/24"}}]
+    narrowed = only(render({"networkPolicy": {"enabled": True, "egress": {
+        "enabled": True, "apiServerPorts": [6443], "apiServerTo": control_plane}}}), "NetworkPolicy")
+    assert narrowed["spec"]["egress"][0] == {"ports": [{"port": 6443, "protocol": "TCP"}], "to": control_plane}
+    ingress_only = only(render({"networkPolicy": {"enabled": True, "egress": {"enabled": False}}}), "NetworkPolicy")
+    assert ingress_only["spec"]["policyTypes"] == ["Ingress"] and "egress" not in ingress_only["spec"]
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     policy = only(render({"networkPolicy": {"enabled": True, "metricsFrom": monitoring}}), "NetworkPolicy")
     assert policy["spec"]["ingress"][0]["from"] == monitoring

@@ -67,7 +67,7 @@ def test_a_pod_a_finalizer_holds_ends_the_attempt_at_the_start_timeout_naming_it
     ns = "held"
     rig.plane.create_namespace(ns)
     rig.hollow.add(2)
-    rig.submit(ns, "gang", 2, pod={"terminationGracePeriodSeconds": 1}, scheduling={"startTimeoutSeconds": 30})
+    rig.submit(ns, "gang", 2, pod={"terminationGracePeriodSeconds": 10}, scheduling={"startTimeoutSeconds": 30})
     wait_for(lambda: rig.status(ns, "gang").get("phase") == "Running", 60, "the gang to run")
     pod = f"/api/v1/namespaces/{ns}/pods/gang-0-1"
     rig.api.must(rig.api.request("PATCH", pod, {"metadata": {"finalizers": ["example.com/hold"]}},

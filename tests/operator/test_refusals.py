@@ -60,3 +60,23 @@ def test_refused_writes_back_off_doubling_to_a_cap_and_start_again_from_scratch(
     assert asyncio.run(main()) == [1, 2, 4, 8, 16, 32, 60, 60]
     assert [round(d) for d in asked] == [1, 2, 4, 8, 16, 32, 60, 60]
     assert reconcile._backoff_left(key) <= 0
+
+
+def test_a_namespace_over_the_platforms_job_limit_starts_its_jobs_in_order():
+    """maxJobsPerNamespace: started jobs count first, then the waiting ones by creation; finished, suspended and
+    other namespaces' jobs do not count."""
+    def job(name, phase=None, created="2026-12-01T00:00:00Z", namespace="team", suspend=False, started=None):
+        status = {"phase": phase} if phase else {}
+        if started:
+            status["attemptStartTime"] = started
+        return ((namespace, name), {"metadata": {"creationTimestamp": created}, "status": status,
+                                    "spec": {"runPolicy": {"suspend": suspend}}})
+    known = [job("running", "Running", "2026-12-03T00:00:00Z"), job("done", "Succeeded"),
+             job("parked", "Suspended", suspend=True), job("elsewhere", namespace="other"),
+             job("older", created="2026-12-01T00:00:00Z"), job("newer", created="2026-12-02T00:00:00Z")]
+    assert reconcile.over_namespace_limit(("team", "older"), known, limit=2) is None  # "running", then it
+    held = reconcile.over_namespace_limit(("team", "newer"), known, limit=2)
+    assert held and "2 unfinished jobs in namespace team start before this one" in held
+    assert "maxJobsPerNamespace" in held
+    assert reconcile.over_namespace_limit(("team", "newer"), known, limit=3) is None
+    assert reconcile.over_namespace_limit(("team", "newer"), known, limit=0) is None  # no limit

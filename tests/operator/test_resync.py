@@ -118,3 +118,16 @@ def test_passes_asked_for_in_a_row_come_further_apart_and_an_ended_pod_brings_on
         return t0
     t0 = asyncio.run(main())
     assert len(started) == 1 and started[0] - t0 < 1.0
+
+
+@pytest.mark.parametrize("phase, run_policy, due", [
+    ("Running", {}, True),
+    ("Pending", {}, True),
+    ("Suspended", {"suspend": True}, False),  # costs nothing until resumed (issue 42)
+    ("Suspended", {"suspend": False}, True),  # resumed: its pass is due
+    ("Running", {"suspend": True}, True),  # being suspended: its pods still go
+    ("Succeeded", {}, False),
+    ("Failed", {"ttlSecondsAfterFinished": 60}, True),
+])
+def test_which_jobs_the_resync_visits(phase: str, run_policy: dict, due: bool):
+    assert handlers.resync_due({"status": {"phase": phase}, "spec": {"runPolicy": run_policy}}) is due

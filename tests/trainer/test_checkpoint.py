@@ -206,7 +206,51 @@ def test_a_step_directory_that_is_a_symlink_is_not_a_candidate(saved, tmp_path):
 
     (tmp_path / "step-00000009").symlink_to(tmp_path / "step-00000003")
     assert [p.name for p in candidates(tmp_path)] == ["step-00000003"]
-    assert newest_sound(tmp_path).name == "step-00000003"
+    with newest_sound(tmp_path) as found:
+        assert found.path.name == "step-00000003"
+
+
+def test_what_is_loaded_is_what_was_hashed_whatever_is_swapped_in_after(saved, tmp_path):
+    """Issue 42: the check and the read use one descriptor. After `latest` verified the checkpoint, a writer to the
+    volume renames other bytes over a data file and swaps the step directory for a link to a copy it made: the
+    load still reads the files that were hashed."""
+    import os
+
+    checkpointer, _ = saved
+    ckpt, _ = checkpointer.latest()
+    forged = tmp_path / "forged"
+    shutil.copytree(ckpt, forged)
+    data = forged / "__0_0.distcp"
+    original = data.read_bytes()
+    data.write_bytes(original.replace(torch.arange(4.0).numpy().tobytes(), torch.full((4,), 9.0).numpy().tobytes()))
+    assert data.read_bytes() != original  # the forgery holds other weights
+    os.replace(data, ckpt / "__0_0.distcp")  # other bytes, renamed over the hashed file
+    os.rename(ckpt, tmp_path / "moved")
+    ckpt.symlink_to(forged)  # and the directory itself now a link
+    state = {"engine": {"model": {"w": torch.zeros(4)}, "optim": {}}}
+    checkpointer.load(ckpt, state)
+    assert torch.equal(state["engine"]["model"]["w"], torch.arange(4.0))
+    checkpointer.release()
+    with pytest.raises(CheckpointError, match="cannot be opened as a directory"):  # opened afresh: refused
+        checkpointer.load(ckpt, state)
+
+
+def test_a_file_another_rank_hashed_must_still_be_that_file_when_this_rank_opens_it(saved, tmp_path):
+    """With several ranks each hashes a share; a rank opening a file another hashed checks it is the same file
+    (device, inode, size): one renamed over it since is refused, not read."""
+    import os
+
+    from paratrain.train.checkpoint import CheckpointFiles
+
+    ckpt = tmp_path / "step-00000003"
+    with CheckpointFiles(ckpt) as hasher:  # "another rank"
+        print_of_data = hasher.fingerprint("__0_0.distcp")
+    with CheckpointFiles(ckpt) as reader:
+        reader.verified["__0_0.distcp"] = print_of_data
+        shutil.copy(ckpt / "__0_0.distcp", tmp_path / "copy")
+        os.replace(tmp_path / "copy", ckpt / "__0_0.distcp")  # the same bytes, but not the file that was hashed
+        with pytest.raises(OSError, match="__0_0.distcp was replaced after its checksum was checked"):
+            reader.open("__0_0.distcp")
 
 
 def test_the_hash_never_reads_through_a_link(tmp_path):

@@ -50,3 +50,8 @@ app.kubernetes.io/part-of: paratrain
 app.kubernetes.io/managed-by: {{ .Release.Service | toJson }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | toJson }}
 {{- end -}}
+
+{{- /* The trainer's contract (paratrain.contract: PROGRESS_PORT, LABEL_JOB); tests/delivery/test_chart.py holds
+these to it. */ -}}
+{{- define "paratrain.progressPort" -}}29400{{- end }}
+{{- define "paratrain.jobLabel" -}}paratrain.dev/job-name{{- end }}

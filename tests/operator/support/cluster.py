@@ -142,6 +142,11 @@ class ClusterBase:
     def metrics(self) -> str:
         return self._operator.metrics() if self._operator else ""
 
+    def health(self) -> dict[str, Any]:
+        """The operator's /healthz answer (kopf's probes by id), or {} when it does not answer 200."""
+        body = http(f"http://127.0.0.1:{self._operator.health_port}/healthz") if self._operator else None
+        return json.loads(body) if body else {}
+
     def operator_requests(self) -> list[list[Any]]:
         """[method, path?query, status (None while in flight), bytes, start, end] of every API request the operator
         made so far."""

@@ -91,6 +91,10 @@ class Platform(_Model):
     job_defaults: JobDefaults = Field(default_factory=JobDefaults)
     max_nodes: int | None = Field(None, ge=1, le=4096, description=(
         "The most pods one job may ask for (spec.nodes); unset: the CRD's own limit, 4096."))
+    max_jobs_per_namespace: int | None = Field(None, ge=1, le=100000, description=(
+        "The most unfinished jobs the operator starts in one namespace: a job past it (counting the jobs already "
+        "started, then the waiting ones by creation) waits, Pending with reason NamespaceJobLimit, and starts when "
+        "one of them finishes or is suspended; a started job is never stopped by it. Unset: no limit."))
     max_gang_bytes: str = Field("64Mi", pattern=BYTES, max_length=32, description=(
         "The most a job's gang may weigh in the operator's memory, estimated as spec.nodes times the size of its "
         "spec (each pod carries the spec's env, annotations and volumes): 1,024 pods with 240 KB of annotations "

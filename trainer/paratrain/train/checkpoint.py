@@ -13,7 +13,10 @@ that commit waits for the next save or the end of training.
 On start, the ranks verify the newest candidate's files against its manifest (each rank a share); the newest
 checkpoint whose every file is sound is loaded, and a corrupt or truncated one is reported by file name and
 skipped. DCP reads tensors with `torch.load(weights_only=True)`; its `.metadata` (a pickle) is read with an
-unpickler that admits only DCP's metadata classes and the few torch and builtin types they hold.
+unpickler that admits only DCP's metadata classes and the few torch and builtin types they hold. A checkpoint is
+read through one `CheckpointFiles`: its directory and each file opened once, never through a link, and a file read
+is the very file its hash was checked on (the same descriptor, or, where another rank hashed it, the same inode):
+a file swapped on the volume after the check is refused, not read.
 
 Two things fail the job instead of being skipped (CheckpointError, exit 2), because skipping would let the next
 saves overwrite what the user still needs: a checkpoint that does not fit the model (another size or format), and
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import hashlib
 import io
 import json
@@ -33,6 +37,7 @@ import math
 import os
 import pickle
 import shutil
+import stat
 import threading
 import warnings
 import zipfile
@@ -90,12 +95,114 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_manifest(ckpt: Path) -> dict | None:
+def _read_manifest(ckpt: Path | CheckpointFiles) -> dict | None:
     try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
+        if isinstance(ckpt, CheckpointFiles):
+            with ckpt.open(MANIFEST) as f:
+                text = f.read()
+        else:
+            with open(os.open(ckpt / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                text = f.read()
+        manifest = json.loads(text)
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None
+
+
+Fingerprint = tuple[int, int, int]  # (st_dev, st_ino, st_size): which file a descriptor holds
+
+
+class CheckpointFiles:
+    """A checkpoint's directory and files, each opened once: the directory with O_NOFOLLOW | O_DIRECTORY, each file
+    by its bare name relative to that directory's descriptor with O_NOFOLLOW, so no link is ever followed (a
+    directory or file swapped for a link after a check is never read through). Hashing and reading use the same
+    descriptor (positioned reads: each reader keeps its own offset). `verified` holds each file's fingerprint as it
+    was hashed, by this rank or another: a file this rank opens later must still be that file (a rename over it is
+    refused as changed, not read)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        self._fds: dict[str, int] = {}
+        self.verified: dict[str, Fingerprint] = {}
+
+    def fd(self, name: str) -> int:
+        if name not in self._fds:
+            if Path(name).name != name or name in (".", ".."):
+                raise OSError(f"{name!r} is not a file of the checkpoint's own directory")
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir)
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(f"{name} is not a plain file")
+                if name in self.verified and (info.st_dev, info.st_ino, info.st_size) != self.verified[name]:
+                    raise OSError(f"{name} was replaced after its checksum was checked")
+            except OSError:
+                os.close(fd)
+                raise
+            self._fds[name] = fd
+        return self._fds[name]
+
+    def fingerprint(self, name: str) -> Fingerprint:
+        info = os.fstat(self.fd(name))
+        return info.st_dev, info.st_ino, info.st_size
+
+    def size(self, name: str) -> int:
+        return os.fstat(self.fd(name)).st_size
+
+    def open(self, name: str) -> io.BufferedReader:
+        """A reader of the file from its start, with an offset of its own."""
+        fd = self.fd(name)  # the block size as open() would buffer: partial reads seek a lot, and read what they ask
+        return io.BufferedReader(_Positioned(fd), buffer_size=max(os.fstat(fd).st_blksize, 512))
+
+    def sha256(self, name: str) -> str:
+        digest, fd, at = hashlib.sha256(), self.fd(name), 0
+        while block := os.pread(fd, 1 << 22, at):
+            digest.update(block)
+            at += len(block)
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        for fd in [*self._fds.values(), self._dir]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointFiles:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Positioned(io.RawIOBase):
+    """A descriptor read with pread at an offset of its own (several readers share one descriptor)."""
+
+    def __init__(self, fd: int):
+        self._fd, self._pos = fd, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        end = os.fstat(self._fd).st_size
+        self._pos = {io.SEEK_SET: pos, io.SEEK_CUR: self._pos + pos, io.SEEK_END: end + pos}[whence]
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = os.pread(self._fd, len(buffer), self._pos)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:  # the descriptor is CheckpointFiles', closed with it
+        super().close()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -138,20 +245,30 @@ class SafeReader(dcp.FileSystemReader):
     must be a bare name the manifest hashes (not `../x` or `/x`, files no checksum covers); and the tensors it
     declares cannot hold more bytes than the checkpoint's files do (a reader allocates them from these sizes)."""
 
+    def __init__(self, path: str | os.PathLike, files: CheckpointFiles | None = None):
+        super().__init__(path)
+        self.files = files or CheckpointFiles(path)  # every read goes through it: no path is opened again
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> metadata.Metadata:
-        ckpt = Path(self.path)
-        with open(ckpt / DCP_METADATA, "rb") as f:
-            meta = _MetadataUnpickler(f).load()
+        files = self.files
+        try:
+            with files.open(DCP_METADATA) as f:
+                meta = _MetadataUnpickler(f).load()
+        except OSError as exc:
+            raise pickle.UnpicklingError(f"{DCP_METADATA} cannot be read as a plain file: {exc}") from None
         if not isinstance(meta, metadata.Metadata):
             raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(meta).__name__}, not DCP metadata")
-        hashed = set(((_read_manifest(ckpt) or {}).get("files") or {}))
+        hashed = set(((_read_manifest(files) or {}).get("files") or {}))
         for info in (meta.storage_data or {}).values():
             name = str(getattr(info, "relative_path", ""))
             if name not in hashed or name in (DCP_METADATA, MANIFEST) or Path(name).name != name:
                 raise pickle.UnpicklingError(f"{DCP_METADATA} points at {name!r}, not a data file the manifest hashes")
         declared = sum(math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
                        for md in meta.state_dict_metadata.values() if isinstance(md, metadata.TensorStorageMetadata))
-        stored = sum((ckpt / name).stat().st_size for name in hashed if name not in (DCP_METADATA, MANIFEST))
+        try:
+            stored = sum(files.size(name) for name in hashed if name not in (DCP_METADATA, MANIFEST))
+        except OSError as exc:
+            raise pickle.UnpicklingError(f"a data file cannot be read as a plain file: {exc}") from None
         if declared > stored:
             raise pickle.UnpicklingError(f"{DCP_METADATA} declares {declared:,} bytes of tensors; the checkpoint's "
                                          f"files hold {stored:,}")
@@ -175,7 +292,11 @@ class SafeReader(dcp.FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+            try:
+                stream = self.files.open(relative_path)
+            except OSError as exc:
+                raise pickle.UnpicklingError(f"{relative_path} cannot be read as the file checked: {exc}") from None
+            with stream:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     if item.type == LoadItemType.BYTE_IO:
                         raise pickle.UnpicklingError(f"{item.dest_index.fqn} is stored as pickled bytes, not a "
@@ -262,31 +383,36 @@ class RangeLoadPlanner(dcp.DefaultLoadPlanner):
         return found.__get_tensor_shard__(index) if isinstance(found, FlatRange) else super().lookup_tensor(index)
 
 
-def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None) -> str | None:
-    """None if the files `names` (default: all) of `ckpt` match its manifest, else what is wrong, by file name."""
+def verify(ckpt: Path, manifest: dict | None, names: list[str] | None = None,
+           files: CheckpointFiles | None = None) -> str | None:
+    """None if the files `names` (default: all) of `ckpt` match its manifest, else what is wrong, by file name.
+    Each file is hashed through `files` (opened here when not given), and its fingerprint kept there as verified."""
     if manifest is None:
         return "unreadable manifest"
     if manifest.get("format") != FORMAT_VERSION:
         return f"format {manifest.get('format')}, not {FORMAT_VERSION}"
-    files = manifest.get("files", {})
-    if DCP_METADATA not in files:
+    listed = manifest.get("files", {})
+    if DCP_METADATA not in listed:
         return f"manifest lists no {DCP_METADATA}"
-    if ckpt.is_symlink() or (ckpt / MANIFEST).is_symlink():
-        return f"{ckpt.name if ckpt.is_symlink() else MANIFEST} is a symbolic link (a checkpoint holds plain files only)"
-    for name in sorted(files) if names is None else names:
-        path = ckpt / name
+    if files is None:
+        try:
+            with CheckpointFiles(ckpt) as opened:
+                return verify(ckpt, manifest, names, opened)
+        except OSError:
+            return f"{ckpt.name} is a symbolic link or not a directory (a checkpoint holds plain files only)"
+    for name in sorted(listed) if names is None else names:
         if Path(name).name != name or name in (".", ".."):
             return f"the manifest names {name!r}, not a file of the checkpoint's own directory"
-        if path.is_symlink():
-            return f"{name} is a symbolic link (a checkpoint holds plain files only)"
-        if not path.is_file():
-            return f"{name} missing"
         try:
-            digest = sha256_file(path, follow_symlinks=False)
-        except OSError as exc:  # swapped for a link since the check above, or unreadable
-            return f"{name} cannot be read as a plain file ({exc.strerror or exc})"
-        if digest != files[name]:
+            digest = files.sha256(name)
+        except FileNotFoundError:
+            return f"{name} missing"
+        except OSError as exc:  # a symbolic link (ELOOP), not a plain file, or unreadable
+            why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be read as a plain file ({exc})"
+            return f"{name} {why} (a checkpoint holds plain files only)"
+        if digest != listed[name]:
             return f"{name} is corrupt or truncated (checksum mismatch)"
+        files.verified[name] = files.fingerprint(name)
     return None
 
 
@@ -373,6 +499,7 @@ class Checkpointer:
     _pending: tuple[Future, int, dict] | None = field(default=None, repr=False)
     _pruner: threading.Thread | None = field(default=None, repr=False)
     _hashing: HashingFileSystem | None = field(default=None, repr=False)  # the save in flight's writer
+    _files: CheckpointFiles | None = field(default=None, repr=False)  # the checkpoint `latest` found, open
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -493,20 +620,42 @@ class Checkpointer:
         return box[0]
 
     def latest(self) -> tuple[Path, dict] | None:
-        """Collective: the newest checkpoint whose every file matches its manifest, with the manifest, or None."""
+        """Collective: the newest checkpoint whose every file matches its manifest, with the manifest, or None. Its
+        files stay open (`load` reads through them): what each rank loads is what was hashed."""
         seen = self._rank0_says([(p.name, _read_manifest(p)) for p in self.candidates()] if self.rank == 0 else None)
         for name, manifest in seen:
             ckpt = self.root / name
             if manifest is not None:
                 self._check_format(ckpt, manifest)
             names = sorted(manifest.get("files", {})) if manifest else []
-            problems = self._every_rank(verify(ckpt, manifest, names[self.rank::self.world_size]))
+            try:
+                files: CheckpointFiles | None = CheckpointFiles(ckpt)
+            except OSError:
+                files = None
+            problem = verify(ckpt, manifest, names[self.rank::self.world_size], files) if files else \
+                f"{name} is a symbolic link or not a directory (a checkpoint holds plain files only)"
+            shares: list[tuple[str | None, dict[str, Fingerprint]]] = [(None, {})] * self.world_size
+            dist.all_gather_object(shares, (problem, files.verified if files else {}), group=self.group)
+            problems = [p for p, _ in shares if p]
             if problems:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", ckpt, "; ".join(dict.fromkeys(problems)))
+                if files:
+                    files.close()
                 continue
+            assert files is not None
+            for _, verified in shares:  # every rank's share: a file this rank reads is the file another hashed
+                files.verified.update(verified)
+            self.release()
+            self._files = files
             return ckpt, manifest
         return None
+
+    def release(self) -> None:
+        """Close the files `latest` left open for loading."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
     def same_sharding(self, manifest: dict) -> bool:
         """Whether `manifest`'s checkpoint was written by this layout (any precision) on as many ranks: then each
@@ -517,7 +666,12 @@ class Checkpointer:
         """Collective: fill `state` (tensors, plain or DTensor shards, keyed as saved) in place from `ckpt`,
         resharding as needed. A checkpoint that does not fit, or whose metadata is not plain DCP metadata, raises
         CheckpointError on every rank."""
-        reader = SafeReader(ckpt)
+        try:
+            files = self._files if self._files is not None and self._files.path == Path(ckpt) else \
+                CheckpointFiles(ckpt)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {ckpt} refused: it cannot be opened as a directory ({exc})") from None
+        reader = SafeReader(ckpt, files)
         try:
             reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
             dcp.load(state, storage_reader=reader, planner=RangeLoadPlanner(), process_group=self.group)
@@ -550,17 +704,27 @@ def candidates(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step-*") if (p / MANIFEST).is_file() and not p.is_symlink()), reverse=True)
 
 
-def newest_sound(path: str | os.PathLike) -> Path:
+def newest_sound(path: str | os.PathLike) -> CheckpointFiles:
     """`path` if it is a checkpoint (a step directory), else the newest checkpoint under it whose files match their
-    manifest, as a resuming job would pick; CheckpointError naming what is wrong otherwise."""
+    manifest, as a resuming job would pick, opened (its `verified` filled where it was checked here; the caller
+    closes it); CheckpointError naming what is wrong otherwise."""
     path = Path(path)
     if (path / MANIFEST).is_file():
-        return path
+        try:
+            return CheckpointFiles(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be opened as a checkpoint directory ({exc})") from None
     problems = []
     for ckpt in candidates(path):
-        problem = verify(ckpt, _read_manifest(ckpt))
+        try:
+            files = CheckpointFiles(ckpt)
+        except OSError as exc:
+            problems.append(f"{ckpt.name}: {exc}")
+            continue
+        problem = verify(ckpt, _read_manifest(files), files=files)
         if problem is None:
-            return ckpt
+            return files
+        files.close()
         problems.append(f"{ckpt.name}: {problem}")
     found = f"; skipped {'; '.join(problems)}" if problems else ""
     raise CheckpointError(f"{path}: no complete checkpoint (a step-* directory with {MANIFEST}){found}")
@@ -570,15 +734,24 @@ class CheckpointModel(Mapping[str, torch.Tensor]):
     """The model of a checkpoint written by any layout: whole fp32 tensors keyed by parameter name (as in
     `GPT.state_dict()`), each read when asked for, each rank's pieces joined. Names and shapes (`shapes`) come from
     its metadata, without reading a tensor: an exporter holds one at a time, not the model. Single process, no
-    process group. The files are verified first, unless the caller just did (`verified`: newest_sound hashed the
-    one it picked; hashing again reads the checkpoint twice)."""
+    process group. The files are verified first, through the descriptors every later read uses, unless the caller
+    hands in files it just verified (newest_sound's: hashing again would read the checkpoint twice)."""
 
-    def __init__(self, ckpt_dir: str | os.PathLike, verified: bool = False):
-        self.ckpt = Path(ckpt_dir)
-        if not verified and (problem := verify(self.ckpt, _read_manifest(self.ckpt))):
+    def __init__(self, ckpt: str | os.PathLike | CheckpointFiles):
+        if isinstance(ckpt, CheckpointFiles):
+            self.files = ckpt
+        else:
+            try:
+                self.files = CheckpointFiles(ckpt)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint {ckpt}: cannot be opened as a directory ({exc})") from None
+        self.ckpt = self.files.path
+        self.manifest = manifest = _read_manifest(self.files)
+        unchecked = sorted(set((manifest or {}).get("files") or {}) - set(self.files.verified))
+        if (unchecked or manifest is None) and (problem := verify(self.ckpt, manifest, unchecked, self.files)):
             raise CheckpointError(f"checkpoint {self.ckpt}: {problem}")
         try:
-            stored = SafeReader(self.ckpt).read_metadata().state_dict_metadata
+            stored = SafeReader(self.ckpt, self.files).read_metadata().state_dict_metadata
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"checkpoint {self.ckpt} refused: {exc}") from None
         self._stored = {key.removeprefix(MODEL_PREFIX): md for key, md in stored.items()
@@ -601,7 +774,8 @@ class CheckpointModel(Mapping[str, torch.Tensor]):
         with warnings.catch_warnings():  # that no_dist means one process is what we ask for
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             try:
-                dcp.load(state, storage_reader=SafeReader(self.ckpt), planner=RangeLoadPlanner(), no_dist=True)
+                dcp.load(state, storage_reader=SafeReader(self.ckpt, self.files), planner=RangeLoadPlanner(),
+                         no_dist=True)
             except (pickle.UnpicklingError, CheckpointException) as exc:
                 raise CheckpointError(f"checkpoint {self.ckpt} refused: {_dcp_failure(exc)}") from None
         return {key.removeprefix(MODEL_PREFIX): value.float() for key, value in state.items()}
@@ -610,7 +784,8 @@ class CheckpointModel(Mapping[str, torch.Tensor]):
 def full_model_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole model of a checkpoint at once (CheckpointModel's tensors, verified first)."""
     model = CheckpointModel(ckpt_dir)
-    return model.read(model)
+    with model.files:
+        return model.read(model)
 
 
 def rng_state() -> dict:

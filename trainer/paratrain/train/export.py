@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..api import ParallelTrainJob
-from .checkpoint import MANIFEST, CheckpointModel, newest_sound
+from .checkpoint import CheckpointModel, newest_sound
 from .models.hf import DEFAULT_SHARD_BYTES, export_hf
 from .models.hf_config import TOKENIZER_FILE
 
@@ -16,10 +15,10 @@ def export_checkpoint(job: ParallelTrainJob, checkpoint: str | Path, out_dir: st
     """`paratrain export`: a checkpoint of `job`, written by any layout (a step directory, or the newest sound one
     under a checkpoint.path), as a Hugging Face directory, with the token directory's tokenizer.json if the job
     reads one. Returns the directory, the checkpoint exported and its manifest (step, layout)."""
-    ckpt = newest_sound(checkpoint)
     data = job.spec.data
     tokenizer = Path(data.path) / TOKENIZER_FILE if data.source == "tokens" and data.path else None
-    model = CheckpointModel(ckpt, verified=ckpt != Path(checkpoint))  # newest_sound hashed what it picked
-    out = export_hf(job, model, out_dir, tokenizer if tokenizer and tokenizer.is_file() else None, max_shard_bytes,
-                    dtype)
-    return out, ckpt, json.loads((ckpt / MANIFEST).read_text())
+    with newest_sound(checkpoint) as files:  # what was hashed is what is read: the same descriptors
+        model = CheckpointModel(files)
+        out = export_hf(job, model, out_dir, tokenizer if tokenizer and tokenizer.is_file() else None,
+                        max_shard_bytes, dtype)
+    return out, files.path, model.manifest
