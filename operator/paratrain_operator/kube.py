@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from . import decode
+from . import decode, metrics
 from .decode import ObjectRef
 
 TRANSIENT = frozenset({429, 500, 502, 503, 504})
@@ -267,6 +267,7 @@ async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIte
             if end < 0:
                 break
             if skipped:
+                metrics.UNDECODABLE.inc()
                 log.warning("%s: skipped a watch event of %d bytes (over %d) for %s", what, skipped, limit,
                             ObjectRef.of(head))
                 skipped = 0
@@ -278,17 +279,17 @@ async def lines(chunks: AsyncIterator[bytes], limit: int, what: str) -> AsyncIte
         yield bytes(buffer)
 
 
-async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytearray:
     """A response's body, read in chunks and refused (decode.Undecodable) past `max_bytes` before it is held whole."""
     body = bytearray()
-    async for chunk in response.content.iter_chunked(1 << 20):
+    async for chunk in response.content.iter_chunked(1 << 16):
         body += chunk
         if len(body) > max_bytes:
             raise decode.Undecodable(f"over {max_bytes} bytes", bytes(body[:4096]))
-    return bytes(body)
+    return body
 
 
-def lenient_json(raw: bytes) -> Mapping[str, Any]:
+def lenient_json(raw: bytes | bytearray) -> Mapping[str, Any]:
     """An error answer's Status object, or {} where it is none (a proxy's text page, say)."""
     try:
         data = decode.loads(raw)
@@ -303,6 +304,7 @@ def parse_event(line: bytes, what: str) -> dict[str, Any] | None:
     try:
         event = decode.loads(line)
     except decode.Undecodable as exc:
+        metrics.UNDECODABLE.inc()
         log.warning("%s: skipped a watch event for %s: %s", what, exc.ref, exc.reason)
         return None
     if not isinstance(event, dict):

@@ -11,7 +11,8 @@ RECONCILE_SECONDS = Histogram("paratrain_reconcile_duration_seconds", "Time of o
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 RECONCILE_ERRORS = Counter("paratrain_reconcile_errors_total", "Reconcile passes that failed (and will be retried)")
 UNDECODABLE = Counter("paratrain_undecodable_objects_total",
-                      "Jobs (watch events) skipped because the operator will not decode them (too deep, not JSON)")
+                      "Watch events (jobs, pods) skipped because the operator will not decode them: nested too deep, "
+                      "too large, not JSON")
 GANG_RESTARTS = Counter("paratrain_gang_restarts_total", "Whole-gang restarts after a retryable pod failure",
                         ["namespace"])
 

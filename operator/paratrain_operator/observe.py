@@ -45,6 +45,7 @@ UNHEALTHY_AFTER = 300.0
 # Pods per LIST page (client-go's informers page by 500 too), where lists are not streamed: a relist of 10,000
 # pods is 20 short requests, none near the client's timeout, and only one page is held as raw JSON at a time.
 LIST_PAGE = 500
+LIST_PAGE_BYTES = 16 << 20  # one page's JSON at most (a page over it is asked for again, smaller)
 # A list streamed as watch events (Kubernetes' WatchList, on by default from 1.34 and in 1.32): each object is one
 # event line, read within kube.MAX_EVENT_BYTES, so no relist holds more than one object's JSON at a time whatever
 # the pods hold; the list ends at a bookmark annotated INITIAL_EVENTS_END.
@@ -324,9 +325,9 @@ class PodCache:
     async def _list(self, path: str, selector: Mapping[str, str]) -> tuple[list[ListedPod | None], str]:
         """Every labelled pod of a scope, page by page (`limit`/`continue`), and the list's resourceVersion, where
         the API server does not stream lists. Each page is read within kube.MAX_RESPONSE_BYTES and parsed into
-        views before the next is read: one page of raw JSON is held at a time. A page over the bound is asked for
-        again at half the size (and the rest of the list at that size), down to one pod, which always fits: etcd
-        holds 1.5 MiB an object. The pages are
+        views before the next is read: one page of raw JSON is held at a time. A page over LIST_PAGE_BYTES is asked
+        for again at half the size, down to one pod (which always fits: etcd holds 1.5 MiB an object, 9 MiB as
+        escaped JSON), and each page after it at twice the size of the one before, up to LIST_PAGE. The pages are
         one consistent snapshot; a continue token that expired (410) ends the list, and the informer lists again
         from the start."""
         listed: list[ListedPod | None] = []
@@ -334,7 +335,7 @@ class PodCache:
         while True:
             params = {**selector, "limit": str(limit), **({"continue": token} if token else {})}
             try:
-                page = await client().request("GET", path, params=params)
+                page = await client().request("GET", path, params=params, max_bytes=LIST_PAGE_BYTES)
             except ApiError as exc:
                 if exc.status != UNDECODABLE or limit == 1:
                     raise
@@ -344,7 +345,7 @@ class PodCache:
             meta = page["metadata"]
             if not meta.get("continue"):
                 return listed, meta["resourceVersion"]
-            token = meta["continue"]
+            token, limit = meta["continue"], min(LIST_PAGE, limit * 2)  # back up to full pages past the big pods
 
     def _refuse(self, scope: str | None, exc: ApiError) -> None:
         """The operator may not list or watch this scope's pods: said once in the log and to every job there (a

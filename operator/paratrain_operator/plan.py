@@ -38,8 +38,9 @@ COMMS_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     # The watchdog's heartbeat monitor kills a rank whose watchdog itself is stuck (e.g. in a CUDA call).
     "TORCH_NCCL_ENABLE_MONITORING": "1",
-    # Flight recorder: on a timeout each rank dumps its last collectives to /tmp, to tell which rank hung.
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    # Flight recorder: on a timeout each rank dumps its last collectives to /tmp, to tell which rank hung. (Its old
+    # name, TORCH_NCCL_TRACE_BUFFER_SIZE, made torch 2.13 log a deprecation warning in every pod, CPU ones too.)
+    "TORCH_FR_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     # NCCL's warnings and errors, without INFO's per-ring lines from every rank.
     "NCCL_DEBUG": "WARN",

@@ -174,11 +174,12 @@ def test_a_pass_never_acts_on_a_cache_that_misses_its_own_creates(monkeypatch: p
 
 class PagedApi:
     """Serves `pods` by namespace in pages of at most `limit`, as an API server that does not stream lists does;
-    refuses `forbidden`; a page of more than `max_page` pods is over the client's byte bound."""
+    refuses `forbidden`; the first `huge` pods weigh megabytes, and a page of more than `max_huge` of them is over
+    the client's byte bound."""
 
     def __init__(self, pods: dict[str, list[dict[str, Any]]], forbidden: frozenset[str] = frozenset(),
-                 max_page: int = 1 << 30):
-        self.pods, self.forbidden, self.max_page = pods, forbidden, max_page
+                 huge: int = 0, max_huge: int = 1 << 30):
+        self.pods, self.forbidden, self.huge, self.max_huge = pods, forbidden, huge, max_huge
         self.lists: list[tuple[str, dict[str, str]]] = []  # (namespace, query) of each LIST
         self.watched: list[tuple[str, str]] = []
 
@@ -188,8 +189,8 @@ class PagedApi:
         if namespace in self.forbidden:
             raise kube.ApiError(403, "Forbidden", f'pods is forbidden: cannot list resource "pods" in "{namespace}"')
         start, limit = int(params.get("continue", "0")), int(params["limit"])
-        if limit > self.max_page:
-            raise kube.ApiError(kube.UNDECODABLE, "Undecodable", "the answer is over 41943040 bytes")
+        if len(range(start, min(start + limit, self.huge))) > self.max_huge:
+            raise kube.ApiError(kube.UNDECODABLE, "Undecodable", "the answer is over 16777216 bytes")
         items = self.pods[namespace][start:start + limit]
         more = start + limit < len(self.pods[namespace])
         return {"metadata": {"resourceVersion": "77", **({"continue": str(start + limit)} if more else {})},
@@ -207,9 +208,10 @@ class PagedApi:
 
 
 def test_a_page_over_the_byte_bound_is_asked_for_again_at_half_the_size(monkeypatch: pytest.MonkeyPatch):
-    """A page of 500 pods with megabytes each would be read whole: past kube.MAX_RESPONSE_BYTES the same page is
-    asked for again with half the limit, and so is the rest of the list."""
-    api = PagedApi({"ns": [pod(f"job-0-{r}") for r in range(300)]}, max_page=100)
+    """40 pods of megabytes first, then 960 small ones: a page of 500 with them all would be read whole. Past the
+    byte bound the same page is asked for again at half the limit, down to what fits; each page after one that
+    fit is asked at twice its size again, so the small pods still come 500 a page."""
+    api = PagedApi({"ns": [pod(f"job-0-{r}") for r in range(1000)]}, huge=40, max_huge=5)
     monkeypatch.setattr(observe, "client", lambda: api)
 
     async def main() -> int:
@@ -221,10 +223,10 @@ def test_a_page_over_the_byte_bound_is_asked_for_again_at_half_the_size(monkeypa
         await asyncio.gather(task, return_exceptions=True)
         return len(cache)
 
-    assert asyncio.run(main()) == 300
-    assert [(q.get("continue"), q["limit"]) for _, q in api.lists] == [
-        (None, "500"), (None, "250"), (None, "125"), (None, "62"), ("62", "62"), ("124", "62"), ("186", "62"),
-        ("248", "62")]
+    assert asyncio.run(main()) == 1000
+    limits = [int(q["limit"]) for _, q in api.lists]
+    assert limits[:8] == [500, 250, 125, 62, 31, 15, 7, 3]  # halved until the first page fits
+    assert max(limits[8:]) == 500 and len(limits) < 40, limits  # and back to full pages past the big pods
 
 
 def test_a_relist_is_paged_and_a_namespace_the_operator_may_not_list_stops_only_its_own_jobs(

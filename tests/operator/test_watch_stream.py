@@ -216,3 +216,4 @@ def test_the_liveness_probe_fails_while_the_cache_cannot_be_kept(monkeypatch):
     with pytest.raises(kopf.PermanentError, match="informer has stopped"):
         handlers.pods_informer()
 
+

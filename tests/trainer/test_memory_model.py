@@ -108,6 +108,30 @@ def test_validate_prints_each_stage_and_refuses_more_than_the_gpu_holds(tmp_path
     assert bad.returncode != 0 and "not a quantity of bytes" in bad.stderr
 
 
+def test_a_character_level_job_whose_text_is_elsewhere_is_valid_and_says_how_to_give_its_vocabulary(tmp_path):
+    """Issue 46: `validate --memory` said "valid", then "invalid", exited 1 and suggested Llama's 128,256 for a
+    text of 65 characters. A vocabulary it cannot read is no verdict on the job: a note says how to give it."""
+    doc = job_of("dp1")
+    doc["spec"]["data"] = {"source": "text", "path": str(tmp_path / "elsewhere.txt")}
+    path = tmp_path / "chars.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", str(path), "--memory"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "valid" in proc.stdout and "invalid" not in proc.stdout + proc.stderr
+    assert "distinct characters" in proc.stderr and "--vocab-size N (65 for" in proc.stderr
+    assert "128256" not in proc.stderr
+    (tmp_path / "elsewhere.txt").write_text("abc\n")
+    small = subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", str(path), "--memory"],
+                           capture_output=True, text=True, timeout=120)
+    assert small.returncode == 1 and "Traceback" not in small.stderr and "spec.data.path" in small.stderr
+    assert ": valid (" not in small.stdout  # one verdict: invalid
+    (tmp_path / "elsewhere.txt").write_text("abcab\n" * 2000)  # here: read from the file, as a rank would
+    here = subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", str(path), "--memory"],
+                          capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0 and "rank 0 (stage 0): peak" in here.stdout, here.stderr
+
+
 def test_byte_quantities():
     assert parse_bytes("80Gi") == parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("40G") == 40 * 10**9 and parse_bytes("1024") == 1024

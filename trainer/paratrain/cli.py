@@ -79,26 +79,29 @@ def _verdicts(job, platform, out) -> bool:
     return not here or not there
 
 
-def _memory(job, args: argparse.Namespace) -> int:
-    """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory."""
+def _memory(job, args: argparse.Namespace, here_vocab: int | None) -> int:
+    """The per-rank memory model (printed with --memory), held to --gpu-memory or spec.resources.gpuMemory;
+    `here_vocab`: the vocabulary of the data where it is on this machine."""
     from .api.memory import Headroom, fit_problem, human, parse_bytes, predict
-    from .launch import data_vocab
 
     try:
         given = args.gpu_memory or job.spec.resources.gpu_memory
         limit = parse_bytes(given) if given else None
     except ValueError as exc:
         raise SpecError([Problem("--gpu-memory", str(exc))]) from None
-    vocab = args.vocab_size or data_vocab(job) or job.spec.data.vocab_size
+    vocab = args.vocab_size or here_vocab or job.spec.data.vocab_size
     if vocab is None and not args.memory:  # only spec.resources.gpuMemory asked for the check: the ranks make it
         print("note: spec.resources.gpuMemory: not checked here, the data (and its vocabulary) is not on this machine "
               "(spec.data.vocabSize or --memory --vocab-size N give it); every rank checks it once it has read the "
               "data", file=sys.stderr)
         return 0
-    if vocab is None:
-        raise SpecError([Problem("--memory", f"the vocabulary comes from the data ({job.spec.data.path}), which is "
-                                 "not on this machine: give it with --vocab-size N or spec.data.vocabSize (128256 for "
-                                 "Llama 3's tokenizer)")])
+    if vocab is None:  # not a verdict on the job: the exit code stays the verdict's
+        how = ("a character-level job's vocabulary is its text's distinct characters: give their count with "
+               "--vocab-size N (65 for examples/data/tinyshakespeare.txt)" if job.spec.data.source == "text" else
+               "give it with --vocab-size N or spec.data.vocabSize (128256 for Llama 3's tokenizer)")
+        print(f"note: --memory: not predicted: the vocabulary comes from the data ({job.spec.data.path}), which is "
+              f"not on this machine; {how}", file=sys.stderr)
+        return 0
     ranks = predict(job.spec, vocab)
     headroom = Headroom.of(job.spec)
     problem = fit_problem(ranks, limit, headroom) if limit is not None else None
@@ -242,16 +245,20 @@ def main(argv: list[str] | None = None) -> int:
             return node_main(program, spec_path=args.spec)
         job = load_job(args.job, args.overrides)
         if args.command == "validate":
-            from .launch import broken_data
+            from .launch import broken_data, data_vocab
 
             if broken := broken_data(job):  # here, and broken: an error wherever it is meant to run
                 raise SpecError(broken)
+            try:
+                here_vocab = data_vocab(job)  # read as a rank reads it, where it is on this machine
+            except ValueError as exc:  # too small to train on: the job's own problem, before any verdict
+                raise SpecError([Problem("spec.data.path", str(exc).removeprefix("data: "))]) from None
             out = sys.stderr if args.json else sys.stdout
             own = job.spec.entrypoint
             trains = f"its own program: {' '.join(own.command + own.args)}" if own else describe_model(job.spec)
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, {trains})", file=out)
             runs_somewhere = _verdicts(job, _platform(args), out)
-            code = _memory(job, args) if args.memory or job.spec.resources.gpu_memory else 0
+            code = _memory(job, args, here_vocab) if args.memory or job.spec.resources.gpu_memory else 0
             return code or (0 if runs_somewhere else 1)
         if args.command == "render":
             from paratrain_operator.render import render_job, to_yaml_stream

@@ -153,7 +153,7 @@ class CheckpointFiles:
     def open(self, name: str) -> io.BufferedReader:
         """A reader of the file from its start, with an offset of its own."""
         fd = self.fd(name)  # the block size as open() would buffer: partial reads seek a lot, and read what they ask
-        return io.BufferedReader(_Positioned(fd), buffer_size=max(os.fstat(fd).st_blksize, 512))
+        return io.BufferedReader(_positioned(fd), buffer_size=max(os.fstat(fd).st_blksize, 512))
 
     def sha256(self, name: str) -> str:
         digest, fd, at = hashlib.sha256(), self.fd(name), 0
@@ -175,34 +175,10 @@ class CheckpointFiles:
         self.close()
 
 
-class _Positioned(io.RawIOBase):
-    """A descriptor read with pread at an offset of its own (several readers share one descriptor)."""
-
-    def __init__(self, fd: int):
-        self._fd, self._pos = fd, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        end = os.fstat(self._fd).st_size
-        self._pos = {io.SEEK_SET: pos, io.SEEK_CUR: self._pos + pos, io.SEEK_END: end + pos}[whence]
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        data = os.pread(self._fd, len(buffer), self._pos)
-        buffer[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def close(self) -> None:  # the descriptor is CheckpointFiles', closed with it
-        super().close()
+def _positioned(fd: int) -> _Window:
+    """The whole file of a descriptor, read with pread at an offset of its own (several readers share one
+    descriptor; closing it leaves the descriptor to its CheckpointFiles)."""
+    return _Window(None, 0, os.fstat(fd).st_size, fd=fd)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -316,11 +292,12 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a seekable file, as a file of their own (standard seek semantics)."""
+    """Bytes [offset, offset + length) of a seekable file, or of a descriptor (`fd`, read with pread), as a file of
+    their own (standard seek semantics)."""
 
-    def __init__(self, file: Any, offset: int, length: int):
+    def __init__(self, file: Any, offset: int, length: int, fd: int | None = None):
         super().__init__()
-        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+        self._file, self._fd, self._offset, self._length, self._pos = file, fd, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -338,8 +315,12 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         size = max(0, min(len(buffer), self._length - self._pos))
-        self._file.seek(self._offset + self._pos)
-        got = self._file.readinto(memoryview(buffer).cast("B")[:size])  # straight into the caller's buffer
+        view = memoryview(buffer).cast("B")[:size]  # straight into the caller's buffer
+        if self._fd is not None:
+            got = os.preadv(self._fd, [view], self._offset + self._pos)
+        else:
+            self._file.seek(self._offset + self._pos)
+            got = self._file.readinto(view)
         self._pos += got
         return got
 
