@@ -506,13 +506,14 @@ class JobCache:
         held = self._bodies.get(key)
         if held is None or held["metadata"].get("uid") != meta.get("uid") or \
                 as_int(meta.get("resourceVersion"), 0) >= as_int(held["metadata"].get("resourceVersion"), 0):
-            # Copied: kopf's Body is a live view.
-            spec = copy.deepcopy(dict(body.get("spec") or {}))
-            size = spec_bytes(spec)
+            # Weighed before it is copied (a spec over the limit is never held twice), then copied: kopf's Body is a
+            # live view.
+            size = spec_bytes(dict(body.get("spec") or {}))
             if self.max_spec_bytes is not None and size > self.max_spec_bytes:
                 self._oversized[key], spec = size, {}
             else:
                 self._oversized.pop(key, None)
+                spec = copy.deepcopy(dict(body.get("spec") or {}))
             self._bodies[key] = {
                 "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                 "metadata": {k: copy.deepcopy(meta[k]) for k in self.KEPT_METADATA if k in meta},
