@@ -213,6 +213,8 @@ class GangState:
     restart_not_before: str | None = None  # this attempt's pods are created no sooner (the restart backoff)
     uncounted_restarts: int = 0  # gang restarts not counted against backoffLimit (stops, Ignore rules)
     start_timeouts: int = 0  # attempts ended by startTimeoutSeconds (their own limit: startAttempts)
+    last_restart_reason: str = ""  # why the gang last restarted, and when (`kubectl get ptj -o wide`)
+    last_restart_time: str | None = None
     stuck: str = ""  # pods of an earlier attempt stuck terminating (this pass's finding; not read back)
     completion_time: str | None = None
     failure: Failure | None = None
@@ -234,6 +236,7 @@ class GangState:
                    failures_in_a_row=as_int(s.get("failuresInARow"), 0), restart_not_before=s.get("restartNotBefore"),
                    uncounted_restarts=as_int(s.get("uncountedRestarts"), 0),
                    start_timeouts=as_int(s.get("startTimeouts"), 0),
+                   last_restart_reason=s.get("lastRestartReason") or "", last_restart_time=s.get("lastRestartTime"),
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    last_stop=Failure.from_status(s.get("lastStop")), reason=s.get("reason") or "",
                    message=s.get("message") or "")
@@ -252,7 +255,8 @@ class GangState:
         failures = self.failures_in_a_row + 1
         delay = 0.0 if failures == 1 else min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_SECONDS * 2 ** (failures - 2))
         not_before = to_iso(now + timedelta(seconds=delay)) if delay else None
-        return self.new_attempt(failures_in_a_row=failures, **changes, restart_not_before=not_before)
+        return self.new_attempt(failures_in_a_row=failures, **changes, restart_not_before=not_before,
+                                last_restart_reason=changes.get("reason") or "", last_restart_time=to_iso(now))
 
 
 def _replacing(said: Any) -> tuple[tuple[int, str], ...]:
@@ -489,7 +493,8 @@ def _replace(state: GangState, failed: Sequence[tuple[int, PodView | None, Failu
     new = replace(state, phase=RESTARTING, reason="ReplacingPod", message=msg, last_stop=root,
                   pod_replacements=state.pod_replacements + len(failed), attempt_pod_replacements=count,
                   replacing=(*state.replacing, *((rank, pod.uid if pod else "") for rank, pod, _ in failed)),
-                  attempt_start_time=to_iso(now))
+                  attempt_start_time=to_iso(now), last_restart_reason=f"{root.reason}: pod replaced",
+                  last_restart_time=to_iso(now))
     doomed = _undeleted([pod for _, pod, _ in failed if pod])  # an evicted pod holds its name
     gone = tuple(rank for rank, pod, _ in failed if pod is None)
     return Decision(new, create_ranks=gone, delete_pods=doomed, events=(*events, Event("Normal", "ReplacingPod", msg)))
@@ -501,8 +506,10 @@ def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, 
     rank that failed (a Warning), or the pod replaced (Normal: a stop is not the job's failure, and `failure`
     stays as it was); None when there are none."""
     count = as_int((progress or {}).get("restartsInPlace"), 0)
-    if count <= state.attempt_in_place_restarts:
-        return None
+    start = (progress or {}).get("startStep")
+    if count <= state.attempt_in_place_restarts or not isinstance(start, int):
+        return None  # none new, or the round's rank 0 has not resumed yet: told once it says from which step
+    resumed = f"from step {start}" if start else "from step 0: no checkpoint yet"
     said = (progress or {}).get("lastFailure") or {}
     node_rank, rank, code = (said.get(k) for k in ("nodeRank", "rank", "exitCode"))
     rounds = (f"in-place restart {count} of spec.restartPolicy.inPlaceLimit {policy.in_place_limit} in attempt "
@@ -511,13 +518,13 @@ def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, 
                   attempt_in_place_restarts=count)
     replaced = state.last_stop.pod if state.attempt_pod_replacements and state.last_stop else None
     if replaced and code in (contract.EXIT_RETRYABLE, contract.EXIT_PREEMPTED):  # its peers' ranks saw it go
-        msg = f"pod {replaced} was replaced; every rank restarted in place from the newest checkpoint ({rounds})"
+        msg = f"pod {replaced} was replaced; every rank restarted in place, {resumed} ({rounds})"
         return Decision(new, events=(Event("Normal", "RestartedInPlace", msg),))
     pod = contract.pod_name(policy.name, state.attempt, node_rank) if isinstance(node_rank, int) else None
     what = (f"rank {rank} in pod {pod} exited with code {code} ({describe_exit(code)})"
             if pod and isinstance(code, int) else "a rank failed")
     failure = Failure(reason="Error", pod=pod, exit_code=code if isinstance(code, int) else None, message=(
-        f"{what}; every rank restarted in place from the newest checkpoint, no pod replaced ({rounds})"))
+        f"{what}; every rank restarted in place, {resumed}, no pod replaced ({rounds})"))
     return Decision(replace(new, failure=failure), events=(Event("Warning", "RestartedInPlace", failure.message),))
 
 
@@ -594,7 +601,8 @@ def _start_timed_out(policy: Policy, state: GangState, pods: Sequence[PodView], 
         msg = (f"{message}; starting the gang afresh (start attempt {state.start_timeouts + 2} of "
                f"{policy.start_attempts}, spec.scheduling.startAttempts)")
         new = state.new_attempt(phase=RESTARTING, reason="StartTimeout", message=msg, last_stop=stop,
-                                start_timeouts=state.start_timeouts + 1)
+                                start_timeouts=state.start_timeouts + 1, last_restart_reason="StartTimeout",
+                                last_restart_time=to_iso(now))
         return Decision(new, delete_pods=_undeleted(current), events=(*events, Event("Warning", "StartTimeout", msg)))
     if policy.start_attempts > 1:
         message = f"{message}; startAttempts ({policy.start_attempts}) spent"

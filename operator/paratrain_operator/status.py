@@ -47,11 +47,12 @@ GANG_SCHEDULED = "GangScheduled"  # gang: kubernetes only: did kube-scheduler pl
 OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "observedGeneration", "attempt",
               "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "podReplacements", "attemptPodReplacements",
               "replacing", "gangCreated", "startTime", "attemptStartTime", "failuresInARow", "restartNotBefore",
-              "uncountedRestarts", "startTimeouts",
+              "uncountedRestarts", "startTimeouts", "restartsText", "lossText", "eta", "failureReason",
+              "lastRestartReason", "lastRestartTime",
               "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
-                     "tokensPerSecond": float, "etaSeconds": float, "restartsInPlace": int}
+                     "tokensPerSecond": int, "etaSeconds": float, "restartsInPlace": int}
 _SIGNED = frozenset({"loss", "valLoss"})
 _RANK_FAILURE_NUMBERS = ("rank", "nodeRank", "exitCode")
 _TRAINER_PHASES = frozenset({"starting", "training", "done"})
@@ -74,7 +75,7 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
             continue
         if value < 0 and key not in _SIGNED or kind is int and value >= 1 << 62:  # the schema's bounds
             continue
-        out[key] = int(value) if kind is int else round(float(value), 6)
+        out[key] = round(value) if kind is int else round(float(value), 6)
     if "step" not in out:
         return None
     updated = from_iso(raw.get("updatedAt"))
@@ -89,6 +90,29 @@ def clean_progress(raw: Any) -> dict[str, Any] | None:
         if numbers:
             out["lastFailure"] = numbers
     return out
+
+
+def restarts_text(state: GangState) -> str:
+    """`1`, or `1 (2 in place, 1 pod replaced, 1 stop)`: the gang restarts counted against backoffLimit first,
+    then every other kind, so that no restart goes unseen in `kubectl get ptj`."""
+    others = [f"{n} {what}" for n, what in ((state.in_place_restarts, "in place"),
+                                             (state.pod_replacements, "pod replaced" if state.pod_replacements == 1
+                                              else "pods replaced"),
+                                             (state.uncounted_restarts, "stop" if state.uncounted_restarts == 1
+                                              else "stops")) if n]
+    return f"{state.restarts}" + (f" ({', '.join(others)})" if others else "")
+
+
+def duration(seconds: float) -> str:
+    """`45s`, `12m30s`, `3h05m`, `2d04h`: as kubectl shows ages."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def pod_counts(nodes: int, attempt: int, pods: Sequence[PodView]) -> dict[str, int]:
@@ -184,11 +208,20 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     if state.last_stop:
         out["lastStop"] = state.last_stop.to_status()
     out["pods"] = pod_counts(nodes, state.attempt, pods)
+    out["restartsText"] = restarts_text(state)
+    if state.phase == gang.FAILED and state.failure:
+        out["failureReason"] = state.failure.reason or "Failed"
+    if state.last_restart_reason and state.last_restart_time:
+        out["lastRestartReason"], out["lastRestartTime"] = state.last_restart_reason, state.last_restart_time
     progress = progress or prev.get("progress")
     if progress:
         out["progress"] = dict(progress)
         if "totalSteps" in progress:
             out["progressText"] = progress_text(progress["step"], progress["totalSteps"])
+        if isinstance(progress.get("loss"), (int, float)):
+            out["lossText"] = f"{progress['loss']:#.4g}"
+        if out["phase"] == gang.RUNNING and isinstance(progress.get("etaSeconds"), (int, float)):
+            out["eta"] = duration(progress["etaSeconds"])
         if out["phase"] == gang.SUCCEEDED and progress.get("startStep", -1) >= progress.get("totalSteps", 1 << 62):
             # A re-applied job whose checkpoint already held its last step: it succeeded without training.
             out["message"] = (f"{state.message}; nothing was trained: the checkpoint was already at the last step "

@@ -167,7 +167,7 @@ def test_layout_fields_are_immutable(root: dict[str, Any], field: str) -> None:
 def test_printer_columns(crd: dict[str, Any], root: dict[str, Any]) -> None:
     (version,) = crd["spec"]["versions"]
     columns = {c["name"]: c for c in version["additionalPrinterColumns"] if not c.get("priority")}
-    assert list(columns) == ["Phase", "Layout", "Step", "Loss", "Restarts", "Age"]
+    assert list(columns) == ["Phase", "Layout", "Step", "Loss", "Restarts", "ETA", "Age"]
     for column in version["additionalPrinterColumns"]:
         node = root
         for part in column["jsonPath"].strip(".").split("."):
@@ -185,7 +185,7 @@ def test_status_schema_takes_what_the_operator_writes(root: dict[str, Any]) -> N
         "pods": {"expected": 2, "pending": 0, "running": 2, "succeeded": 0, "failed": 0, "terminating": 0},
         "startTime": "2026-01-01T00:00:00Z",
         "failure": {"pod": "job-0-1", "exitCode": 75, "reason": "Error", "message": "peer vanished"},
-        "progress": {"step": 120, "totalSteps": 2000, "loss": 2.5, "valLoss": 2.6, "tokensPerSecond": 1e5,
+        "progress": {"step": 120, "totalSteps": 2000, "loss": 2.5, "valLoss": 2.6, "tokensPerSecond": 100000,
                      "etaSeconds": 30, "updatedAt": "2026-01-01T00:01:00Z", "phase": "training"},
     }
     assert JobStatus.model_validate(status).dump() == status

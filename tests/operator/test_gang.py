@@ -240,13 +240,16 @@ def test_no_rule_turns_a_deletion_into_a_failure(seen):
 
 def test_in_place_restarts_rank_0_reports_are_counted_once_with_the_failed_rank_named():
     policy = replace(POLICY, in_place_limit=3)
-    report = {"step": 40, "restartsInPlace": 1, "lastFailure": {"rank": 5, "nodeRank": 2, "exitCode": 137}}
+    report = {"step": 40, "startStep": 0, "restartsInPlace": 1,
+              "lastFailure": {"rank": 5, "nodeRank": 2, "exitCode": 137}}
+    resuming = {k: v for k, v in report.items() if k != "startStep"}  # the round's rank 0 still loading
+    assert decide(gang_of("Running", "Running", "Running"), RUNNING, policy, progress=resuming).events == ()
     decision = decide(gang_of("Running", "Running", "Running"), RUNNING, policy, progress=report)
     s = decision.state
     assert (s.phase, s.attempt, s.restarts, s.in_place_restarts, s.attempt_in_place_restarts) == ("Running", 0, 0, 1, 1)
-    message = ("rank 5 in pod job-0-2 exited with code 137 (killed by SIGKILL); every rank restarted in place from "
-               "the newest checkpoint, no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 3 in "
-               "attempt 0)")
+    message = ("rank 5 in pod job-0-2 exited with code 137 (killed by SIGKILL); every rank restarted in place, from "
+               "step 0: no checkpoint yet, no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 3 "
+               "in attempt 0)")
     assert s.failure.dump() == {"pod": "job-0-2", "exitCode": 137, "reason": "Error", "message": message}
     assert [(e.type, e.reason, e.message) for e in decision.events] == [("Warning", "RestartedInPlace", message)]
     assert not decision.create_ranks and not decision.delete_pods  # nothing for the operator to do
@@ -258,8 +261,8 @@ def test_in_place_restarts_rank_0_reports_are_counted_once_with_the_failed_rank_
     restarted = decide([pod(0), pod(1, "Failed", exit_code=1), pod(2)], two_more.state, policy).state
     assert (restarted.attempt, restarted.in_place_restarts, restarted.attempt_in_place_restarts) == (1, 3, 0)
     done = decide(gang_of("Succeeded", "Succeeded", "Succeeded", attempt=1), restarted, policy,
-                  progress={"step": 60, "restartsInPlace": 1, "lastFailure": {"rank": 0, "nodeRank": 0,
-                                                                              "exitCode": 1}}).state
+                  progress={"step": 60, "startStep": 50, "restartsInPlace": 1,
+                            "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": 1}}).state
     assert (done.phase, done.in_place_restarts) == ("Succeeded", 4) and "1 restarts, 4 in place" in done.message
 
 
@@ -521,6 +524,7 @@ def test_gang_restarts_without_a_step_trained_back_off_doubling_and_a_step_reset
         failing = [replace(p, attempt=state.attempt) for p in failing]
     assert waits == [0, 10, 20, 40, 80, 160, 320, 360]
     assert state.failures_in_a_row == 8 and "restarts since a step was last trained" in state.message
+    assert (state.last_restart_reason, state.last_restart_time) == ("Error", to_iso(NOW))  # `kubectl get -o wide`
 
     waiting = decide([], state)  # the old pods are gone: nothing is created before restartNotBefore
     assert waiting.create_ranks == () and waiting.state.phase == "Restarting" and "restart backoff" in \
@@ -569,11 +573,12 @@ def test_a_deleted_pod_is_replaced_alone_and_its_replacement_ends_the_replacemen
     assert (running.state.phase, running.state.replacing, running.state.attempt) == ("Running", (), 0)
     assert [e.reason for e in running.events] == ["GangRunning"]
     # Its peers' ranks restarted in place for it: rank 0's report of that round says so, without a failure.
-    report = {"step": 30, "restartsInPlace": 1, "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": 76}}
+    report = {"step": 30, "startStep": 20, "restartsInPlace": 1,
+              "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": 76}}
     told = decide([pod(0), pod(1, uid="u2"), pod(2)], running.state, REPLACING, progress=report)
     assert told.state.failure is None and told.state.in_place_restarts == 1
     assert [(e.type, e.reason, e.message) for e in told.events] == [("Normal", "RestartedInPlace", (
-        "pod job-0-1 was replaced; every rank restarted in place from the newest checkpoint (in-place restart 1 of "
+        "pod job-0-1 was replaced; every rank restarted in place, from step 20 (in-place restart 1 of "
         "spec.restartPolicy.inPlaceLimit 2 in attempt 0)"))]
     # A replacement that fails on its own is a failure like any other.
     failed = decide([pod(0), pod(1, "Failed", exit_code=1, uid="u2"), pod(2)], told.state, REPLACING).state

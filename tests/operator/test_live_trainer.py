@@ -76,8 +76,10 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     table = cluster.kubectl("get", "ptj", "-n", ns)
     assert table.returncode == 0, table.stderr
     header, row = table.stdout.splitlines()
-    assert header.split() == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "AGE"]
-    assert re.match(r"tiny\s+Succeeded\s+dp2·tp1·pp1 z0 fp32\s+12/12\s+[\d.]+\s+0\s+\d+s$", row), row
+    assert header.split() == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "ETA", "AGE"]
+    # Four significant digits of loss; no ETA once finished.
+    loss = r"(\d\.\d{3}|\d\d\.\d\d)"
+    assert re.match(rf"tiny\s+Succeeded\s+dp2·tp1·pp1 z0 fp32\s+12/12\s+{loss}\s+0\s+<none>\s+\d+s$", row), row
     events = cluster.kubectl("get", "events", "-n", ns, "--field-selector=involvedObject.kind=ParallelTrainJob",
                              "-o", "json")
     items = sorted(json.loads(events.stdout)["items"], key=lambda e: int(e["metadata"]["resourceVersion"]))
@@ -224,8 +226,8 @@ def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_
         assert (status["restarts"], status["attempt"], status.get("inPlaceRestarts")) == (0, 0, 1), \
             cluster.diagnostics(ns, "inplace")
         assert cluster.pod_creations(ns) == ["inplace-0-0", "inplace-0-1"]  # no pod replaced
-        said = ("rank 1 in pod inplace-0-1 exited with code 1 (error); every rank restarted in place from the newest "
-                "checkpoint, no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 2 in attempt 0)")
+        said = ("rank 1 in pod inplace-0-1 exited with code 1 (error); every rank restarted in place, from step 20, "
+                "no pod replaced (in-place restart 1 of spec.restartPolicy.inPlaceLimit 2 in attempt 0)")
         assert status["failure"] == {"pod": "inplace-0-1", "exitCode": 1, "reason": "Error", "message": said}
         assert cluster.event_reasons(ns, "inplace", until="Succeeded") == [
             "CreatingGang", "GangRunning", "RestartedInPlace", "Succeeded"]

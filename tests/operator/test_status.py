@@ -38,6 +38,34 @@ def test_a_running_job_reports_everything_the_printer_columns_need():
     JobStatus.model_validate(st)  # the CRD's status schema would keep every field
 
 
+@pytest.mark.parametrize("state, shown", [
+    (RUNNING, "0"),
+    (GangState(phase="Running", restarts=1, in_place_restarts=2), "1 (2 in place)"),
+    (GangState(phase="Running", pod_replacements=1, uncounted_restarts=3), "0 (1 pod replaced, 3 stops)"),
+])
+def test_kubectl_get_shows_restarts_of_every_kind(state, shown):
+    """Issue 46: after a killed rank and a replaced pod RESTARTS said 0; only STEP going backwards told."""
+    assert build(state=state)["restartsText"] == shown
+
+
+def test_kubectl_get_shows_the_loss_to_four_digits_whole_tokens_an_eta_and_a_failure_only_when_failed():
+    running = build(progress=status.clean_progress({"step": 40, "totalSteps": 100, "loss": 2.719734,
+                                                     "tokensPerSecond": 68807.250277, "etaSeconds": 750.4}))
+    assert running["lossText"] == "2.720" and running["progress"]["tokensPerSecond"] == 68807
+    assert running["eta"] == "12m30s"
+    assert build(progress={"step": 1, "totalSteps": 2, "loss": 1.98132})["lossText"] == "1.981"
+    failed_before = GangState(phase="Running", restarts=1, failure=Failure(reason="Error", message="exit 1"),
+                              last_restart_reason="Error", last_restart_time=to_iso(NOW))
+    healthy = build(state=failed_before, progress={"step": 50, "totalSteps": 100, "etaSeconds": 5})
+    assert "failureReason" not in healthy  # a running job shows no current failure
+    assert (healthy["lastRestartReason"], healthy["lastRestartTime"]) == ("Error", to_iso(NOW))
+    done = build(state=GangState(phase="Failed", failure=Failure(reason="OOMKilled", message="...")),
+                 progress={"step": 50, "totalSteps": 100, "etaSeconds": 5})
+    assert done["failureReason"] == "OOMKilled" and "eta" not in done
+    JobStatus.model_validate(healthy)
+    JobStatus.model_validate(done)
+
+
 def test_rebuilding_an_unchanged_status_patches_nothing():
     first = build(progress={"step": 1, "totalSteps": 2})
     assert status.patch(first, build(first, now=NOW + timedelta(seconds=30))) == {}

@@ -492,13 +492,17 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "dp·tp·pp, ZeRO stage, precision"},
     {"name": "Step", "type": "string", "jsonPath": ".status.progressText", "description": "step/totalSteps"},
-    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Loss", "type": "string", "jsonPath": ".status.lossText", "description": "four significant digits"},
+    {"name": "Restarts", "type": "string", "jsonPath": ".status.restartsText",
+     "description": "counted gang restarts (in place, pods replaced, stops)"},
+    {"name": "ETA", "type": "string", "jsonPath": ".status.eta"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # `kubectl get ptj -o wide` adds these.
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes", "priority": 1},
-    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond", "priority": 1},
-    {"name": "Failure", "type": "string", "jsonPath": ".status.failure.reason", "priority": 1},
+    {"name": "Tokens/s", "type": "integer", "jsonPath": ".status.progress.tokensPerSecond", "priority": 1},
+    {"name": "Last-Restart", "type": "string", "jsonPath": ".status.lastRestartReason", "priority": 1},
+    {"name": "Restarted", "type": "date", "jsonPath": ".status.lastRestartTime", "priority": 1},
+    {"name": "Failure", "type": "string", "jsonPath": ".status.failureReason", "priority": 1},
 ]
 
 

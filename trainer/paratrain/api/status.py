@@ -84,7 +84,7 @@ class Progress(_StatusModel):
     total_steps: int | None = Field(None, ge=0)
     loss: float | None = None
     val_loss: float | None = None
-    tokens_per_second: float | None = Field(None, ge=0)
+    tokens_per_second: int | None = Field(None, ge=0, description="Whole tokens a second, the last interval's.")
     eta_seconds: float | None = Field(None, ge=0)
     updated_at: datetime | None = Field(None, description="When rank 0 last reported; drives the Stalled condition.")
     phase: Literal["starting", "training", "done"] | None = Field(None, description="The trainer's own phase.")
@@ -139,6 +139,18 @@ class JobStatus(_StatusModel):
         "The latest stop from outside the gang restarted from without counting it (a pod deleted: a drain, a "
         "preemption, by hand; or exit 76): kept apart from failure, since a stop is not a failure."))
     progress: Progress | None = None
+    # What `kubectl get ptj` shows, as people read it (printer columns cannot format a number).
+    restarts_text: str | None = Field(None, max_length=128, description=(
+        "Restarts of every kind: the gang restarts counted against backoffLimit, then in brackets those in place, "
+        "the pods replaced alone and the gang restarts not counted (stops), e.g. `1 (2 in place)`."))
+    loss_text: str | None = Field(None, max_length=32, description="The training loss to four significant digits.")
+    eta: str | None = Field(None, max_length=32, description="Time left while training, e.g. `12m30s`.")
+    failure_reason: str | None = Field(None, max_length=1024, description=(
+        "Why the job failed, only once it has (a running or finished job's earlier failures: lastRestartReason, "
+        "failure, Events)."))
+    last_restart_reason: str | None = Field(None, max_length=1024, description=(
+        "Why the gang last restarted (a pod's failure, a stop from outside, a start timeout)."))
+    last_restart_time: datetime | None = Field(None, description="When the gang last restarted.")
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None
 
