@@ -48,7 +48,9 @@ _resyncs: dict[observe.JobKey, asyncio.Task[None]] = {}  # each job's resync in 
 # Bounded retries for change handlers; the resync timer keeps reconciling after they give up.
 RETRIES, BACKOFF, TIMEOUT = 8, 5, 600
 log = logging.getLogger("paratrain.operator")
-_unreadable_reported: set[tuple[str, ...]] = set()  # (uid, generation, reason) already told to the job's owner
+# (uid, generation, reason) already told to the job's owner, oldest first (the oldest forgotten past the bound).
+_unreadable_reported: dict[tuple[str, ...], None] = {}
+UNREADABLE_KEPT = 4096
 
 
 class SpecDigestStorage(kopf.AnnotationsDiffBaseStorage):
@@ -61,12 +63,38 @@ class SpecDigestStorage(kopf.AnnotationsDiffBaseStorage):
         spec = json.dumps(dict(body.get("spec") or {}), sort_keys=True, separators=(",", ":"), default=str)
         return {"spec": {"sha256": hashlib.sha256(spec.encode()).hexdigest()}}
 
+    def fetch(self, *, body: kopf.Body) -> Any:
+        return _annotation(body, self.make_keys(self.key, body=body))
+
+
+class BoundedProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's handler progress in annotations, read through decode.loads: anyone who may edit a job may write
+    its annotations (`kubectl annotate`), and kopf's own json.loads of a deep or broken one stopped the operator."""
+
+    def fetch(self, *, key: Any, body: kopf.Body) -> Any:
+        return _annotation(body, self.make_keys(key, body=body))
+
+
+def _annotation(body: Mapping[str, Any], keys: Iterable[str]) -> Any:
+    """The first of the `keys` annotations the job has, decoded within decode.MAX_DEPTH; None when it has none or
+    it cannot be read (kopf then takes the job as never handled: a pass, which is idempotent)."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    for key in keys:
+        if (encoded := annotations.get(key)) is not None:
+            try:
+                return decode.loads(encoded)
+            except decode.Undecodable as exc:
+                log.warning("%s/%s: annotation %s is %s; ignored", (body.get("metadata") or {}).get("namespace"),
+                            (body.get("metadata") or {}).get("name"), key, exc.reason)
+                return None
+    return None
+
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     # The CR's status is this operator's (paratrain.api.status.JobStatus): kopf keeps its bookkeeping in
     # annotations, and our own Events replace kopf's log-line Events.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.progress_storage = BoundedProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = SpecDigestStorage(prefix=API_GROUP)
     settings.posting.enabled = False
     # Reconnect periodically even if a stream goes silent.
@@ -75,13 +103,15 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     kube.connect(kube.Kube.from_environment(QPS, BURST))
     if leader.elector is not None:  # no write of ours, nor of kopf's, leaves past the Lease's renew deadline
         kube.client().write_guard = leader.elector.may_write
+        kube.client().write_time_left = leader.elector.write_time_left
     # Jobs listed as watch events, one object a line, wherever the API server can (Kubernetes 1.34+, and 1.32):
     # one job the operator cannot read is then skipped alone (kopf_guard), not a whole page with it.
     plain = [n for n in NAMESPACES if not any(ch in n for ch in "*?[")]  # a namespaced RBAC may list only these
     settings.watching.initial_streaming = not PAGED_LISTS and await observe.streams_lists(
         kube.api_path(API_GROUP_VERSION, PLURAL, plain[0] if plain and len(plain) == len(NAMESPACES) else None))
-    kopf_guard.install(on_undecodable=_report_unreadable,
-                       write_guard=leader.elector.may_write if leader.elector is not None else lambda: None)
+    if not settings.watching.initial_streaming:  # pages kopf_guard can split, to skip one job it cannot read
+        settings.watching.chunk_size = kopf_guard.LIST_LIMIT
+    kopf_guard.install(on_undecodable=_report_unreadable, elector=leader.elector)
     loop = asyncio.get_running_loop()
     if leader.elector is not None:
         _tasks.append(loop.create_task(_keep_lease(leader.elector, logger)))
@@ -111,10 +141,15 @@ def _report_unreadable(exc: decode.Undecodable) -> None:
     Warning Event and the status's reason and message, where its first bytes name it."""
     metrics.UNDECODABLE.inc()
     ref = exc.ref
-    key = (ref.uid, ref.generation, exc.reason)
-    if ref.kind != KIND or not (ref.namespace and ref.name and ref.uid) or key in _unreadable_reported:
+    if ref.kind != KIND or not (ref.namespace and ref.name):
         return
-    _unreadable_reported.add(key)
+    reconcile.forget(ref.namespace, ref.name)  # never acted on from a body older than what it now is (or gone)
+    key = (ref.uid, ref.generation, exc.reason)
+    if not ref.uid or key in _unreadable_reported:
+        return
+    _unreadable_reported[key] = None
+    while len(_unreadable_reported) > UNREADABLE_KEPT:
+        del _unreadable_reported[next(iter(_unreadable_reported))]
     task = asyncio.get_running_loop().create_task(_tell_unreadable(ref, exc.reason))
     _tasks.append(task)
     task.add_done_callback(_tasks.remove)

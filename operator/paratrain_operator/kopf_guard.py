@@ -25,10 +25,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+import re
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+import aiohttp
 import kopf._cogs.clients.api as kopf_api
+import kopf._cogs.clients.errors as kopf_errors
 import kopf._cogs.clients.watching as kopf_watching
 
 from . import decode
@@ -41,8 +45,10 @@ _down_since: dict[str, float] = {}  # watcher → when it began failing
 _failures: dict[str, int] = {}
 _last_error: dict[str, str] = {}
 _on_undecodable: Callable[[decode.Undecodable], None] = lambda exc: None
-_write_guard: Callable[[], str | None] = lambda: None
+_elector: Any = None  # leader.Elector where replicas elect a leader: its may_write and write_time_left
 _kopf_request = kopf_api.request
+LIST_LIMIT = 100  # jobs a page where kopf lists page by page (kopf's own default asks for all at once)
+_HEAD = 64 * 1024
 
 
 class NotLeading(RuntimeError):
@@ -67,18 +73,83 @@ class BoundedJson:
 
 async def bounded_get(url: str, *, settings: Any, payload: object | None = None,
                       headers: dict[str, str] | None = None, timeout: Any = None, logger: Any) -> Any:
-    """kopf's `api.get`, its answer read within MAX_RESPONSE_BYTES and decoded within decode.MAX_DEPTH."""
+    """kopf's `api.get`, its answer read within MAX_RESPONSE_BYTES and decoded within decode.MAX_DEPTH. A list
+    page that cannot be read is asked for again, smaller, down to one object (see skip_unreadable_page)."""
     response = await guarded_request(method="get", url=url, payload=payload, headers=headers, timeout=timeout,
-                                      settings=settings, logger=logger)
+                                     settings=settings, logger=logger)
     async with response:
-        return decode.loads(await read_body(response, MAX_RESPONSE_BYTES))
+        raw = await read_body(response, MAX_RESPONSE_BYTES)
+    try:
+        return decode.loads(raw)
+    except decode.Undecodable:
+        page = await skip_unreadable_page(url, raw, settings=settings, logger=logger)
+        if page is None:
+            raise
+        return page
 
 
-async def guarded_request(method: str, url: str, **kwargs: Any) -> Any:
-    """kopf's `api.request`, refusing writes while `_write_guard` says why not."""
-    if method.lower() != "get" and (why := _write_guard()):
-        raise NotLeading(f"{method.upper()} {url}: {why}")
-    return await _kopf_request(method, url, **kwargs)
+async def guarded_request(method: str, url: str, *, settings: Any, backoffs: Any = None,
+                          timeout: Any = None, **kwargs: Any) -> Any:
+    """kopf's `api.request`. A write is refused while `_elector` says this replica may not write, and it is
+    retried here, not inside kopf's request (which sleeps and sends again without asking), with the check before
+    every try and each try's timeout capped at the time left before the renew deadline."""
+    if method.lower() == "get" or _elector is None:
+        return await _kopf_request(method, url, settings=settings, backoffs=backoffs, timeout=timeout, **kwargs)
+    delays = settings.networking.error_backoffs if backoffs is None else backoffs
+    delays = list(delays) if isinstance(delays, Iterable) else [delays]
+    for delay in [*delays, None]:
+        if why := _elector.may_write():
+            raise NotLeading(f"{method.upper()} {url}: {why}")
+        left = _elector.write_time_left()
+        capped = aiohttp.ClientTimeout(total=min(left, (timeout.total if timeout and timeout.total else left)),
+                                       sock_connect=getattr(timeout, "sock_connect", None))
+        try:
+            return await _kopf_request(method, url, settings=settings, backoffs=[], timeout=capped, **kwargs)
+        except (aiohttp.ClientConnectionError, kopf_errors.APIServerError, asyncio.TimeoutError,
+                kopf_errors.APIForbiddenError, kopf_errors.APITooManyRequestsError):
+            if delay is None:
+                raise
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+async def skip_unreadable_page(url: str, raw: bytes | bytearray, *, settings: Any, logger: Any) -> Any:
+    """A list page (where kopf lists page by page: `limit` in the URL) that cannot be read, as a page that can:
+    asked for again at half the size, down to one object, which is then skipped (reported like a skipped watch
+    event) with the continue token the API server gave for it, so the list goes on past it. None for anything
+    else (not a list page)."""
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    limit = int(query["limit"]) if query.get("limit", "").isdigit() else 0
+    if limit > 1:
+        smaller = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode({**query,
+                                                                                        "limit": limit // 2})))
+        return await bounded_get(smaller, settings=settings, logger=logger)
+    if limit != 1:
+        return None
+    head, _, item = bytes(raw[:_HEAD]).partition(b'"items":[')
+    found = {key: re.search(rb'"%s":"([^"\\]*)"' % key.encode(), head) for key in ("resourceVersion", "continue")}
+    if found["resourceVersion"] is None:
+        return None
+    skipped = decode.Undecodable("not decodable (a list page of it alone)", item)
+    log.warning("jobs list: skipped %s: %s", skipped.ref, skipped.reason)
+    _on_undecodable(skipped)
+    return {"metadata": {key: match[1].decode() for key, match in found.items() if match}, "items": []}
+
+
+def bounded_answer(method: str) -> Callable[..., Awaitable[Any]]:
+    """kopf's `api.patch` / `post` / `delete`: the answer (the whole object again) read within
+    MAX_RESPONSE_BYTES and decoded within decode.MAX_DEPTH; one that cannot be is `{}`, which kopf takes as no
+    body to check its patch against (the write itself went through)."""
+    async def call(url: str, *, settings: Any, logger: Any, **kwargs: Any) -> Any:
+        response = await guarded_request(method=method, url=url, settings=settings, logger=logger, **kwargs)
+        async with response:
+            try:
+                return decode.loads(await read_body(response, MAX_RESPONSE_BYTES))
+            except decode.Undecodable as exc:
+                log.warning("%s %s: its answer is %s; taken as written", method.upper(), url, exc.reason)
+                return {}
+    return call
 
 
 def resilient(watch: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
@@ -114,15 +185,16 @@ def problem(now: float | None = None) -> str | None:
     return f"the watcher of {name} has failed for {now - since:.0f} s: {_last_error.get(name, '')}"
 
 
-def install(on_undecodable: Callable[[decode.Undecodable], None],
-            write_guard: Callable[[], str | None] = lambda: None) -> None:
-    """Bound kopf's decoding, keep its watchers going and guard its writes (idempotent); `on_undecodable` hears
-    of each skipped object, on the event loop."""
-    global _on_undecodable, _write_guard
-    _on_undecodable, _write_guard = on_undecodable, write_guard
+def install(on_undecodable: Callable[[decode.Undecodable], None], elector: Any = None) -> None:
+    """Bound kopf's decoding, keep its watchers going and guard its writes with `elector` (idempotent);
+    `on_undecodable` hears of each skipped object, on the event loop."""
+    global _on_undecodable, _elector
+    _on_undecodable, _elector = on_undecodable, elector
     kopf_api.json = BoundedJson  # type: ignore[assignment]
     kopf_api.get = bounded_get  # type: ignore[assignment]
     kopf_api.request = guarded_request  # type: ignore[assignment]
+    for method in ("patch", "post", "delete"):
+        setattr(kopf_api, method, bounded_answer(method))
     if not getattr(kopf_watching.continuous_watch, "paratrain_resilient", False):
         wrapped = resilient(kopf_watching.continuous_watch)
         wrapped.paratrain_resilient = True  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import logging
 import re
 import ssl
@@ -124,9 +125,10 @@ class Kube:
         self._ssl_context: ssl.SSLContext | bool | None = None
         self.limiter = RateLimiter(qps, burst)
         self.stopped = False
-        # Why this replica may not write now (None: it may): leader election sets it, so that no write leaves
-        # after the Lease's renew deadline, whatever pass or handler sends it.
+        # Why this replica may not write now (None: it may), and how long it still may: leader election sets
+        # them, so that no write leaves after the Lease's renew deadline, whatever pass or handler sends it.
         self.write_guard: Callable[[], str | None] = lambda: None
+        self.write_time_left: Callable[[], float] = lambda: math.inf
 
     @classmethod
     def from_environment(cls, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST) -> Kube:
@@ -203,9 +205,12 @@ class Kube:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, sock_connect=5),
                                                   connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
         url = self._config.host.rstrip("/") + path
+        # A write is sent within the time left before the deadline or not at all (it may wait for a connection).
+        timeout = None if method == "GET" else aiohttp.ClientTimeout(total=min(30.0, self.write_time_left()),
+                                                                     sock_connect=5)
         try:
             async with self._session.request(method, url, json=body, params=params, ssl=self._ssl(),
-                                             headers=self._headers(content_type)) as response:
+                                             headers=self._headers(content_type), timeout=timeout) as response:
                 raw = await read_body(response, max_bytes)
                 if response.status >= 400:
                     data = lenient_json(raw)

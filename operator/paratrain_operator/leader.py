@@ -93,10 +93,14 @@ class Elector:
         standby may take over only after the whole lease; a write after the deadline could race it)."""
         if not self.leading:
             return f"this replica does not hold Lease {self.namespace}/{self.name}"
-        late = time.monotonic() - (self._renewed_at + self.renew_deadline)
-        if late >= 0:
+        if self.write_time_left() <= 0:
             return f"Lease {self.namespace}/{self.name} was not renewed within {self.renew_deadline:g}s"
         return None
+
+    def write_time_left(self) -> float:
+        """Seconds until the renew deadline (0 when not leading): a write must be sent within them, so its
+        client's timeout is capped at them (one waiting for a connection then never leaves late)."""
+        return max(0.0, self._renewed_at + self.renew_deadline - time.monotonic()) if self.leading else 0.0
 
     def _lose(self, why: str) -> None:
         self.leading = False

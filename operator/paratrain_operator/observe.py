@@ -51,6 +51,7 @@ LIST_PAGE_BYTES = 16 << 20  # one page's JSON at most (a page over it is asked f
 # the pods hold; the list ends at a bookmark annotated INITIAL_EVENTS_END.
 STREAMING_LIST = {"sendInitialEvents": "true", "resourceVersionMatch": "NotOlderThan", "allowWatchBookmarks": "true"}
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+STREAMED_LIST_SECONDS = 600.0  # a streamed list's watch request may last this long (its list must end within it)
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 PROGRESS_MIN_INTERVAL = 1.0  # seconds between two reads of one host
@@ -265,21 +266,27 @@ class PodCache:
                     items, version = await self._list(path, selector)
                     self._listed(scope, items)
                 if version is None:  # a streaming list: the initial pods as events, then the watch goes on
-                    params = {**selector, **STREAMING_LIST}
+                    # Long enough for any list to arrive whole (a list cut short starts again from nothing).
+                    params = {**selector, **STREAMING_LIST,
+                              "timeoutSeconds": str(int(max(self.watch_seconds, STREAMED_LIST_SECONDS)))}
                 else:
-                    params = {**selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
-                listing: list[ListedPod] | None = [] if version is None else None
-                async for event in client().watch(path, {**params, "timeoutSeconds": str(int(self.watch_seconds))},
+                    params = {**selector, "resourceVersion": version, "allowWatchBookmarks": "true",
+                              "timeoutSeconds": str(int(self.watch_seconds))}
+                listing: list[ListedPod | None] | None = [] if version is None else None
+                async for event in client().watch(path, params,
                                                   silence=min(self.watch_seconds, SILENCE_SECONDS) + 5):
                     if listing is None:
                         version = self._apply_event(event) or version
+                        self._failing_since.pop(scope, None)
                     elif initial_events_end(event):
                         version, listing = event["object"]["metadata"]["resourceVersion"], self._listed(scope, listing)
                     elif event.get("type") == "ADDED":
                         listing.append(self._read_listed(event.get("object")))
                     else:
                         self._apply_event(event)  # an ERROR ends the stream; a bookmark before the end says nothing
-                    self._failing_since.pop(scope, None)
+                if listing is not None:  # the stream ended before the list did: a failure, retried with backoff
+                    raise ApiError(0, "ListCutShort", f"the pods list of {scope or 'all namespaces'} ended before "
+                                   f"its last pod ({len(listing)} read)")
                 failures = 0
             except ApiError as exc:
                 if exc.status == 410:

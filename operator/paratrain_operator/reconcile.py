@@ -229,8 +229,12 @@ async def _pass(body: dict[str, Any]) -> str | None:
     else:
         decision = gang.decide(gang.Policy.from_job(job), state, views, now, _progress_of(body, state, views))
         if decision.create_ranks and not views and (held := over_namespace_limit(key, jobs.items())):
-            decision = Decision(replace(state, phase=gang.PENDING, reason="NamespaceJobLimit", message=held),
-                                events=(gang.Event("Normal", "NamespaceJobLimit", held),))
+            # The decided state (a resume's new attempt included), without its creates and their clocks; the
+            # Event once, when the job begins to wait.
+            waiting = replace(decision.state, phase=gang.PENDING, reason="NamespaceJobLimit", message=held,
+                              start_time=state.start_time, attempt_start_time=state.attempt_start_time)
+            told = () if state.reason == "NamespaceJobLimit" else (gang.Event("Normal", "NamespaceJobLimit", held),)
+            decision = Decision(waiting, events=(*decision.events, *told))
         if decision.create_ranks:
             try:
                 # Off the event loop: thousands of pods take seconds of CPU, during which the Lease, the liveness
@@ -245,7 +249,8 @@ async def _pass(body: dict[str, Any]) -> str | None:
 
     written = await _persist(body, decision, job, views, filled)
     if written is None:
-        return None  # the job was deleted meanwhile
+        forget(namespace, name)  # deleted meanwhile: its DELETED event may be one nobody could read
+        return None
     try:
         await _act(written, decision, gang_build, views)
         await _delete_superseded(key, job, decision, views)
@@ -388,7 +393,8 @@ def over_namespace_limit(key: JobKey, known: Sequence[tuple[JobKey, Mapping[str,
         status, spec = body.get("status") or {}, body.get("spec") or {}
         if other[0] != key[0] or status.get("phase") in gang.FINISHED or (spec.get("runPolicy") or {}).get("suspend"):
             continue
-        started = status.get("phase") not in (None, gang.PENDING) or bool(status.get("attemptStartTime"))
+        started = status.get("phase") not in (None, gang.PENDING, gang.SUSPENDED) or \
+            bool(status.get("attemptStartTime"))
         order[other] = (not started, (body.get("metadata") or {}).get("creationTimestamp") or "", other[1])
     mine = order.get(key, (True, "~", key[1]))
     ahead = sum(place < mine for other, place in order.items() if other != key)
@@ -533,6 +539,15 @@ async def _write_pods(key: JobKey, decision: Decision, gang_build: GangBuild | N
                  _names(decision.delete_pods))
 
 
+async def _after_backoff(key: JobKey, delay: float) -> None:
+    """A pass once a job's backoff is over (not `_later`'s: that one answers a pod event's request)."""
+    await asyncio.sleep(delay)
+    try:
+        await reconcile(*key)
+    except Exception as exc:  # noqa: BLE001 (the resync redoes a failed pass)
+        log.warning("%s/%s: a pass failed (the resync retries): %s", *key, exc)
+
+
 def _back_off(key: JobKey) -> None:
     """One more refusal in a row: the job's next creates and deletes wait twice as long as the last ones did."""
     refusals = _write_backoff.get(key, (0, 0.0))[0] + 1
@@ -551,7 +566,7 @@ def _pass_after(key: JobKey, delay: float) -> None:
     waiting = _backoff_passes.get(key)
     if waiting is not None and waiting is not asyncio.current_task() and not waiting.done():
         return
-    task = asyncio.get_running_loop().create_task(_later(key, delay))
+    task = asyncio.get_running_loop().create_task(_after_backoff(key, delay))
     _backoff_passes[key] = task
     _tasks.add(task)
 

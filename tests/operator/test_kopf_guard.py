@@ -9,6 +9,7 @@ import asyncio
 import inspect
 import json
 import logging
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -127,23 +128,134 @@ def test_kopfs_watch_loop_passes_a_skipped_event_by_and_survives_any_failure(mon
     assert "failed (RecursionError" in caplog.text
 
 
-def test_kopfs_writes_are_refused_while_the_replica_may_not_write(monkeypatch):
-    """kopf's own bookkeeping patches go through its `api.request`: past the Lease's renew deadline they stop too."""
-    sent: list[str] = []
+class Elector:
+    """leader.Elector's two answers, as a test sets them."""
 
-    async def request(method: str, url: str, **_: Any) -> str:
-        sent.append(method)
-        return "answer"
+    def __init__(self) -> None:
+        self.why: str | None = None
+
+    def may_write(self) -> str | None:
+        return self.why
+
+    def write_time_left(self) -> float:
+        return 0.0 if self.why else 5.0
+
+
+class Answer:
+    """What kopf's request returns: a response to read (and close)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.content = self
+
+    async def iter_chunked(self, size: int) -> AsyncIterator[bytes]:
+        for start in range(0, len(self.body), size):
+            yield self.body[start:start + size]
+
+    async def __aenter__(self) -> Answer:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        pass
+
+
+def settings_with(*backoffs: float) -> Any:
+    settings = kopf.OperatorSettings()
+    settings.networking.error_backoffs = backoffs
+    return settings
+
+
+def test_kopfs_writes_are_checked_before_every_try_and_never_retried_inside_kopf(monkeypatch):
+    """kopf's own request retried a write after sleeping (1 + 1 + 2 + 3 ... s) without asking again: past the
+    Lease's renew deadline it could still send one. Reads go as they are."""
+    sent: list[tuple[str, Any, Any]] = []
+    elector = Elector()
+
+    async def request(method: str, url: str, *, backoffs: Any = None, timeout: Any = None, **_: Any) -> Answer:
+        sent.append((method, backoffs, timeout))
+        if method == "patch" and len(sent) == 2:
+            elector.why = "Lease ops/lease was not renewed within 7s"  # the deadline passes while it waits
+            raise kopf._cogs.clients.errors.APIServerError({"code": 500, "message": "etcd timed out"}, status=500,
+                                                           headers={})
+        return Answer(b"{}")
 
     monkeypatch.setattr(kopf_guard, "_kopf_request", request)
-    kopf_guard.install(lambda exc: None, write_guard=lambda: "Lease ops/lease was not renewed within 7s")
+    kopf_guard.install(lambda exc: None, elector=elector)
     try:
         async def main() -> None:
-            assert await kopf_api.request("get", "/apis/x", settings=None, logger=None) == "answer"
+            assert isinstance(await kopf_api.request("get", "/apis/x", settings=settings_with(0), logger=None),
+                              Answer)
             with pytest.raises(kopf_guard.NotLeading, match="PATCH /apis/x: Lease ops/lease was not renewed"):
-                await kopf_api.request(method="patch", url="/apis/x", settings=None, logger=None)
-
+                await kopf_api.request(method="patch", url="/apis/x", settings=settings_with(0.01, 0.01),
+                                       logger=None)
         asyncio.run(main())
     finally:
         kopf_guard.install(lambda exc: None)
-    assert sent == ["get"]
+    assert [m for m, _, _ in sent] == ["get", "patch"]  # the retry was refused before it went out
+    assert sent[1][1] == [] and sent[1][2].total == 5.0  # one try inside kopf; its timeout the time left
+
+
+def test_an_answer_kopf_cannot_read_is_taken_as_written_and_a_list_page_is_split_around_a_job_it_cannot_read(
+        monkeypatch, caplog):
+    """kopf's patch answers with the whole job again (a job made deep meanwhile raised RecursionError there), and
+    where kopf lists page by page one deep job failed its page forever: the page is asked for again smaller, and
+    the job alone is skipped, reported, with the API server's continue token past it."""
+    deep_job = (b'{"apiVersion":"paratrain.dev/v1alpha1","kind":"ParallelTrainJob","metadata":{"name":"deep",'
+                b'"namespace":"a","uid":"u-9"},"spec":' + nested(3000) + b"}")
+    ok_job = b'{"apiVersion":"paratrain.dev/v1alpha1","kind":"ParallelTrainJob","metadata":{"name":"ok"}}'
+    jobs = [ok_job, deep_job, ok_job]
+    asked: list[str] = []
+
+    async def request(method: str, url: str, **_: Any) -> Answer:
+        asked.append(url)
+        if method == "patch":
+            return Answer(deep_job)
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        start, limit = int(query.get("continue", "0")), int(query["limit"])
+        more = f',"continue":"{start + limit}"' if start + limit < len(jobs) else ""
+        return Answer(b'{"kind":"ParallelTrainJobList","metadata":{"resourceVersion":"7"' + more.encode() + b'},'
+                      b'"items":[' + b",".join(jobs[start:start + limit]) + b"]}")
+
+    heard: list[decode.Undecodable] = []
+    monkeypatch.setattr(kopf_guard, "_kopf_request", request)
+    kopf_guard.install(heard.append)
+    try:
+        async def main() -> tuple[Any, list[Any]]:
+            patched = await kopf_api.patch("/apis/x/deep", settings=settings_with(), logger=None, payload={})
+            pages, token = [], ""
+            while True:
+                url = "/apis/x?limit=4" + (f"&continue={token}" if token else "")
+                page = await kopf_api.get(url, settings=settings_with(), logger=None)
+                pages.append(page)
+                token = page["metadata"].get("continue")
+                if not token:
+                    return patched, pages
+        with caplog.at_level(logging.WARNING, "paratrain.operator"):
+            patched, pages = asyncio.run(main())
+    finally:
+        kopf_guard.install(lambda exc: None)
+    assert patched == {} and "taken as written" in caplog.text
+    names = [item["metadata"]["name"] for page in pages for item in page["items"]]
+    assert names == ["ok", "ok"]  # the deep job skipped, nothing else lost
+    assert [str(exc.ref) for exc in heard] == ["ParallelTrainJob a/deep"]
+    limits = [dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(u).query))["limit"] for u in asked[1:]]
+    assert limits == ["4", "2", "1", "4", "2", "1", "4"]  # halved around the deep job; kopf's next page whole
+
+
+def test_kopfs_bookkeeping_annotations_are_read_within_the_bound():
+    """Whoever may edit a job may annotate it: kopf's json.loads of `kubectl annotate ptj x
+    paratrain.dev/last-handled-configuration='{'` (or of one nested 5,000 deep) stopped the operator."""
+    from paratrain_operator import handlers
+
+    def body(value: str) -> Any:
+        return kopf.Body({"metadata": {"name": "x", "namespace": "a", "annotations": {
+            "paratrain.dev/last-handled-configuration": value, "paratrain.dev/job_changed": value}}})
+
+    diffbase = handlers.SpecDigestStorage(prefix="paratrain.dev")
+    progress = handlers.BoundedProgressStorage(prefix="paratrain.dev")
+    for broken in ("{", "[" * 5000 + "]" * 5000):
+        assert diffbase.fetch(body=body(broken)) is None
+        assert progress.fetch(key=kopf._cogs.structs.ids.HandlerId("job_changed"), body=body(broken)) is None
+    assert diffbase.fetch(body=body('{"spec": {"sha256": "ab"}}')) == {"spec": {"sha256": "ab"}}
+    assert progress.fetch(key=kopf._cogs.structs.ids.HandlerId("job_changed"), body=body('{"retries": 1}')) == \
+        {"retries": 1}

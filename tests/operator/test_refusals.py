@@ -45,7 +45,7 @@ def test_refused_writes_back_off_doubling_to_a_cap_and_start_again_from_scratch(
     async def later(key, delay):
         asked.append(delay)
 
-    monkeypatch.setattr(reconcile, "_later", later)
+    monkeypatch.setattr(reconcile, "_after_backoff", later)
     key = ("ml", "job")
 
     async def main() -> list[float]:

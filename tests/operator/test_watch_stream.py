@@ -147,10 +147,11 @@ def test_the_informer_lists_again_after_any_error_and_liveness_reports_a_cache_t
 
 class StreamingApi:
     """A client whose watch streams the list (sendInitialEvents) where asked to, then one change; it refuses to
-    stream where `refuse` is set (an API server without WatchList), and then serves paged lists."""
+    stream where `refuse` is set (an API server without WatchList), and then serves paged lists; with `cut`, its
+    first streamed list ends before its last pod (the request's time ran out)."""
 
-    def __init__(self, refuse: bool = False) -> None:
-        self.refuse, self.watches, self.pages = refuse, [], 0
+    def __init__(self, refuse: bool = False, cut: bool = False) -> None:
+        self.refuse, self.cut, self.watches, self.pages = refuse, cut, [], 0
         self.done = asyncio.Event()
 
     async def request(self, method: str, path: str, *, params: Any = None, **_: Any) -> dict[str, Any]:
@@ -163,6 +164,8 @@ class StreamingApi:
             if self.refuse:
                 raise kube.ApiError(422, "Invalid", "sendInitialEvents is forbidden for watch unless ...")
             yield {"type": "ADDED", "object": pod("job-0-0", version=3)}
+            if self.cut and len(self.watches) == 1:
+                return  # cut short: no end bookmark
             yield {"type": "ADDED", "object": "not a pod"}  # skipped, naming nothing
             yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "4"}}}  # not the end yet
             yield {"type": "ADDED", "object": pod("job-0-1", version=4)}
@@ -173,10 +176,14 @@ class StreamingApi:
         await asyncio.sleep(3600)
 
 
-@pytest.mark.parametrize("refuse", [False, True], ids=["streamed", "paged where streaming is refused"])
-def test_a_streamed_list_fills_the_cache_one_pod_at_a_time_and_the_watch_goes_on_from_its_end(monkeypatch, refuse):
-    api = StreamingApi(refuse)
+@pytest.mark.parametrize("refuse, cut", [(False, False), (True, False), (False, True)],
+                         ids=["streamed", "paged where streaming is refused", "a streamed list cut short"])
+def test_a_streamed_list_fills_the_cache_one_pod_at_a_time_and_the_watch_goes_on_from_its_end(monkeypatch, refuse,
+                                                                                             cut):
+    """A list cut short (no end bookmark) is a failure, retried with backoff: never taken for the whole list."""
+    api = StreamingApi(refuse, cut)
     monkeypatch.setattr(observe, "client", lambda: api)
+    monkeypatch.setattr(observe.asyncio, "sleep", _fast_sleep)
     relisted = []
 
     async def main() -> list[str]:
@@ -193,6 +200,8 @@ def test_a_streamed_list_fills_the_cache_one_pod_at_a_time_and_the_watch_goes_on
     assert relisted == [None]
     if refuse:
         assert api.pages == 1 and api.watches[-1]["resourceVersion"] == "7"
+    elif cut:
+        assert api.pages == 0 and len(api.watches) == 2  # listed again, in full
     else:
         assert api.pages == 0 and len(api.watches) == 1  # one request: the list, then the watch, from it
 

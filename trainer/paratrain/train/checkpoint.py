@@ -109,7 +109,9 @@ def _read_manifest(ckpt: Path | CheckpointFiles) -> dict | None:
     return manifest if isinstance(manifest, dict) else None
 
 
-Fingerprint = tuple[int, int, int]  # (st_dev, st_ino, st_size): which file a descriptor holds
+# (st_size, st_mtime_ns): which file another rank hashed, as every node sees it (st_dev, and on some FUSE mounts
+# st_ino, differ between the nodes of one shared filesystem; a rename over the file changes its mtime).
+Fingerprint = tuple[int, int]
 
 
 class CheckpointFiles:
@@ -135,7 +137,7 @@ class CheckpointFiles:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode):
                     raise OSError(f"{name} is not a plain file")
-                if name in self.verified and (info.st_dev, info.st_ino, info.st_size) != self.verified[name]:
+                if name in self.verified and (info.st_size, info.st_mtime_ns) != self.verified[name]:
                     raise OSError(f"{name} was replaced after its checksum was checked")
             except OSError:
                 os.close(fd)
@@ -145,10 +147,16 @@ class CheckpointFiles:
 
     def fingerprint(self, name: str) -> Fingerprint:
         info = os.fstat(self.fd(name))
-        return info.st_dev, info.st_ino, info.st_size
+        return info.st_size, info.st_mtime_ns
 
     def size(self, name: str) -> int:
-        return os.fstat(self.fd(name)).st_size
+        """A plain file's size, without opening it (a rank reads few of a large checkpoint's files)."""
+        if name in self._fds:
+            return os.fstat(self._fds[name]).st_size
+        info = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{name} is not a plain file")
+        return info.st_size
 
     def open(self, name: str) -> io.BufferedReader:
         """A reader of the file from its start, with an offset of its own."""
@@ -647,11 +655,18 @@ class Checkpointer:
         """Collective: fill `state` (tensors, plain or DTensor shards, keyed as saved) in place from `ckpt`,
         resharding as needed. A checkpoint that does not fit, or whose metadata is not plain DCP metadata, raises
         CheckpointError on every rank."""
+        kept = self._files if self._files is not None and self._files.path == Path(ckpt) else None
         try:
-            files = self._files if self._files is not None and self._files.path == Path(ckpt) else \
-                CheckpointFiles(ckpt)
+            files = kept or CheckpointFiles(ckpt)
         except OSError as exc:
             raise CheckpointError(f"checkpoint {ckpt} refused: it cannot be opened as a directory ({exc})") from None
+        try:
+            self._load(ckpt, state, files)
+        finally:
+            if kept is None:
+                files.close()
+
+    def _load(self, ckpt: Path, state: dict, files: CheckpointFiles) -> None:
         reader = SafeReader(ckpt, files)
         try:
             reader.read_metadata()  # refused here, by its reason, rather than inside DCP's fallbacks
@@ -727,14 +742,18 @@ class CheckpointModel(Mapping[str, torch.Tensor]):
             except OSError as exc:
                 raise CheckpointError(f"checkpoint {ckpt}: cannot be opened as a directory ({exc})") from None
         self.ckpt = self.files.path
-        self.manifest = manifest = _read_manifest(self.files)
-        unchecked = sorted(set((manifest or {}).get("files") or {}) - set(self.files.verified))
-        if (unchecked or manifest is None) and (problem := verify(self.ckpt, manifest, unchecked, self.files)):
-            raise CheckpointError(f"checkpoint {self.ckpt}: {problem}")
         try:
-            stored = SafeReader(self.ckpt, self.files).read_metadata().state_dict_metadata
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"checkpoint {self.ckpt} refused: {exc}") from None
+            self.manifest = manifest = _read_manifest(self.files)
+            unchecked = sorted(set((manifest or {}).get("files") or {}) - set(self.files.verified))
+            if (unchecked or manifest is None) and (problem := verify(self.ckpt, manifest, unchecked, self.files)):
+                raise CheckpointError(f"checkpoint {self.ckpt}: {problem}")
+            try:
+                stored = SafeReader(self.ckpt, self.files).read_metadata().state_dict_metadata
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(f"checkpoint {self.ckpt} refused: {exc}") from None
+        except BaseException:
+            self.files.close()  # refused: nothing of it stays open
+            raise
         self._stored = {key.removeprefix(MODEL_PREFIX): md for key, md in stored.items()
                         if key.startswith(MODEL_PREFIX) and isinstance(md, metadata.TensorStorageMetadata)}
         self.shapes = {name: md.size for name, md in self._stored.items()}

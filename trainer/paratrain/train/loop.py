@@ -6,6 +6,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,12 @@ class Trainer:
         found = self.checkpointer.latest()
         if found is None:
             return
-        ckpt, manifest = found
+        try:
+            self._resume_from(*found)
+        finally:
+            self.checkpointer.release()  # the checkpoint's files, held open since they were hashed
+
+    def _resume_from(self, ckpt: Path, manifest: dict) -> None:
         step, own_key = manifest["step"], rank_key(self.checkpointer.rank)
         with self.host.phase("resume"):
             self.engine.restore(lambda part: self.checkpointer.load(ckpt, {"engine": part}))
