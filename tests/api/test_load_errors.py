@@ -78,3 +78,18 @@ def test_long_bad_values_are_shortened_in_messages() -> None:
 def test_not_a_mapping() -> None:
     with pytest.raises(SpecError, match="expected a mapping"):
         parse_job(["not", "a", "job"])
+
+
+@pytest.mark.parametrize("spec, fix", [
+    ({"nodes": 2, "parallelism": {"data": 2, "tensor": 2}},
+     "set parallelism.data: 1 (for this gang), or nodes: 4 (for this layout)"),
+    ({"nodes": 3, "procsPerNode": 2, "parallelism": {"data": 2, "tensor": 2}},
+     "set parallelism.data: 3 (for this gang), or nodes: 2 (for this layout)"),
+    ({"nodes": 2, "procsPerNode": 3, "parallelism": {"data": 1, "tensor": 4}}, "set procsPerNode: 2 (for this layout)"),
+])
+def test_a_layout_that_does_not_fit_the_gang_names_values_that_would(spec: dict[str, Any], fix: str) -> None:
+    """Issue 46: the layout error said what was wrong and no value that would work."""
+    with pytest.raises(SpecError) as refused:
+        parse_job({**BASE, "spec": {**BASE.get("spec", {}), **spec}})
+    (problem,) = refused.value.problems
+    assert problem.path == "spec.parallelism" and fix in problem.fix and fix in str(refused.value)

@@ -97,6 +97,7 @@ def test_validate_gives_both_verdicts_and_fails_only_where_neither_runs(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert "here (paratrain run): refused: spec.data.path: " in proc.stdout
     assert "runs/parity/volumes/data/c.txt: no such file" in proc.stdout  # the data volume's local directory
+    assert "it is on volume data (/data in pods)" in proc.stdout and "--mount data=DIR" in proc.stdout
     assert "in a cluster (the operator): runs" in proc.stdout
 
     job.write_text(yaml.safe_dump(apply_overrides(TINY_JOB, ["spec.checkpoint.path=ckpt"])))

@@ -57,8 +57,8 @@ def _verdicts(job, platform, out) -> bool:
 
     here = []
     try:
-        local, _ = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
-        preflight(local, checksums=False)  # validate has hashed the shards already (broken_data)
+        local, volumes = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
+        preflight(local, checksums=False, volumes=volumes)  # validate has hashed the shards already (broken_data)
     except SpecError as exc:
         here = exc.problems
     from .api.platform import as_the_operator_takes_it

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import yaml
@@ -365,9 +365,9 @@ def _duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def missing_data(job: ParallelTrainJob) -> Problem | None:
-    """The corpus (a text file, a token directory) when it is not on this machine (a relative path is relative to
-    the current directory)."""
+def missing_data(job: ParallelTrainJob, volumes: Mapping[str, Path] | None = None) -> Problem | None:
+    """The corpus (a text file, a token directory) when it is not on this machine, saying where it was looked for
+    and how to point there: `volumes` (map_volumes': volume name → local directory) for a path under a volume."""
     data = job.spec.data
     if data.source == "synthetic" or not data.path:
         return None
@@ -375,8 +375,17 @@ def missing_data(job: ParallelTrainJob) -> Problem | None:
     if path.is_file() if data.source == "text" else path.is_dir():
         return None
     what = "file" if data.source == "text" else "directory"
-    return Problem("spec.data.path", f"{data.path}: no such {what} (looked for {path.resolve()}; a relative path is "
-                                     "relative to the current directory)")
+    spec_volumes = {v.name: v for v in job.spec.pod.volumes}
+    under = next((name for name, local in (volumes or {}).items() if path.is_relative_to(local)), None)
+    if under:
+        mount = spec_volumes[under].mount_path
+        how = (f"it is on volume {under} ({mount} in pods), which this run maps to {volumes[under]}: put the data "
+               f"there, or run with --mount {under}=DIR, DIR the directory that holds it here")
+    elif path.is_absolute():
+        how = "an absolute path on this machine; in pods it must be on a spec.pod.volumes entry or in the image"
+    else:
+        how = "a relative path is relative to the current directory"
+    return Problem("spec.data.path", f"{data.path}: no such {what} (looked for {path.resolve()}; {how})")
 
 
 def data_vocab(job: ParallelTrainJob) -> int | None:
@@ -482,13 +491,13 @@ def cluster_notes(job: ParallelTrainJob) -> list[str]:
     return notes
 
 
-def preflight(job: ParallelTrainJob, checksums: bool = True) -> None:
+def preflight(job: ParallelTrainJob, checksums: bool = True, volumes: Mapping[str, Path] | None = None) -> None:
     """Raise SpecError for what every rank would refuse at start-up on this machine, before any process starts
-    (`checksums`: hash a token directory's shards too, as broken_data does)."""
+    (`checksums`: hash a token directory's shards too, as broken_data does; `volumes`: map_volumes' directories)."""
     spec = job.spec
     if spec.entrypoint:  # a program of its own checks what it reads
         return
-    missing = missing_data(job)
+    missing = missing_data(job, volumes)
     problems = [missing] if missing else broken_data(job, checksums)
     if problem := init_problem(job):
         problems.append(problem)
@@ -580,7 +589,7 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
     for volume in job.spec.pod.volumes:
         print(f"paratrain: volume {volume.name} ({volume.mount_path} in pods) is {volumes[volume.name]}",
               file=sys.stderr)
-    preflight(job)
+    preflight(job, volumes=volumes)
     with one_run_at_a_time(job, work):
         return _run_gang(job, work, metrics_out, progress, peak_flops, measure_memory)
 

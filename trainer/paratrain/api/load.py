@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from . import spec as _spec
-from .spec import ParallelTrainJob, cross_field_problems
+from .spec import ParallelTrainJob, cross_field_problems, fixes
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 # YAML aliases let a tiny file stand for billions of values ("billion laughs"), which would only blow up later,
@@ -44,9 +44,11 @@ _PATTERN_MEANING = {
 class Problem:
     path: str  # e.g. "spec.parallelism.data"
     message: str
+    fix: str = ""  # values that would work, where they can be named (not part of the message: the CRD's CEL twin
+    # of a rule says the message alone)
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+        return f"{self.path}: {self.message}" + (f"; {self.fix}" if self.fix else "")
 
 
 class SpecError(ValueError):
@@ -133,7 +135,7 @@ def parse_job(doc: Any) -> ParallelTrainJob:
                 msg = f"invalid key: {msg}"
             problems.append(Problem(_loc_to_path(err["loc"], doc), msg))
         raise SpecError(problems) from None
-    problems = [Problem(path, msg) for path, msg in cross_field_problems(job.spec)]
+    problems = [Problem(path, msg, fixes(job.spec).get(path, "")) for path, msg in cross_field_problems(job.spec)]
     if problems:
         raise SpecError(problems)
     return job

@@ -594,6 +594,25 @@ class Spec(_Model):
         return self
 
 
+def fixes(spec: Spec) -> dict[str, str]:
+    """For a cross-field problem, by field path, the nearest values that would work, as a person would try them:
+    keep the model parallel degrees (tensor, pipeline) and size data parallelism to the gang, or keep the layout
+    and size the gang to it."""
+    p, out = spec.parallelism, {}
+    product, world, model_parallel = p.data * p.tensor * p.pipeline, spec.world_size, p.tensor * p.pipeline
+    if product != world:
+        tries = []
+        if world % model_parallel == 0:
+            tries.append(f"parallelism.data: {world // model_parallel} (for this gang)")
+        if product % spec.procs_per_node == 0:
+            tries.append(f"nodes: {product // spec.procs_per_node} (for this layout)")
+        elif product % spec.nodes == 0:
+            tries.append(f"procsPerNode: {product // spec.nodes} (for this layout)")
+        if tries:
+            out["spec.parallelism"] = "set " + ", or ".join(tries)
+    return out
+
+
 def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
     """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`. The
     memory check is here too: a laptop's CPU run is not held to the GPU memory the job states."""
