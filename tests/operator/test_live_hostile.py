@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paratrain.api import API_GROUP, API_VERSION
@@ -93,8 +93,8 @@ def test_a_job_nested_1500_deep_leaves_every_other_namespace_served_and_says_why
 # ---- the property test ---------------------------------------------------------------------------------------
 
 KEYS = st.text(alphabet="abcxyz-_.$\u00e9\u4e2d\"\\", min_size=1, max_size=8)
-LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False),
-                   st.text(max_size=40))
+LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1),
+                   st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))  # JSON has no Infinity
 
 
 @st.composite
@@ -139,6 +139,9 @@ def rss(cluster: RealCluster) -> int:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(batch=BATCH)
+# Kept: the shrunk case of a run under CI=true (hypothesis' CI profile drew other examples): escapes in keys.
+@example(batch={"affinities": ['{"k":{"\\\\":[null]}}', '{"k":{"\\"\\\\":[1e308]}}'], "annotation_bytes": 0,
+                "pods": [], "event_bytes": 0})
 def test_whatever_a_tenant_creates_every_ordinary_job_still_runs_and_the_operator_tells_the_truth(
         cluster: RealCluster, control_plane: ControlPlane, batch: dict):
     n = next(_batches)
