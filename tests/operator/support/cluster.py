@@ -74,7 +74,11 @@ class OperatorProcess:
                *self.args]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_for(self.healthy, 30, "the operator's liveness endpoint")
+        try:
+            wait_for(self.healthy, 30, "the operator's liveness endpoint")
+        except BaseException:
+            self.kill()  # one that never came up is not left running after the test
+            raise
 
     def healthy(self) -> bool:
         if self.process is not None and self.process.poll() is not None:
