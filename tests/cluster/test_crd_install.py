@@ -131,7 +131,7 @@ def test_kubectl_get_shows_the_printer_columns(crd_installed):
         out = wait_for(lambda: crd_installed.kubectl("get", "ptj", "columns", "-n", "default", "-o", "wide"), 10,
                        "kubectl get ptj")
         header = out.stdout.splitlines()[0].split()
-        assert header[:7] == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "AGE"], out.stdout
-        assert {"NODES", "TOKENS/S", "FAILURE"} <= set(header), out.stdout
+        assert header[:8] == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "ETA", "AGE"], out.stdout
+        assert {"NODES", "TOKENS/S", "LAST-RESTART", "RESTARTED", "FAILURE"} <= set(header), out.stdout
     finally:
         api.request("DELETE", collection_path(API_GROUP_VERSION, PLURAL, "default") + "/columns")
