@@ -20,7 +20,7 @@ _STRING = re.compile(rb'"[^"]*"')  # a JSON string, once its escaped backslashes
 _BRACKETS = b"[]{}"
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
 _CURLY_AS_SQUARE = bytes.maketrans(b"{}", b"[]")
-_HEAD_BYTES = 64 * 1024  # where an object's metadata is looked for (it comes first in the API server's JSON)
+HEAD_BYTES = 64 * 1024  # where an object's metadata is looked for (it comes first in the API server's JSON)
 
 
 class Undecodable(ValueError):
@@ -43,7 +43,7 @@ class ObjectRef:
 
     @classmethod
     def of(cls, head: bytes) -> ObjectRef:
-        head = head[:_HEAD_BYTES]
+        head = head[:HEAD_BYTES]
         obj = head.partition(b'"object":')[2] or head  # a watch event names its object after "object"
         meta = obj.partition(b'"metadata":')[2]
         found = {}
@@ -80,8 +80,8 @@ def loads(data: bytes | bytearray | str, max_depth: int = MAX_DEPTH) -> Any:
     bytearray is decoded where it lies (a page of megabytes is not copied first)."""
     raw = data.encode() if isinstance(data, str) else data
     if deeper_than(raw, max_depth):
-        raise Undecodable(f"nested deeper than {max_depth} levels", bytes(raw[:_HEAD_BYTES]))
+        raise Undecodable(f"nested deeper than {max_depth} levels", bytes(raw[:HEAD_BYTES]))
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise Undecodable(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})", bytes(raw[:_HEAD_BYTES])) from None
+        raise Undecodable(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})", bytes(raw[:HEAD_BYTES])) from None

@@ -4,16 +4,19 @@ offers no hook for any of it).
 kopf decodes each watch line with `json.loads` and each list page with aiohttp's `response.json()`, unbounded,
 and a watcher that raises ends the whole operator: its multitasker fails and `kopf.run` returns, so one tenant's
 job nested 1,500 deep stopped every namespace, and a restarted operator failed again at its first list. `install`
-replaces four functions of kopf's client modules, by name, before kopf starts any watcher:
+replaces these names of kopf's client modules before kopf starts any watcher:
 - `api.json` (the stream's decoder): a line is decoded by `decode.loads`; one it refuses becomes an event of a
   type kopf ignores (it logs it), and `on_undecodable` is told which object it was;
 - `api.get` (lists, discovery): the body is read within kube.MAX_RESPONSE_BYTES and decoded by `decode.loads`;
+  a list page it refuses is asked for again smaller, and a job that alone cannot be read is skipped;
+- `api.patch`, `api.post`, `api.delete`: their answers (the whole object again) bounded the same way;
 - `watching.continuous_watch` (one list + watch): any exception is caught, logged and counted; the watcher
   waits with exponential backoff and starts again (kopf's `infinite_watch` loops), and `problem()` reports a
   watcher that has not been back for DOWN_SECONDS, which fails the liveness probe (the kubelet restarts a replica
   that cannot recover);
-- `api.request` (every call kopf makes): a write (kopf's bookkeeping annotations on a job) is refused while
-  `write_guard` says why not: a replica past its Lease's renew deadline writes nothing, kopf's writes included.
+- `api.request` (every call kopf makes): a write (kopf's bookkeeping annotations on a job) is refused while the
+  Lease's elector says this replica may not write, checked before every try: a replica past its renew deadline
+  writes nothing, kopf's writes included.
 With `settings.watching.initial_streaming` (set where the API server streams lists), kopf reads its initial list
 as watch events, one object a line, so an undecodable job is skipped alone instead of failing a whole page.
 tests/operator/test_kopf_guard.py checks that the names replaced still exist with the signatures used.
@@ -24,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import re
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -48,7 +51,6 @@ _on_undecodable: Callable[[decode.Undecodable], None] = lambda exc: None
 _elector: Any = None  # leader.Elector where replicas elect a leader: its may_write and write_time_left
 _kopf_request = kopf_api.request
 LIST_LIMIT = 100  # jobs a page where kopf lists page by page (kopf's own default asks for all at once)
-_HEAD = 64 * 1024
 
 
 class NotLeading(RuntimeError):
@@ -127,7 +129,7 @@ async def skip_unreadable_page(url: str, raw: bytes | bytearray, *, settings: An
         return await bounded_get(smaller, settings=settings, logger=logger)
     if limit != 1:
         return None
-    head, _, item = bytes(raw[:_HEAD]).partition(b'"items":[')
+    head, _, item = bytes(raw[:decode.HEAD_BYTES]).partition(b'"items":[')
     found = {key: re.search(rb'"%s":"([^"\\]*)"' % key.encode(), head) for key in ("resourceVersion", "continue")}
     if found["resourceVersion"] is None:
         return None

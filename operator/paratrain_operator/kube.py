@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import logging
+import math
 import re
 import ssl
 import time

@@ -118,9 +118,14 @@ def requested_passes() -> list[asyncio.Task[None]]:
 async def _later(key: JobKey, delay: float) -> None:
     await asyncio.sleep(delay)
     _scheduled.pop(key, None)
+    await _pass_logged(key)
+
+
+async def _pass_logged(key: JobKey) -> None:
+    """A pass whose failure is logged, not raised: the resync timer redoes it."""
     try:
         await reconcile(*key)
-    except Exception as exc:  # noqa: BLE001 (the resync timer redoes a failed pass)
+    except Exception as exc:  # noqa: BLE001
         log.warning("%s/%s: a pass failed (the resync retries): %s", *key, exc)
 
 
@@ -542,10 +547,7 @@ async def _write_pods(key: JobKey, decision: Decision, gang_build: GangBuild | N
 async def _after_backoff(key: JobKey, delay: float) -> None:
     """A pass once a job's backoff is over (not `_later`'s: that one answers a pod event's request)."""
     await asyncio.sleep(delay)
-    try:
-        await reconcile(*key)
-    except Exception as exc:  # noqa: BLE001 (the resync redoes a failed pass)
-        log.warning("%s/%s: a pass failed (the resync retries): %s", *key, exc)
+    await _pass_logged(key)
 
 
 def _back_off(key: JobKey) -> None:
