@@ -45,6 +45,9 @@ PODS_STUCK = "PodsStuck"
 RESTART_BACKOFF_SECONDS, RESTART_BACKOFF_MAX = 10.0, 360.0
 # How long past its grace period a deleted pod counts as stuck (its kubelet has not confirmed the deletion).
 STUCK_AFTER_SECONDS = float(os.environ.get("PARATRAIN_STUCK_POD_SECONDS", "60"))
+# How long a pod whose ranks saw a peer fail (exit 75) or stopped unasked (76) waits for the failing peer's own
+# exit to be seen: the peer's pod often shows Failed a moment later (its agent, then its kubelet's status write).
+CAUSE_WAIT_SECONDS = 15.0
 
 
 class Failure(status_model.Failure):
@@ -185,6 +188,29 @@ def _unprompted(stop: Failure) -> Failure:
                    "stopped the gang from outside (no pod of it deleted, evicted or disrupted)"})
 
 
+def _consequence(failure: Failure) -> bool:
+    """A pod that failed because another did (its ranks saw a peer fail, exit 75) or stopped though nothing stopped
+    the gang (76): what it exited with is not why the gang fails."""
+    return failure.retryable and (failure.exit_code == contract.EXIT_RETRYABLE or failure.reason == "Stopped")
+
+
+def _cause_wait(root: Failure, others: Sequence[PodView], now: datetime) -> float:
+    """Seconds more to wait for the cause of `root` (a consequence) while another pod of the gang still runs: its
+    failure, seen a moment later, is the cause the restart names. 0: decide now."""
+    since = from_iso(root.at)
+    if since is None or not any(p.active for p in others):
+        return 0.0
+    return min(CAUSE_WAIT_SECONDS, max(0.0, CAUSE_WAIT_SECONDS - (now - since).total_seconds()))  # clocks may differ
+
+
+def _cause_unseen(root: Failure) -> Failure:
+    if not _consequence(root):
+        return root
+    return root.model_copy(update={"message": (
+        f"{root.message}; no other pod's failure was seen (a rank may hang: this pod's log names the ranks that did "
+        "not answer its roll call)")})
+
+
 def root_cause(failures: Sequence[Failure]) -> Failure:
     """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75) is a
     consequence, not the cause, then one that was stopped (exit 76, it saved its step) or whose failure a rule
@@ -320,6 +346,7 @@ class Decision:
     stuck_pods: tuple[str, ...] = ()  # to force-delete if their node is lost, else to report
     delete_job: bool = False
     events: tuple[Event, ...] = field(default_factory=tuple)
+    pass_after: float | None = None  # seconds until a pass must look again (nothing else may bring one sooner)
 
 
 def _active(pods: Sequence[PodView]) -> tuple[str, ...]:
@@ -386,6 +413,11 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         if replaceable(policy, state, failed):
             return _replace(state, failed, now, events)
         root = root_cause([f for _, _, f in failed])
+        if _consequence(root):
+            failing = {rank for rank, _, _ in failed}
+            if (wait := _cause_wait(root, [p for r, p in current.items() if r not in failing], now)) > 0:
+                return Decision(state, events=tuple(events), pass_after=wait)
+            root = _cause_unseen(root)
         return _on_failure(policy, state, pods, list(current.values()), root, now, events)
 
     gang_created = state.gang_created or len(current) == policy.nodes

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from paratrain.api import ParallelTrainJob, Problem, SpecError, layout_label, parse_job
+from paratrain.api import ParallelTrainJob, Problem, SpecError, describe_layout, parse_job
 from paratrain.api.memory import parse_bytes
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
@@ -427,7 +427,7 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     progress = _progress_of(body, decision.state, views)
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
-                       generation=meta.get("generation"), layout=layout_label(job.spec) if job else None,
+                       generation=meta.get("generation"), layout=describe_layout(job.spec) if job else None,
                        platform_defaults=filled, now=clock_now())
     patch = _paced((meta["namespace"], meta["name"]), status.patch(stored_status, new))
     stored = body
@@ -519,6 +519,8 @@ async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild |
     elif decision.create_ranks or decision.delete_pods:
         await _write_pods(key, decision, gang_build, views)
         _write_backoff.pop(key, None)
+    if decision.pass_after:
+        _pass_after(key, decision.pass_after)
     if decision.stuck_pods:
         await _release_stuck(body, decision.stuck_pods, views)
     if decision.delete_job:

@@ -4,7 +4,7 @@ Fields written (all under `.status`):
 
     phase               Pending | Running | Restarting | Succeeded | Failed | Suspended
     reason, message     why the job is in that phase, for people (`kubectl describe`)
-    layout              e.g. `dp2·tp1·pp1 z0 fp32` (printer column)
+    layout              e.g. `data 2 × tensor 1 × pipeline 1, fp32` (printer column)
     observedGeneration  the spec generation this status describes
     attempt             gang attempt; pod names are `<job>-<attempt>-<rank>`
     restarts            failure-triggered gang restarts so far (limit: runPolicy.backoffLimit)
@@ -249,7 +249,8 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
     if stalled:
         conditions = set_condition(conditions, STALLED, *stalled, now)
     elif STALLED in present:
-        conditions = set_condition(conditions, STALLED, False, out["phase"], "not running", now)
+        conditions = set_condition(conditions, STALLED, False, "NotRunning",
+                                   f"only a running job can stall; this one is {out['phase']}", now)
     out["conditions"] = conditions
     return JobStatus.model_validate(fit_to_schema(JobStatus, out)).dump()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
@@ -84,6 +85,43 @@ def test_the_root_cause_is_the_pod_that_failed_not_the_peers_that_noticed():
             pod(1, "Failed", exit_code=137, finished_at="2026-11-29T11:59:01Z"),
             pod(2, "Failed", exit_code=contract.EXIT_RETRYABLE, finished_at="2026-11-29T11:59:00Z")]
     assert decide(pods, RUNNING).state.failure.pod == "job-0-1"
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_the_pod_that_failed_is_named_whichever_pod_is_seen_failed_first(order):
+    """Rank 1 killed (137), the others exit 75 (a peer failed) a moment later: the pods' Failed statuses reach the
+    operator in any order, one pass per change. Until the killed pod's own failure is seen, a pass that sees only
+    peers' 75s waits (a pass is scheduled) rather than restart the gang naming a 75 as the cause."""
+    failed = {0: pod(0, "Failed", exit_code=contract.EXIT_RETRYABLE, finished_at=to_iso(NOW - timedelta(seconds=1))),
+              1: pod(1, "Failed", exit_code=137, finished_at=to_iso(NOW - timedelta(seconds=2))),
+              2: pod(2, "Failed", exit_code=contract.EXIT_RETRYABLE, finished_at=to_iso(NOW - timedelta(seconds=1)))}
+    for seen in range(1, 4):
+        shown = set(order[:seen])
+        decision = decide([failed[r] if r in shown else pod(r) for r in range(3)], RUNNING)
+        if 1 in shown:
+            break
+        assert decision.state == RUNNING and not decision.delete_pods and not decision.events
+        assert 0 < decision.pass_after <= gang.CAUSE_WAIT_SECONDS
+    failure = decision.state.failure
+    assert (decision.state.restarts, failure.pod, failure.exit_code) == (1, "job-0-1", 137), failure
+    assert [e.reason for e in decision.events] == ["RestartingGang"] and "job-0-1" in decision.events[0].message
+
+
+@pytest.mark.parametrize("code", [contract.EXIT_RETRYABLE, contract.EXIT_PREEMPTED])
+def test_a_peer_failure_alone_restarts_the_gang_once_the_wait_is_over_saying_so(code):
+    """Its failing peer never exits (a hung rank): after CAUSE_WAIT_SECONDS the gang restarts all the same, and the
+    message says that no other pod's failure was seen."""
+    finished = NOW - timedelta(seconds=gang.CAUSE_WAIT_SECONDS + 1)
+    pods = [pod(0, "Failed", exit_code=code, finished_at=to_iso(finished)), pod(1), pod(2)]
+    decision = decide(pods, RUNNING)
+    assert decision.state.restarts == 1 and decision.state.failure.pod == "job-0-0"
+    assert "no other pod's failure was seen" in decision.state.failure.message
+    early = decide(pods, RUNNING, now=finished + timedelta(seconds=5))
+    assert early.state == RUNNING and early.pass_after == pytest.approx(gang.CAUSE_WAIT_SECONDS - 5)
+    # Nobody left running to wait for: decided at once, and its own words kept.
+    alone = decide([pod(0, "Failed", exit_code=code, finished_at=to_iso(NOW)), pod(1, "Succeeded"),
+                    pod(2, "Succeeded")], RUNNING)
+    assert alone.state.restarts == 1 and "no other pod's failure was seen" in alone.state.failure.message
 
 
 @pytest.mark.parametrize("code", sorted(contract.PERMANENT_EXIT_CODES))

@@ -70,7 +70,7 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     assert progress["step"] == progress["totalSteps"] == 12 and progress["phase"] == "done"  # the final report
     assert progress["loss"] > 0 and progress["valLoss"] > 0 and progress["tokensPerSecond"] > 0
     assert status["restarts"] == 0, cluster.diagnostics(ns, "tiny")
-    assert status["layout"] == "dp2·tp1·pp1 z0 fp32"
+    assert status["layout"] == "data 2 × tensor 1 × pipeline 1, fp32"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000010", "step-00000012"]
 
     table = cluster.kubectl("get", "ptj", "-n", ns)
@@ -79,7 +79,7 @@ def test_kubectl_applies_a_two_node_job_that_trains_to_success(cluster: Cluster,
     assert header.split() == ["NAME", "PHASE", "LAYOUT", "STEP", "LOSS", "RESTARTS", "ETA", "AGE"]
     # Four significant digits of loss; no ETA once finished (kubectl leaves the cell empty).
     loss = r"(\d\.\d{3}|\d\d\.\d\d)"
-    assert re.match(rf"tiny\s+Succeeded\s+dp2·tp1·pp1 z0 fp32\s+12/12\s+{loss}\s+0\s+\d+s$", row), row
+    assert re.match(rf"tiny\s+Succeeded\s+data 2 × tensor 1 × pipeline 1, fp32\s+12/12\s+{loss}\s+0\s+\d+s$", row), row
     events = cluster.kubectl("get", "events", "-n", ns, "--field-selector=involvedObject.kind=ParallelTrainJob",
                              "-o", "json")
     items = sorted(json.loads(events.stdout)["items"], key=lambda e: int(e["metadata"]["resourceVersion"]))
@@ -263,5 +263,37 @@ def test_in_place_restarts_past_the_limit_fall_back_to_a_whole_gang_restart(cont
         reasons = [r for r in cluster.event_reasons(ns, "limit", until="Succeeded") if r != "RestartedInPlace"]
         assert reasons == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang", "GangRunning",
                            "Succeeded"]
+    finally:
+        cluster.close()
+
+
+def test_a_killed_rank_is_named_as_the_cause_of_every_gang_restart(control_plane, tmp_path: Path):
+    """Rank 1's worker SIGKILLed (its agent has no in-place restarts: the pod exits 137), four times: each time rank
+    0 sees its peer vanish and its pod exits 75 at about the same moment, and which pod's Failed status reaches the
+    operator first varies; on every other kill the killed pod's kubelet reports its exit 3 s late, so the peer's 75
+    surely comes first. Every gang restart must name the killed pod and 137, never the peer-failure exit."""
+    cluster = RealCluster(control_plane, tmp_path, node="kill-rank-node")
+    try:
+        ns = cluster.namespace("kill-rank")
+        spec = tiny_job("kills", ns, tmp_path / "ckpt", steps=100_000)["spec"]
+        spec["runPolicy"]["backoffLimit"] = 5
+        cluster.submit(ns, "kills", spec)
+        for attempt in range(4):
+            def training(attempt: int = attempt) -> bool:
+                status = cluster.status(ns, "kills")
+                progress = status.get("progress") or {}
+                return status.get("attempt", 0) == attempt and status.get("phase") == "Running" and \
+                    progress.get("step", 0) > (progress.get("startStep") or 0)
+            wait_for(training, 120, f"attempt {attempt} training")
+            pod = f"kills-{attempt}-1"
+            if attempt % 2 == 0:
+                cluster.kubelet.report_exit_late(ns, pod, 3.0)
+            # (The status may still show the last attempt's progress: the new worker may not be forked yet.)
+            wait_for(lambda p=pod: cluster.api.call(cluster.kubelet.kill_rank, ns, p, 1), 60, f"rank 1 in {pod}")
+            status = wait_for(lambda a=attempt: (s := cluster.status(ns, "kills")).get("restarts", 0) > a and s, 60,
+                              f"the gang restart after killing rank 1 of {pod}")
+            assert (status["failure"]["pod"], status["failure"]["exitCode"]) == (pod, 137), status["failure"]
+            restarts = [e["message"] for e in cluster.events(ns, "kills") if e["reason"] == "RestartingGang"]
+            assert all("exited with code 137" in m for m in restarts), restarts
     finally:
         cluster.close()

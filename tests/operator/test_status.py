@@ -22,7 +22,7 @@ PODS = [PodView(name="j-0-0", attempt=0, rank=0, phase="Running"), PodView(name=
 
 def build(prev=None, state=RUNNING, progress=None, now=NOW, pods=PODS, stall_timeout=600):
     return status.build(prev, state, nodes=2, pods=pods, progress=progress, stall_timeout=stall_timeout,
-                        generation=3, layout="dp2·tp1·pp1 z0 fp32", now=now)
+                        generation=3, layout="data 2 × tensor 1 × pipeline 1, fp32", now=now)
 
 
 def condition(st, type_):
@@ -31,7 +31,7 @@ def condition(st, type_):
 
 def test_a_running_job_reports_everything_the_printer_columns_need():
     st = build(progress={"step": 40, "totalSteps": 100, "loss": 2.5})
-    assert st["phase"] == "Running" and st["layout"] == "dp2·tp1·pp1 z0 fp32" and st["observedGeneration"] == 3
+    assert st["phase"] == "Running" and st["layout"] == "data 2 × tensor 1 × pipeline 1, fp32" and st["observedGeneration"] == 3
     assert st["progressText"] == "40/100" and st["progress"]["loss"] == 2.5 and st["restarts"] == 0
     assert st["pods"] == {"expected": 2, "pending": 0, "running": 2, "succeeded": 0, "failed": 0, "terminating": 0}
     assert condition(st, "Running")["status"] == "True"
@@ -112,6 +112,11 @@ def test_a_job_that_never_reported_is_stalled_from_when_it_started_running():
 def test_stalled_is_not_judged_unless_running():
     pending = build(state=GangState(phase="Pending"))
     assert "Stalled" not in {c["type"] for c in pending["conditions"]}
+    # A job that ran and then failed is not "stalled" for a reason named Failed: the condition says it is not
+    # running, and why it failed stays in the Failed condition.
+    failed = build(build(), state=GangState(phase="Failed", reason="BackoffLimitExceeded", message="..."))
+    assert {k: condition(failed, "Stalled")[k] for k in ("status", "reason", "message")} == {
+        "status": "False", "reason": "NotRunning", "message": "only a running job can stall; this one is Failed"}
 
 
 def test_failure_and_times_are_reported():
@@ -226,3 +231,17 @@ def test_platform_defaults_are_removed_once_the_platform_fills_nothing():
                           layout=None, now=NOW, platform_defaults=["spec.resources.cpu"])
     assert filled["platformDefaults"] == ["spec.resources.cpu"]
     assert status.patch(filled, build(filled))["platformDefaults"] is None
+
+
+@pytest.mark.parametrize("parallelism, precision, words", [
+    ({"data": 2}, "fp32", "data 2 × tensor 1 × pipeline 1, fp32"),
+    ({"data": 2, "tensor": 2, "pipeline": 2, "zeroStage": 1, "microbatches": 2}, "bf16", "data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16"),
+])
+def test_the_layout_column_is_spelled_out(parallelism, precision, words):
+    from paratrain.api import describe_layout, parse_job
+
+    nodes = parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
+    job = parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "j"},
+                     "spec": {"nodes": nodes, "parallelism": parallelism, "precision": precision,
+                              "model": {"layers": 2}, "data": {"source": "synthetic"}}})
+    assert describe_layout(job.spec) == words

@@ -91,7 +91,7 @@ def test_out_of_memory_while_building_fails_at_once_with_its_own_exit_code(tmp_p
         run.kill_all()
     assert code == contract.EXIT_BUILD_OUT_OF_MEMORY, run.stderr()
     log = (tmp_path / "work" / "logs" / "rank-1.log").read_text()
-    assert ("out of memory while building the model on cpu (dp2·tp1·pp1 z0 fp32), before any step: CUDA out of "
+    assert ("out of memory while building the model on cpu (data 2 × tensor 1 × pipeline 1, fp32), before any step: CUDA out of "
             "memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. "
             "This layout needs fewer bytes per device") in log, log
     assert "paratrain validate --memory" in log

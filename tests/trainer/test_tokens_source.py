@@ -126,7 +126,7 @@ def test_the_example_runs_after_the_readme_prepare_command(tmp_path):
                     "spec.training.steps=2", "--set", "spec.training.warmupSteps=1", "--set",
                     "spec.training.evalSteps=1", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "dp2·tp2·pp1" in run.stderr and "finished 2 steps" in run.stderr
+    assert "data 2 × tensor 2 × pipeline 1" in run.stderr and "finished 2 steps" in run.stderr
     line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("paratrain export "))
     export = paratrain(*shlex.split(line.split("#")[0])[1:], cwd=tmp_path)
     assert export.returncode == 0, export.stderr

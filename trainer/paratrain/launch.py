@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from . import contract
-from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, layout_label, parse_job
+from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, describe_layout, parse_job
 from .token_shards import TokenDirError, open_token_dir
 
 STOP_GRACE_SECONDS = 5.0  # ranks left after another one failed: their gang is broken, nothing to save
@@ -68,7 +68,7 @@ class RendezvousStore:
 
 def _host_store(launcher) -> None:
     os.setsid()  # a terminal's Ctrl-C is the launcher's to handle: the ranks still reach the store as they save
-    _name_process("paratrain-store")
+    name_process("paratrain-store")
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -157,7 +157,7 @@ def _rank_main(spec_file: str, env: dict[str, str], log: str) -> None:
     """The forked rank: what exec would have given it (a new session, the env, stdout and stderr in the log,
     no terminal input), then the trainer."""
     os.setsid()
-    _name_process(f"paratrain-r{env['RANK']}")
+    name_process(f"paratrain-r{env['RANK']}")
     with open(log, "wb") as out, open(os.devnull, "rb") as nothing:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
@@ -180,7 +180,7 @@ def use_own_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
     """The name `top`, `ps -o comm` and `pgrep` show (Linux's comm, 15 bytes): a forked process's command line is
     its fork server's, which says nothing of which rank it is."""
     with contextlib.suppress(OSError):
@@ -598,10 +598,10 @@ def _run_gang(job: ParallelTrainJob, work: Path, metrics_out: str | None, progre
               peak_flops: float | None, measure_memory: bool) -> int:
     spec, own = job.spec, job.spec.entrypoint
     if own:  # what it trains, its devices and its checkpoints are the program's business
-        print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {' '.join(own.command + own.args)} on "
+        print(f"paratrain: {job.metadata.name}: {describe_layout(spec)}; {' '.join(own.command + own.args)} on "
               f"{spec.nodes} local node(s) of {spec.procs_per_node}; logs in {work / 'logs'}", file=sys.stderr)
     else:
-        print(f"paratrain: {job.metadata.name}: {layout_label(spec)}, {spec.world_size} local processes, "
+        print(f"paratrain: {job.metadata.name}: {describe_layout(spec)}; {spec.world_size} local processes, "
               f"{spec.training.steps} steps; {describe_checkpoints(spec)}; logs in {work / 'logs'}", file=sys.stderr)
     started = time.monotonic()
     # From the first start on: a Ctrl-C while ranks start still stops them. The store serves until the gang stopped.

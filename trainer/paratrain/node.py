@@ -82,9 +82,10 @@ def train_worker(spec_path: str, last_failure: str = "") -> int:
     """A worker of the built-in trainer, forked from the agent's fork server (launch.fork_context, RANK_MODULES
     imported): torch elastic sets its env, this its threads and the last round's failure. A failure leaves at once
     with its code (entrypoint.exit_now); success returns, since the agent waits for every worker's return value."""
-    from .launch import use_own_threads
+    from .launch import name_process, use_own_threads
     from .train.entrypoint import exit_now, train_main
 
+    name_process(f"paratrain-r{os.environ.get('RANK', '')}")
     if last_failure:
         os.environ[contract.ENV_LAST_FAILURE] = last_failure
     use_own_threads()

@@ -21,7 +21,7 @@ Its API (`api`: listen, changes, fetch, patch_object, delete_object) is `real_cl
 plane, which shows it only the pods the scheduler bound to its node (the binding patch changes nothing there); it
 talks to the API server directly, so faults injected through the fault proxy hit the operator only.
 
-Hooks for tests: `kill` (the container crashes), `evict` (the node evicts the pod), `pause`/`unpause`
+Hooks for tests: `kill` (the container crashes), `kill_rank` (one rank's worker dies), `report_exit_late`, `evict` (the node evicts the pod), `pause`/`unpause`
 (SIGSTOP/SIGCONT: a hung pod), `command` (replace every container's command, e.g. with a stand-in trainer).
 """
 
@@ -45,6 +45,13 @@ from typing import Any
 from .fault_proxy import ApiError, Resource
 
 PODS, CONFIGMAPS, SECRETS = Resource.of("v1/pods"), Resource.of("v1/configmaps"), Resource.of("v1/secrets")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def now_iso() -> str:
@@ -104,6 +111,7 @@ class Kubelet:
         self._terminating: set[str] = set()  # pod uids being stopped
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
+        self._late_exits: dict[tuple[str, str], float] = {}  # (ns, pod) → seconds its exit is reported late
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -215,6 +223,8 @@ class Kubelet:
         if c.disrupted:
             status["conditions"].append({**_cond("DisruptionTarget"), "reason": "TerminationByKubelet",
                                          "message": c.evicted[1] if c.evicted else ""})
+        if late := self._late_exits.pop((c.namespace, c.pod), 0.0):
+            await asyncio.sleep(late)
         self._status(c.namespace, c.pod, status)
         current = self.api.fetch(PODS, c.namespace, c.pod)
         if current and current["metadata"].get("deletionTimestamp"):
@@ -276,6 +286,20 @@ class Kubelet:
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> None:
         """The container dies (every process in it), as in a crash or an OOM kill."""
         self._signal(self.containers[(namespace, pod)], sig)
+
+    def report_exit_late(self, namespace: str, pod: str, seconds: float) -> None:
+        """A slow kubelet: the pod's exit reaches the API `seconds` after it happened (finishedAt stays true)."""
+        self._late_exits[(namespace, pod)] = seconds
+
+    def kill_rank(self, namespace: str, pod: str, rank: int, sig: int = signal.SIGKILL) -> int:
+        """One rank's worker process dies (the trainer names it `paratrain-rN`), its agent left to notice; the
+        number of processes signalled."""
+        named = [pid for pid in self._pids(self.containers[(namespace, pod)])
+                 if _comm(pid) == f"paratrain-r{rank}"]
+        for pid in named:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        return len(named)
 
     def evict(self, namespace: str, pod: str, reason: str = "Evicted",
               message: str = "The node was low on resource: memory.", disruption: bool = True) -> None:

@@ -490,7 +490,7 @@ def status_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "dp·tp·pp, ZeRO stage, precision"},
+    {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "data × tensor × pipeline degrees, ZeRO stage (when not 0), precision"},
     {"name": "Step", "type": "string", "jsonPath": ".status.progressText", "description": "step/totalSteps"},
     {"name": "Loss", "type": "string", "jsonPath": ".status.lossText", "description": "four significant digits"},
     {"name": "Restarts", "type": "string", "jsonPath": ".status.restartsText",

@@ -809,9 +809,18 @@ class ParallelTrainJob(BaseModel):
 
 
 def layout_label(spec: Spec) -> str:
-    """Short layout string for printer columns and logs, e.g. `dp2·tp2·pp2 z1 bf16`."""
+    """The layout as a key, e.g. `dp2·tp2·pp2 z1 bf16`: a checkpoint's manifest (parsed back by its sharding) and
+    metrics. People read `describe_layout`'s words."""
     p = spec.parallelism
     return f"dp{p.data}·tp{p.tensor}·pp{p.pipeline} z{p.zero_stage} {spec.precision}"
+
+
+def describe_layout(spec: Spec) -> str:
+    """The layout in words, for `kubectl get ptj` and first lines: `data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16`
+    (no ZeRO named where its stage is 0)."""
+    p = spec.parallelism
+    zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
+    return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}, {spec.precision}"
 
 
 def is_reserved_env(name: str) -> bool:

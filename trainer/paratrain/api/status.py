@@ -97,7 +97,7 @@ class JobStatus(_StatusModel):
     phase: Phase | None = None
     reason: str | None = Field(None, max_length=1024, description="CamelCase reason for the phase.")
     message: str | None = Field(None, max_length=32768, description="Why the job is in its phase, for people.")
-    layout: str | None = Field(None, max_length=256, description="layout_label(spec), e.g. `dp2·tp2·pp2 z1 bf16`.")
+    layout: str | None = Field(None, max_length=256, description="The layout in words, e.g. `data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16`.")
     platform_defaults: list[Annotated[str, Field(max_length=128)]] | None = Field(None, max_length=32, description=(
         "The spec fields the platform's jobDefaults filled in (the operator's --platform file), e.g. spec.image."))
     progress_text: str | None = Field(None, max_length=64, description="`step/totalSteps`, e.g. `120/2000`.")

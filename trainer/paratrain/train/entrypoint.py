@@ -15,7 +15,7 @@ import re
 import sys
 
 from .. import contract
-from ..api import ParallelTrainJob, SpecError, describe_checkpoints, layout_label, load_job
+from ..api import ParallelTrainJob, SpecError, describe_checkpoints, describe_layout, layout_label, load_job
 from ..api.memory import memory_problem
 from .progress import write_termination_message
 
@@ -250,7 +250,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
         reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
                                     os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
                                     tensorboard)
-        log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, layout_label(spec),
+        log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, describe_layout(spec),
                  world, device, dist.get_backend(), describe_checkpoints(spec))
         if restarted:
             reporter.restarted(*restarted)
@@ -266,7 +266,7 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
         except torch.OutOfMemoryError as exc:
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
             raise BuildOutOfMemory(
-                f"out of memory while building the model on {device} ({layout_label(spec)}), before any step: "
+                f"out of memory while building the model on {device} ({describe_layout(spec)}), before any step: "
                 f"{first_line}. This layout needs fewer bytes per device: more tensor or pipeline ranks, a higher "
                 "parallelism.zeroStage, or bf16; `paratrain validate --memory` estimates each layout") from None
         # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
