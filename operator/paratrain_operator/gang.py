@@ -61,6 +61,7 @@ class Failure(status_model.Failure):
     at: str | None = Field(None, exclude=True)  # when the pod stopped: the earliest failure is the likeliest root cause
     rule: str | None = Field(None, exclude=True)  # the failure-policy rule that decided its action, if one did
     action: str | None = Field(None, exclude=True)  # that rule's action
+    stopped_by: str | None = Field(None, exclude=True)  # a deleted pod's DisruptionTarget/TerminationTarget says why
 
     @model_validator(mode="before")
     @classmethod
@@ -92,10 +93,13 @@ def describe_exit(code: int) -> str:
     return "error"
 
 
-def deleted(pod: str, at: str | None = None) -> Failure:
-    """A pod deleted from outside before it finished: a stop, not the job's failure (see Failure.preempted)."""
-    return Failure(reason="PodDeleted", message=f"pod {pod} was deleted before it finished", pod=pod, at=at,
-                   preempted=True)
+def deleted(pod: str, at: str | None = None, stopped_by: str | None = None, seen: bool = True) -> Failure:
+    """A pod deleted from outside before it finished: a stop, not the job's failure (see Failure.preempted).
+    `stopped_by`: why, where the deleter said so in a condition (a preemption, an eviction, Kueue); `seen`: whether
+    it was seen terminating (else it was simply gone)."""
+    why = f" ({stopped_by})" if stopped_by else "" if seen else " (gone before it was seen terminating)"
+    return Failure(reason="PodDeleted", message=f"pod {pod} was deleted before it finished{why}", pod=pod, at=at,
+                   preempted=True, stopped_by=stopped_by)
 
 
 def classify(pod: PodView) -> Failure | None:
@@ -105,7 +109,7 @@ def classify(pod: PodView) -> Failure | None:
     if pod.terminating and (pod.phase != FAILED or pod.exit_code in _STOP_SIGNAL_EXITS):
         # Deleted while running: the kubelet's SIGTERM/SIGKILL exit is the deletion's consequence, whichever of
         # the two states (terminating, or already failed with 143/137) this reconcile happens to see.
-        return deleted(pod.name, at=pod.finished_at)
+        return deleted(pod.name, at=pod.finished_at, stopped_by=pod.stopped_by)
     if pod.phase == FAILED:
         if pod.reason in DISRUPTIONS or pod.exit_code is None:
             reason = pod.reason or "PodFailed"
@@ -214,9 +218,10 @@ def _cause_unseen(root: Failure) -> Failure:
 def root_cause(failures: Sequence[Failure]) -> Failure:
     """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75) is a
     consequence, not the cause, then one that was stopped (exit 76, it saved its step) or whose failure a rule
-    ignores; then the earliest. So a deleted or disrupted pod whose peers exit 75 restarts the gang uncounted."""
+    ignores, and among stops the deleted pod before its peers that exited 76 on its account; then the earliest.
+    So a deleted or disrupted pod whose peers exit 75 restarts the gang uncounted, naming the deleted pod."""
     return min(failures, key=lambda f: (f.retryable, f.exit_code == contract.EXIT_RETRYABLE, f.preempted,
-                                        f.at or "~", f.pod or ""))
+                                        f.exit_code == contract.EXIT_PREEMPTED, f.at or "~", f.pod or ""))
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,7 @@ class GangState:
     start_timeouts: int = 0  # attempts ended by startTimeoutSeconds (their own limit: startAttempts)
     last_restart_reason: str = ""  # why the gang last restarted, and when (`kubectl get ptj -o wide`)
     last_restart_time: str | None = None
+    resumed_from: int | None = None  # the step this attempt's ranks resumed from (its last round's), as rank 0 said
     stuck: str = ""  # pods of an earlier attempt stuck terminating (this pass's finding; not read back)
     completion_time: str | None = None
     failure: Failure | None = None
@@ -263,6 +269,7 @@ class GangState:
                    uncounted_restarts=as_int(s.get("uncountedRestarts"), 0),
                    start_timeouts=as_int(s.get("startTimeouts"), 0),
                    last_restart_reason=s.get("lastRestartReason") or "", last_restart_time=s.get("lastRestartTime"),
+                   resumed_from=s.get("resumedFromStep") if isinstance(s.get("resumedFromStep"), int) else None,
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    last_stop=Failure.from_status(s.get("lastStop")), reason=s.get("reason") or "",
                    message=s.get("message") or "")
@@ -271,7 +278,8 @@ class GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
         fresh: dict[str, Any] = {"restart_not_before": None, **changes}
         return replace(self, attempt=self.attempt + 1, gang_created=False, attempt_start_time=None, create_refused="",
-                       attempt_in_place_restarts=0, attempt_pod_replacements=0, replacing=(), **fresh)
+                       attempt_in_place_restarts=0, attempt_pod_replacements=0, replacing=(), resumed_from=None,
+                       **fresh)
 
     def restarted(self, now: datetime, **changes: Any) -> GangState:
         """The next attempt after a gang restart (a failure or a stop): the first since a step was trained starts at
@@ -394,6 +402,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     state, current, lost_pods = _set_aside_lost(state, current)
     if in_place := restarted_in_place(policy, state, progress):
         state, events = in_place.state, [*events, *in_place.events]
+    state, told = _resumed(state, progress, said_elsewhere=in_place is not None)
+    events += told
     if len(current) == policy.nodes and all(p.phase == SUCCEEDED for p in current.values()):
         in_place = f", {state.in_place_restarts} in place" if state.in_place_restarts else ""
         msg = f"all {policy.nodes} pods succeeded (attempt {state.attempt}, {state.restarts} restarts{in_place})"
@@ -403,8 +413,8 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failed = [(pod.rank, pod, f) for pod in current.values() if (f := classify(pod))]
     if state.gang_created:
         being_replaced = {rank for rank, _ in state.replacing}
-        failed += [(r, None, deleted(contract.pod_name(policy.name, state.attempt, r))) for r in range(policy.nodes)
-                   if r not in current and r not in being_replaced]
+        failed += [(r, None, deleted(contract.pod_name(policy.name, state.attempt, r), seen=False))
+                   for r in range(policy.nodes) if r not in current and r not in being_replaced]
     if failed and not _stopped_from_outside(current.values(), [f for _, _, f in failed]):
         failed = [(rank, pod, _unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f)
                   for rank, pod, f in failed]
@@ -560,6 +570,22 @@ def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, 
     return Decision(replace(new, failure=failure), events=(Event("Warning", "RestartedInPlace", failure.message),))
 
 
+def _resumed(state: GangState, progress: Mapping[str, Any] | None, said_elsewhere: bool
+             ) -> tuple[GangState, list[Event]]:
+    """The step this attempt resumed from, once its rank 0 says it, with an Event the first time where it is news:
+    a gang restarted (from step N, or from 0 with no checkpoint yet) or a job that found a checkpoint. In-place
+    rounds move the step with their own Event (`said_elsewhere`)."""
+    start = (progress or {}).get("startStep")
+    if not isinstance(start, int) or start == state.resumed_from:
+        return state, []
+    first, new = state.resumed_from is None, replace(state, resumed_from=start)
+    if not first or said_elsewhere or not (state.attempt or start):
+        return new, []
+    msg = (f"attempt {state.attempt}'s ranks resumed from step {start}, their newest checkpoint" if start else
+           f"attempt {state.attempt}'s ranks started from step 0: no checkpoint yet")
+    return new, [Event("Normal", "TrainingResumed", msg)]
+
+
 def _stuck(pod: PodView, now: datetime, seconds: float = STUCK_AFTER_SECONDS) -> bool:
     """Deleted, and still there `seconds` after its grace period ended (deletionTimestamp)."""
     gone_by = from_iso(pod.gone_by) if pod.terminating else None
@@ -671,7 +697,7 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
                               uncounted_restarts=state.uncounted_restarts + 1)
         msg = (f"{root.message}; restarting the whole gang from its newest checkpoint{_after(new, now)} ({what} "
                "against backoffLimit)")
-        event = Event("Normal", "RestartingGang" if root.rule else "Preempted", msg)
+        event = Event("Normal", _stop_event_reason(root), msg)
         return Decision(replace(new, message=msg), delete_pods=_undeleted(current), events=(*events, event))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
@@ -682,6 +708,14 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
     msg = f"{root.message}; restarting the whole gang{_after(new, now)} (restart {restarts} of {policy.backoff_limit})"
     return Decision(replace(new, message=msg), delete_pods=_undeleted(current),
                     events=(*events, Event("Warning", "RestartingGang", msg)))
+
+
+def _stop_event_reason(stop: Failure) -> str:
+    """A stop's Event: RestartingGang where a rule ignored a failure; PodDeleted for a deletion nobody gave a reason
+    for (by hand, most often); Preempted where the deleter said why or the ranks saved their step on SIGTERM."""
+    if stop.rule:
+        return "RestartingGang"
+    return "PodDeleted" if stop.reason == "PodDeleted" and not stop.stopped_by else "Preempted"
 
 
 def _after(state: GangState, now: datetime) -> str:

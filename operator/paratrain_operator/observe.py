@@ -55,6 +55,9 @@ STREAMED_LIST_SECONDS = 600.0  # a streamed list's watch request may last this l
 PROGRESS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress report is a few hundred bytes
 PROGRESS_MIN_INTERVAL = 1.0  # seconds between two reads of one host
+# Pod conditions by which whoever deletes a pod says why: Kubernetes' (eviction, preemption, a node's shutdown)
+# and Kueue's (it stops a gang it preempts or evicts).
+STOP_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
 PROGRESS_HOSTS_KEPT = 4096
 _progress_session: aiohttp.ClientSession | None = None
 _progress_read_at: dict[tuple[str, int], float] = {}  # (host, port) → when its last read started
@@ -115,6 +118,8 @@ class PodView:
     node: str | None = None  # the node it was bound to
     gone_by: str | None = None  # deletionTimestamp: when a deleted pod's grace period ends
     disrupted: bool = False  # a DisruptionTarget condition: evicted, preempted or its node shutting down
+    stopped_by: str | None = None  # who asked it to stop, where a condition says: DisruptionTarget's or Kueue's
+    # TerminationTarget's reason and message ("StoppedByKueue: Preempted to accommodate a higher priority Workload")
     oom_killed: bool = False  # the failed container was ended by the kernel's OOM killer (even where the pod's
     # own reason, e.g. Evicted, is what `reason` shows)
     uid: str = ""
@@ -183,11 +188,19 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         gone_by=meta.get("deletionTimestamp"),
         disrupted=any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
                       for c in status.get("conditions") or []),
+        stopped_by=_stopped_by(status.get("conditions") or []),
         oom_killed=term.get("reason") == "OOMKilled",
         uid=meta.get("uid", ""),
         finalizers=tuple(str(f) for f in meta.get("finalizers") or ())[:8],
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
     )
+
+
+def _stopped_by(conditions: list[Mapping[str, Any]], limit: int = 300) -> str | None:
+    said = next((c for c in conditions if c.get("type") in STOP_CONDITIONS and c.get("status") == "True"), None)
+    if said is None:
+        return None
+    return f"{said.get('reason') or said['type']}: {said.get('message') or ''}".rstrip(": ")[:limit]
 
 
 JobKey = tuple[str, str]  # (namespace, job name)

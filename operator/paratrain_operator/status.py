@@ -48,7 +48,7 @@ OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "obser
               "restarts", "inPlaceRestarts", "attemptInPlaceRestarts", "podReplacements", "attemptPodReplacements",
               "replacing", "gangCreated", "startTime", "attemptStartTime", "failuresInARow", "restartNotBefore",
               "uncountedRestarts", "startTimeouts", "restartsText", "lossText", "eta", "failureReason",
-              "lastRestartReason", "lastRestartTime",
+              "lastRestartReason", "lastRestartTime", "resumedFromStep",
               "completionTime", "failure", "lastStop",
               "pods", "progress", "progressText", "conditions")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
@@ -213,6 +213,8 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["failureReason"] = state.failure.reason or "Failed"
     if state.last_restart_reason and state.last_restart_time:
         out["lastRestartReason"], out["lastRestartTime"] = state.last_restart_reason, state.last_restart_time
+    if state.resumed_from is not None:
+        out["resumedFromStep"] = state.resumed_from
     progress = progress or prev.get("progress")
     if progress:
         out["progress"] = dict(progress)

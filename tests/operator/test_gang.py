@@ -154,6 +154,26 @@ def test_a_preempted_gang_restarts_without_spending_its_backoff_limit(outside):
     assert (counted.restarts, counted.failure.pod, counted.failure.exit_code) == (1, "job-0-1", 1)
 
 
+@pytest.mark.parametrize("conditions, event, said", [
+    ({}, "PodDeleted", "pod job-0-1 was deleted before it finished;"),
+    ({"stopped_by": "StoppedByKueue: Preempted to accommodate a higher priority Workload"}, "Preempted",
+     "pod job-0-1 was deleted before it finished (StoppedByKueue: Preempted to accommodate a higher priority "
+     "Workload);"),
+    ({"stopped_by": "EvictionByEvictionAPI: Eviction API: evicting", "disrupted": True}, "Preempted",
+     "pod job-0-1 was deleted before it finished (EvictionByEvictionAPI: Eviction API: evicting);"),
+])
+def test_a_stop_is_named_by_who_stopped_it_and_names_the_deleted_pod_not_its_peers(conditions, event, said):
+    """`kubectl delete pod` is a PodDeleted stop, not a preemption; a deleter that said why (a pod condition:
+    DisruptionTarget, Kueue's TerminationTarget) is quoted, a Preempted stop. The peers, which saved the step in
+    flight and exited 76 earlier than the deleted pod finished, are not named as the cause."""
+    pods = [pod(0, "Failed", exit_code=contract.EXIT_PREEMPTED, finished_at="2026-11-29T11:59:00Z"),
+            pod(1, terminating=True, finished_at="2026-11-29T11:59:30Z", **conditions),
+            pod(2, "Failed", exit_code=contract.EXIT_PREEMPTED, finished_at="2026-11-29T11:59:01Z")]
+    decision = decide(pods, RUNNING)
+    assert [e.reason for e in decision.events] == [event] and decision.events[0].message.startswith(said)
+    assert decision.state.last_stop.pod == "job-0-1" and decision.state.restarts == 0
+
+
 def test_a_gang_that_stops_itself_is_counted_and_bounded():
     """Exit 76 with nothing stopping the gang from outside (no pod deleted, gone or disrupted: the program sent
     itself SIGTERM, or exits 76 of its own accord) is a failure like any other: counted, and the budget ends it.
@@ -304,6 +324,30 @@ def test_in_place_restarts_rank_0_reports_are_counted_once_with_the_failed_rank_
     assert (done.phase, done.in_place_restarts) == ("Succeeded", 4) and "1 restarts, 4 in place" in done.message
 
 
+def test_a_restarted_gang_says_the_step_it_resumed_from_once_its_rank_0_does():
+    stopped = decide([pod(0), pod(1, terminating=True), pod(2)], replace(RUNNING, resumed_from=0)).state
+    assert (stopped.attempt, stopped.resumed_from) == (1, None)
+    running = replace(stopped, phase="Running", gang_created=True)
+    pods = gang_of("Running", "Running", "Running", attempt=1)
+    assert decide(pods, running, progress={"step": 3}).events == ()  # rank 0 still loading: nothing said yet
+    told = decide(pods, running, progress={"step": 313, "startStep": 312})
+    assert [(e.reason, e.message) for e in told.events] == [
+        ("TrainingResumed", "attempt 1's ranks resumed from step 312, their newest checkpoint")]
+    assert told.state.resumed_from == 312
+    assert decide(pods, told.state, progress={"step": 320, "startStep": 312}).events == ()  # said once
+    fresh = decide(pods, running, progress={"step": 1, "startStep": 0})
+    assert [e.message for e in fresh.events] == ["attempt 1's ranks started from step 0: no checkpoint yet"]
+    # A first attempt from scratch is no news; one that found a checkpoint (a job applied again) is.
+    assert decide(gang_of("Running", "Running", "Running"), RUNNING, progress={"step": 1, "startStep": 0}).events == ()
+    again = decide(gang_of("Running", "Running", "Running"), RUNNING, progress={"step": 600, "startStep": 600})
+    assert [e.message for e in again.events] == ["attempt 0's ranks resumed from step 600, their newest checkpoint"]
+    # An in-place round moves the step, said by its own Event only.
+    policy = replace(POLICY, in_place_limit=2)
+    in_place = decide(pods, told.state, policy, progress={"step": 401, "startStep": 400, "restartsInPlace": 1,
+                                                         "lastFailure": {"rank": 1, "nodeRank": 1, "exitCode": 1}})
+    assert [e.reason for e in in_place.events] == ["RestartedInPlace"] and in_place.state.resumed_from == 400
+
+
 def test_an_in_place_rule_on_a_pod_that_failed_all_the_same_restarts_the_gang_counted():
     policy = rules({"action": "RestartInPlace", "exitCodes": [1]})
     s = decide([pod(0), pod(1, "Failed", exit_code=1), pod(2)], RUNNING, policy).state
@@ -413,7 +457,12 @@ def test_pod_view_reads_labels_exit_codes_and_why_a_pod_waits():
     assert not view.disrupted and not held.disrupted
     drained = observe.pod_view({"metadata": {"name": "x"}, "status": {"phase": "Running", "conditions": [
         {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]}})
-    assert drained.disrupted
+    assert drained.disrupted and drained.stopped_by == "EvictionByEvictionAPI" and view.stopped_by is None
+    by_kueue = observe.pod_view({"metadata": {"name": "x"}, "status": {"phase": "Running", "conditions": [
+        {"type": "TerminationTarget", "status": "True", "reason": "StoppedByKueue", "message": "Preempted to "
+         "accommodate a higher priority Workload"}]}})
+    assert by_kueue.stopped_by == "StoppedByKueue: Preempted to accommodate a higher priority Workload"
+    assert not by_kueue.disrupted  # (Kueue's own condition, which failure-policy rules do not match)
 
 
 def test_classify():
@@ -655,7 +704,7 @@ def test_a_pod_that_vanished_is_recreated_at_once():
 def test_where_a_pod_cannot_be_replaced_alone_the_whole_gang_restarts(why, policy, state, pods):
     decision = decide(pods, state, policy)
     assert (decision.state.attempt, decision.state.pod_replacements) == (1, 0), why
-    assert [e.reason for e in decision.events] in (["RestartingGang"], ["Preempted"]), why
+    assert [e.reason for e in decision.events] in (["RestartingGang"], ["PodDeleted"], ["Preempted"]), why
 
 
 def test_a_lost_pod_stuck_terminating_is_handed_on_as_stuck():

@@ -174,7 +174,7 @@ def test_an_evicted_or_deleted_pod_restarts_the_whole_gang_once(cluster: Cluster
     # The whole gang was restarted (the survivor too), each pod created once.
     assert cluster.pod_creations(ns) == [f"{how}-0-0", f"{how}-0-1", f"{how}-1-0", f"{how}-1-1"]
     assert sorted(p["metadata"]["name"] for p in cluster.pods(ns)) == [f"{how}-1-0", f"{how}-1-1"]
-    assert cluster.event_reasons(ns, how).count("Preempted" if how.endswith("deleted") else "RestartingGang") == 1
+    assert cluster.event_reasons(ns, how).count("PodDeleted" if how.endswith("deleted") else "RestartingGang") == 1
 
 
 def test_a_fail_job_rule_ends_the_job_at_the_first_matching_exit_naming_the_rule(cluster: Cluster, ns: str):

@@ -94,9 +94,13 @@ class Progress(_StatusModel):
 
 
 class JobStatus(_StatusModel):
+    """What the operator observed. The words its messages and Events use (gang, attempt, agent, round, stop, exit
+    codes 2/75/76/78) are explained in the glossary of docs/operator.md, "Words the Events and status use"."""
+
     phase: Phase | None = None
     reason: str | None = Field(None, max_length=1024, description="CamelCase reason for the phase.")
-    message: str | None = Field(None, max_length=32768, description="Why the job is in its phase, for people.")
+    message: str | None = Field(None, max_length=32768, description=(
+        "Why the job is in its phase, for people (its words: docs/operator.md, \"Words the Events and status use\")."))
     layout: str | None = Field(None, max_length=256, description="The layout in words, e.g. `data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16`.")
     platform_defaults: list[Annotated[str, Field(max_length=128)]] | None = Field(None, max_length=32, description=(
         "The spec fields the platform's jobDefaults filled in (the operator's --platform file), e.g. spec.image."))
@@ -151,6 +155,8 @@ class JobStatus(_StatusModel):
     last_restart_reason: str | None = Field(None, max_length=1024, description=(
         "Why the gang last restarted (a pod's failure, a stop from outside, a start timeout)."))
     last_restart_time: datetime | None = Field(None, description="When the gang last restarted.")
+    resumed_from_step: int | None = Field(None, ge=0, description=(
+        "The step this attempt's ranks resumed from (their newest checkpoint; 0: from scratch), as its rank 0 said."))
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None
 
