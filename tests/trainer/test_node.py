@@ -1,6 +1,7 @@
 """`paratrain node` (a pod's command) passes the workers' exit code through torchrun, so the operator can tell a
 spec that can never run (2) from a failure a gang restart may cure (75)."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import yaml
 from paratrain import contract
 from paratrain.launch import free_port
 from paratrain.api.spec import FailurePolicyRule
-from paratrain.node import node_exit_code, restarts_in_place
+from paratrain.node import QuietWorkerExits, node_exit_code, restarts_in_place
 
 from .harness import TINY_JOB
 
@@ -57,7 +58,26 @@ def test_pod_command_reports_a_spec_that_cannot_run_as_permanent(tmp_path):
     assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr[-2000:]
 
 
+def test_a_failed_pods_log_ends_with_the_trainers_own_error(tmp_path):
+    proc = _node(tmp_path, {"data": {"source": "text", "path": "/nonexistent/x.txt"}})
+    assert proc.returncode == contract.EXIT_INVALID_SPEC, proc.stderr[-2000:]
+    assert "spec.data.path: /nonexistent/x.txt: no such file" in proc.stdout, proc.stdout[-2000:]
+    # torch elastic's report of the worker's exit (its traceback of torch internals) is not below it
+    assert "Traceback" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_pod_command_trains(tmp_path):
     proc = _node(tmp_path, {"training": {**TINY_JOB["spec"]["training"], "steps": 3}})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done step=3" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("exitcode, kept", [(2, False), (1, False), (-9, True)])
+def test_a_workers_exit_is_one_line_and_only_where_a_signal_killed_it(exitcode, kept):
+    try:
+        raise RuntimeError("torch internals")
+    except RuntimeError:
+        record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                                   "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                                   (exitcode, 0, 123, "train_worker", "forkserver"), sys.exc_info())
+    assert QuietWorkerExits().filter(record) is kept and record.exc_info is None

@@ -112,6 +112,19 @@ def _launch_train_workers(spec_path: str) -> None:
         torchrun.config_from_args = config_from_args
 
 
+class QuietWorkerExits(logging.Filter):
+    """torch elastic logs a failed worker's exit with ten lines of its own traceback, below the error the worker
+    logged itself: a pod's log should end with that error. Dropped where the worker exited with a code (it said
+    why); one line, without the traceback, where a signal killed it (it could say nothing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (record.exc_info and str(record.msg).startswith("failed (exitcode")):
+            return True
+        record.exc_info, record.exc_text = None, None
+        code = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not isinstance(code, int) or code < 0
+
+
 def node_main(program: list[str], spec_path: str | None = None) -> int:
     """Run the built-in trainer on `spec_path`, or else `program` (a command, not a script: `python train.py`), in
     every worker.
@@ -141,6 +154,7 @@ def node_main(program: list[str], spec_path: str | None = None) -> int:
     said = json.loads(os.environ.get(contract.ENV_EXIT_CODE_RULES) or "[]")
     rules = [FailurePolicyRule.model_validate(rule) for rule in said]
     guard_in_place_restarts(rules)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietWorkerExits())
     try:
         if spec_path:
             _launch_train_workers(spec_path)
