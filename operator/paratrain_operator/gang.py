@@ -93,11 +93,10 @@ def describe_exit(code: int) -> str:
     return "error"
 
 
-def deleted(pod: str, at: str | None = None, stopped_by: str | None = None, seen: bool = True) -> Failure:
+def deleted(pod: str, at: str | None = None, stopped_by: str | None = None) -> Failure:
     """A pod deleted from outside before it finished: a stop, not the job's failure (see Failure.preempted).
-    `stopped_by`: why, where the deleter said so in a condition (a preemption, an eviction, Kueue); `seen`: whether
-    it was seen terminating (else it was simply gone)."""
-    why = f" ({stopped_by})" if stopped_by else "" if seen else " (gone before it was seen terminating)"
+    `stopped_by`: why, where the deleter said so in a condition (a preemption, an eviction, Kueue)."""
+    why = f" ({stopped_by})" if stopped_by else ""
     return Failure(reason="PodDeleted", message=f"pod {pod} was deleted before it finished{why}", pod=pod, at=at,
                    preempted=True, stopped_by=stopped_by)
 
@@ -413,7 +412,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     failed = [(pod.rank, pod, f) for pod in current.values() if (f := classify(pod))]
     if state.gang_created:
         being_replaced = {rank for rank, _ in state.replacing}
-        failed += [(r, None, deleted(contract.pod_name(policy.name, state.attempt, r), seen=False))
+        failed += [(r, None, deleted(contract.pod_name(policy.name, state.attempt, r)))
                    for r in range(policy.nodes) if r not in current and r not in being_replaced]
     if failed and not _stopped_from_outside(current.values(), [f for _, _, f in failed]):
         failed = [(rank, pod, _unprompted(f) if f.preempted and f.exit_code == contract.EXIT_PREEMPTED else f)

@@ -1,10 +1,11 @@
 """The README's try-out cluster walkthrough, run as written: `test-cluster.sh up --nodes 2` (the test kubelet as a
-process), the CRD and the checkpoint claim, the operator as a local process, `examples/shakespeare.yaml` applied
-unchanged, a pod deleted after its first checkpoint, the gang restarting and resuming, the job succeeding.
+process), the CRD and the checkpoint claim, the operator as a local process, `examples/shakespeare-long.yaml`
+applied, a pod deleted past step 1000, the gang restarting and resuming, the job succeeding.
 
-The block's lines run in one bash session, in this checkout, with /tmp/k8s replaced by a temporary directory. Only
-the interactive waits change: the `-w` watch becomes "wait until step 200", and each later look waits for what
-it shows (the restarted pod's log, the job's end)."""
+The block's lines run in one bash session, in this checkout, with /tmp/k8s replaced by a temporary directory, and a
+reader's pause of a few seconds between commands. Only the reader's own act changes: the `-w` watch is watched for
+ten seconds, then stopped (Ctrl-C). Every wait is the README's own, so a line that runs too early for a reader
+(a log read before its pod exists, a status read before it says so) fails here too."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ..support import control_plane
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+READER_PAUSE = 3  # seconds between two commands: reading the last one's output, typing the next
 WAITS = r'''
 wait_until() {  # SECONDS COMMAND...: run COMMAND every second until it succeeds
   local deadline=$((SECONDS + $1))
@@ -38,31 +41,59 @@ def walkthrough_block() -> str:
     return block
 
 
-def test_the_readme_walkthrough_trains_restarts_and_resumes_on_the_try_out_cluster(tmp_path):
-    control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the suite's first run builds them)
-    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT", "JOB=shakespeare", WAITS]
+def walkthrough_commands(k8s: Path) -> list[str]:
+    """The block's commands, comments dropped, /tmp/k8s moved; a command written over several lines (`until …`
+    then `do …; done`) is one."""
+    commands: list[str] = []
     for line in walkthrough_block().splitlines():
-        command = line.split("  #")[0].rstrip().replace("/tmp/k8s", str(tmp_path / "k8s"))
-        if "kubectl get ptj shakespeare -w" in command:
-            script.append("wait_until 300 step_at_least 200")
-            continue
-        if command.startswith("kubectl logs shakespeare-1-0"):
-            script.append("wait_until 300 logged_resume")
-        if command == "kubectl get ptj shakespeare":
-            script.append("wait_until 300 succeeded")
-        script.append(command)
+        line = line.split("  #")[0].rstrip().replace("/tmp/k8s", str(k8s))
+        if commands and commands[-1].startswith("until ") and not commands[-1].endswith("done"):
+            commands[-1] += "\n" + line
+        elif line:
+            commands.append(line)
+    return commands
+
+
+def test_the_readme_walkthrough_at_a_readers_pace_shows_the_stop_the_resume_and_success(tmp_path):
+    control_plane.testbin()  # its binaries, built by `bash scripts/testbin.sh` (the suite's first run builds them)
+    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    for command in walkthrough_commands(tmp_path / "k8s"):
+        if command.endswith(" -w"):
+            command = f"timeout 10 {command} || true"  # the reader watches, then Ctrl-C
+        script += [command, f"sleep {READER_PAUSE}"]
+        if command.startswith("kubectl apply -f examples/"):
+            script.append('echo "applied at $SECONDS s"')
+        if "=Succeeded" in command:
+            script.append('echo "succeeded at $SECONDS s"')
     assert any("python -m paratrain_operator" in line for line in script)
     proc, context = run_on_a_try_out_cluster(script, tmp_path)
     assert proc.returncode == 0, context
-    # The restarted rank 0's log: from the step the deleted pod's ranks were stopped at (after the README's wait for
-    # step 250), saved then.
-    resumed = re.search(r"resume step=(\d+)\b", proc.stdout)
-    assert resumed and 250 <= int(resumed[1]) < 600, context
-    final = proc.stdout.strip().splitlines()[-1]  # `kubectl get ptj shakespeare`: its printer columns
+    out = proc.stdout
+    assert "examples/shakespeare-long.yaml: valid" in out, context
+    # `kubectl describe`'s Events: the deleted pod named (a stop nobody gave a reason for), then the new gang's
+    # resume step, past the README's wait for step 1000.
+    assert re.search(r"PodDeleted\s+.*pod shakespeare-long-0-1 was deleted before it finished", out), context
+    resumed = re.search(r"TrainingResumed\s+.*attempt 1's ranks resumed from step (\d+)", out)
+    assert resumed and 1000 <= int(resumed[1]) < 3000, context
+    final = out.strip().splitlines()[-1]  # `kubectl get ptj shakespeare-long`: its printer columns
     # Restarts 0, and the stop shown beside it: the deleted pod restarted the gang, not counted.
-    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b600/600\s+\S+\s+0 \(1 stop\)\s", final), context
-    checkpoints = tmp_path / "k8s" / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "shakespeare"
-    assert (checkpoints / "step-00000600").is_dir() and (checkpoints / "step-00000400").is_dir(), context
+    assert re.search(r"\bSucceeded\b", final) and re.search(r"\b3000/3000\s+\S+\s+0 \(1 stop\)\s", final), context
+    applied, succeeded = (int(re.search(rf"{what} at (\d+) s", out)[1]) for what in ("applied", "succeeded"))
+    print(f"the try-out job took {succeeded - applied} s from kubectl apply to Succeeded, a reader's pauses included")
+    checkpoints = tmp_path / "k8s" / "nodes" / "pvc" / "default" / "paratrain-checkpoints" / "shakespeare-long"
+    assert (checkpoints / "step-00003000").is_dir() and (checkpoints / "step-00002500").is_dir(), context
+
+
+def test_the_try_out_job_is_the_laptop_job_made_longer():
+    """examples/shakespeare-long.yaml differs from examples/shakespeare.yaml only in its name, length, evaluation
+    and checkpoint spacing and checkpoint path: what the README says of it stays true."""
+    short, long = (yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+                   for name in ("shakespeare", "shakespeare-long"))
+    for job in (short, long):
+        job["metadata"].pop("name")
+        job["spec"]["training"].pop("steps"), job["spec"]["training"].pop("evalInterval")
+        job["spec"].pop("checkpoint")
+    assert short == long
 
 
 def run_on_a_try_out_cluster(script: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, str]:
@@ -107,8 +138,9 @@ def test_an_own_program_trains_restarts_as_a_gang_and_resumes(tmp_path):
     assert checkpoint.is_file(), context
 
 
-@pytest.mark.parametrize("command", ["test-cluster.sh up /tmp/k8s --nodes 2", "kubectl apply -f examples/shakespeare",
-                                     "kubectl delete pod shakespeare-0-1", "python -m paratrain_operator",
+@pytest.mark.parametrize("command", ["test-cluster.sh up /tmp/k8s --nodes 2",
+                                     "kubectl apply -f examples/shakespeare-long.yaml",
+                                     "kubectl delete pod shakespeare-long-0-1", "python -m paratrain_operator",
                                      "kubectl wait --for condition=established crd/paralleltrainjobs"])
 def test_the_walkthrough_block_holds_its_steps(command):
     assert command in walkthrough_block()
