@@ -262,7 +262,9 @@ def test_in_place_restarts_past_the_limit_fall_back_to_a_whole_gang_restart(cont
         assert cluster.pod_creations(ns) == ["limit-0-0", "limit-0-1", "limit-1-0", "limit-1-1"]
         reasons = [r for r in cluster.event_reasons(ns, "limit", until="Succeeded") if r != "RestartedInPlace"]
         assert reasons == ["CreatingGang", "GangRunning", "RestartingGang", "CreatingGang", "GangRunning",
-                           "Succeeded"]
+                           "TrainingResumed", "Succeeded"]
+        said = [e["message"] for e in cluster.events(ns, "limit") if e["reason"] == "TrainingResumed"]
+        assert said == ["attempt 1's ranks started from step 0: no checkpoint yet"], said
     finally:
         cluster.close()
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from paratrain.api.load import parse_job
@@ -55,6 +56,19 @@ LAYOUTS = {
     # ZeRO-3 at a large vocabulary: the root group (embedding, head) gathered whole is the largest buffer.
     "dp2xtp2-zero3-fsdp-vocab8k-bf16": ({"data": 2, "tensor": 2, "zeroStage": 3}, {},
                                         {"precision": "bf16", "model": {"vocabSize": 8192}}),
+    # Every pipeline schedule at a large vocabulary, where the last stage's logits weigh most (1F1B's last stage was
+    # 27-29% over its prediction while torch kept every microbatch's logits for a merged output).
+    **{f"pp{pp}-{schedule.lower()}-vocab8k-bf16": (
+        {"pipeline": pp, "microbatches": 4, "pipelineSchedule": schedule}, {},
+        {"precision": "bf16", "model": {"vocabSize": 8192, "blockSize": 128}})
+       for pp in (2, 4) for schedule in ("GPipe", "1F1B")},
+    # Selective AC under tensor parallel keeps the row-parallel projections' full-width outputs and their
+    # all-reduces'; the composed data-parallel reducer (no ZeRO) its flat gradient buckets.
+    "tp2-ac-selective": ({"tensor": 2}, {"activationCheckpointing": "selective"}, {}),
+    "llama-tp2-ac-selective-bf16": ({"tensor": 2}, {"activationCheckpointing": "selective"},
+                                    {"precision": "bf16", "model": {"family": "llama", "kvHeads": 2}}),
+    "dp2xtp2": ({"data": 2, "tensor": 2}, {}, {}),
+    "dp2xpp2-1f1b": ({"data": 2, "pipeline": 2, "microbatches": 2, "pipelineSchedule": "1F1B"}, {}, {}),
 }
 
 
@@ -204,3 +218,56 @@ def test_a_stated_data_vocabulary_lets_the_operator_check_and_must_match_the_dat
     proc, _ = run_job(tmp_path / "run", job=job, expect_ok=False)
     assert proc.returncode != 0
     assert "spec.data.vocabSize: 300, but the data's vocabulary is" in proc.stderr + proc.stdout
+
+
+def _spec(model: dict, precision: str = "fp32", parallelism: dict | None = None, training: dict | None = None):
+    job = copy.deepcopy(JOB)
+    job["spec"]["model"] = {"blockSize": 2048, **model}
+    job["spec"]["training"] |= {"batchSize": 4, **(training or {})}
+    job["spec"]["parallelism"] = parallelism or {}
+    job["spec"]["nodes"] = (parallelism or {}).get("data", 1)
+    job["spec"]["precision"] = precision
+    return parse_job(job).spec
+
+
+def test_terms_that_differ_by_device_are_chosen_by_device():
+    """GPU kernels keep other tensors than the CPU ones the tests measure: on CUDA, fp32 grouped-query attention
+    falls to the math kernel (its attention matrix: batch 4 x 32 heads x 2048² x 4 bytes = 2 GiB a layer, llama3-1b),
+    and RMSNorm's fused kernel keeps no fp32 normalised input (2 x C x 4 bytes a token a layer)."""
+    from paratrain.api.memory import device_of
+
+    llama = {"family": "llama", "layers": 16, "heads": 32, "kvHeads": 8, "embedDim": 2048, "vocabSize": 1024}
+    fp32 = _spec(llama)
+    assert device_of(fp32) == "cpu"
+    cpu, cuda = (predict(fp32, 1024, device)[0].terms["activations"] for device in ("cpu", "cuda"))
+    tokens, layers, c = 4 * 2048, 16, 2048
+    attention_matrix = 4 * 32 * 2048 * 2048 * 4 * layers
+    expanded_kv = tokens * layers * (2 * c - 2 * 512) * 4
+    lse = tokens * layers * 32 * 4
+    norm_inputs = tokens * layers * 2 * c * 4
+    assert cuda - cpu == attention_matrix + expanded_kv - lse - norm_inputs
+    # bf16 takes the flash kernel on both: only the norms differ; so do query heads as many as key/value heads
+    bf16 = _spec(llama, "bf16")
+    cpu, cuda = (predict(bf16, 1024, device)[0].terms["activations"] for device in ("cpu", "cuda"))
+    assert cpu - cuda == norm_inputs
+    mha = _spec({**llama, "kvHeads": 32})
+    cpu, cuda = (predict(mha, 1024, device)[0].terms["activations"] for device in ("cpu", "cuda"))
+    assert cpu - cuda == norm_inputs
+    gpu_job = copy.deepcopy(JOB)
+    gpu_job["spec"]["resources"] = {"gpusPerNode": 1}
+    assert device_of(parse_job(gpu_job).spec) == "cuda"
+
+
+def test_deepspeed_zero3_gathers_at_most_its_live_parameters():
+    """stage3_max_live_parameters (10^9, pinned in deepspeed_engine's config) caps ZeRO-3's gathered parameters:
+    an 8B model does not gather 16 GB of bf16 weights, 2 GB at most."""
+    from paratrain.api.memory import DEEPSPEED_MAX_LIVE_PARAMETERS
+    from paratrain.train.deepspeed_engine import deepspeed_config
+
+    big = {"family": "llama", "layers": 32, "heads": 32, "kvHeads": 8, "embedDim": 4096, "ffnDim": 14336,
+           "vocabSize": 128256, "blockSize": 256}
+    spec = _spec(big, "bf16", {"data": 8, "zeroStage": 3}, {"batchSize": 8})
+    buffers = predict(spec, 128256)[0].terms["buffers"]
+    assert DEEPSPEED_MAX_LIVE_PARAMETERS * 2 <= buffers < DEEPSPEED_MAX_LIVE_PARAMETERS * 2 + 2**30
+    zero = deepspeed_config(spec, 8, torch.device("cpu"), 4096)["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == DEEPSPEED_MAX_LIVE_PARAMETERS

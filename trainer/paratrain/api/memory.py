@@ -30,6 +30,9 @@ from .shapes import parameter_count
 FP32 = 4
 CE_CHUNK_TOKENS = 4096  # loss.CE_CHUNK_TOKENS: the loss's fp32 pieces
 DDP_BUCKET_BYTES = 25 * 2**20  # torch's default bucket_cap_mb; the buckets together hold every gradient once
+# DeepSpeed ZeRO-3 keeps at most this many gathered parameters alive (stage3_max_live_parameters, DeepSpeed's
+# default, pinned in deepspeed_engine's config), and releases none it will reuse within as many (max_reuse_distance).
+DEEPSPEED_MAX_LIVE_PARAMETERS = 10**9
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments, whatever the layout (ZeRO shards them, DCP writes
 # each tensor once); saving costs a fixed part too (the collective plan, the manifest, the commit).
 CHECKPOINT_BYTES_PER_PARAMETER = 12
@@ -96,7 +99,8 @@ class Shape:
         return (1 + int(self.bias)) * self.embed_dim + self.embed_dim * self.vocab_columns(tp)
 
 
-def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: int = FP32) -> float:
+def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: int = FP32, device: str = "cpu"
+                ) -> float:
     """Bytes one block saves for backward per token (tensor-parallel shard `tp`), counted from the model's ops:
     the residual stream in `residual_bytes` (fp32, or 16 bits where FSDP2's mixed precision casts each block's
     input), the norms' statistics in fp32, the rest in the compute dtype (2 bytes under bf16/fp16 autocast, which
@@ -104,25 +108,44 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: in
 
     GPT: block input and mid-block residual (2C), two norm outputs (2C, one copy each that the projections reading
     it share: models.gpt.matmul_input), q/k/v (3C/tp), attention output (C/tp) and its log-sum-exp (heads/tp,
-    fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU): RMSNorm also keeps its
-    normalised input in fp32 for its gain's gradient (2C·4), q/k/v after RoPE, gate and up outputs, SiLU and product
-    (4F/tp)."""
+    fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU): q/k/v after RoPE, gate and
+    up outputs, SiLU and product (4F/tp); on CPU, RMSNorm is a composite of ops that keeps its normalised input in
+    fp32 for its gain's gradient (2C·4), where CUDA's fused kernel (torch's `_fused_rms_norm`) keeps only its input
+    (the residual, counted) and one statistic a token. On CUDA, fp32 grouped-query attention runs the math kernel
+    (`math_attention`): the whole attention matrix, and k and v expanded to the query heads.
+
+    Selective AC keeps the matmul and attention outputs and tensor parallel's collectives: the row-parallel
+    projections' (attention's o, the MLP's down) outputs are full width, partial sums, and under tp > 1 each is
+    all-reduced into another full-width tensor, both kept (activation_checkpoint.SAVED_OPS)."""
     c, f, h, kv = shape.embed_dim, shape.ffn_dim, shape.heads, shape.kv_dim
     act = 2 if half else FP32
     stats = 4 * FP32 if shape.family == "gpt" else 2 * FP32
     residual = 2 * c * residual_bytes
+    attention = math_attention_bytes(shape, half, device)
     if shape.family == "gpt":
         norms = 2 * c * act
         split = (3 * c + c + 2 * f) * act + h * FP32
     else:
-        norms = 2 * c * (act + FP32)
+        norms = 2 * c * (act + (FP32 if device == "cpu" else 0))
         split = (c + 2 * kv + c + 4 * f) * act + h * FP32
     if mode == "full":
         return c * residual_bytes  # the block's input
-    if mode == "selective":  # matmul and attention outputs (o and the MLP's output projection too) and the input
-        matmuls = (c + 2 * kv + c + c + (2 * f if shape.family == "llama" else f) + c) * act
-        return c * residual_bytes + matmuls / tp + h * FP32 / tp
-    return residual + norms + stats + split / tp
+    if mode == "selective":
+        column = (c + 2 * kv + c + (2 * f if shape.family == "llama" else f)) * act  # q/k/v, attention, MLP input
+        row = 2 * c * act * (2 if tp > 1 else 1)  # o and down projections' outputs, and their all-reduces'
+        return c * residual_bytes + (column + h * FP32 + attention) / tp + row
+    return residual + norms + stats + (split + attention) / tp
+
+
+def math_attention_bytes(shape: Shape, half: bool, device: str) -> float:
+    """What attention saves per token beyond a fused kernel (its output and log-sum-exp) where it falls to torch's
+    math kernel: on CUDA, fp32 (or tf32) attention whose key/value heads are fewer than its query heads (flash needs
+    16-bit inputs, the memory-efficient kernel takes no `enable_gqa`). It saves the softmax, heads x context fp32
+    values a token, and k and v repeated to every query head (in place of the grouped ones), and no log-sum-exp.
+    0 elsewhere: CPU's flash kernel takes fp32 and grouped heads."""
+    if device != "cuda" or half or shape.kv_heads == shape.heads:
+        return 0.0
+    return shape.heads * shape.block_size * FP32 + (2 * shape.embed_dim - 2 * shape.kv_dim) * FP32 - shape.heads * FP32
 
 
 @dataclass
@@ -136,11 +159,18 @@ class RankMemory:
         return max(((k, v) for k, v in self.terms.items() if not k.startswith("_")), key=lambda kv: kv[1])
 
 
-def predict(spec, vocab_size: int) -> list[RankMemory]:
-    """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out)."""
+def device_of(spec) -> str:
+    """The device the job's ranks compute on: "cuda" where its pods get GPUs, else "cpu" (gloo)."""
+    return "cuda" if spec.resources.gpus_per_node else "cpu"
+
+
+def predict(spec, vocab_size: int, device: str | None = None) -> list[RankMemory]:
+    """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out), on
+    `device` ("cpu" or "cuda"; default: the spec's, `device_of`), where some kernels keep other tensors."""
     p, m = spec.parallelism, spec.model
     shape = Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size, m.bias)
-    stages = [_stage(spec, shape, s) for s in range(p.pipeline)]
+    device = device or device_of(spec)
+    stages = [_stage(spec, shape, s, device) for s in range(p.pipeline)]
     per_stage = p.data * p.tensor
     return [RankMemory(rank, rank // per_stage, dict(stages[rank // per_stage]),
                        _peak(stages[rank // per_stage], p.pipeline > 1)) for rank in range(spec.world_size)]
@@ -151,7 +181,7 @@ def _stage_layers(layers: int, stages: int, stage: int) -> int:
     return base + (1 if stage < extra else 0)
 
 
-def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
+def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
     p, t = spec.parallelism, spec.training
     dp, tp, pp, zero = p.data, p.tensor, p.pipeline, p.zero_stage
     first, last = stage == 0, stage == pp - 1
@@ -188,12 +218,13 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
     mode = t.activation_checkpointing
     # FSDP2's MixedPrecisionPolicy casts each sharded block's inputs to the 16-bit type: the residual stream too.
     residual_bytes = 2 if fsdp and half else FP32
-    terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode, residual_bytes))
+    terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode, residual_bytes, device))
     if pp > 1 and not last:  # the stage's output, kept for its backward
         terms["activations"] += tokens * shape.embed_dim * FP32
     # Backward of one block: the gradients of its MLP's hidden activations, and under checkpointing what it
     # rebuilds of the block beyond what it saved.
-    rebuilt = block_bytes(shape, tp, half, "none", residual_bytes) - block_bytes(shape, tp, half, mode, residual_bytes)
+    rebuilt = (block_bytes(shape, tp, half, "none", residual_bytes, device)
+               - block_bytes(shape, tp, half, mode, residual_bytes, device))
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
     if fsdp and zero == 3:
         # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is resharded after forward, so
@@ -218,14 +249,20 @@ def _stage(spec, shape: Shape, stage: int) -> dict[str, int]:
 
     buffers = 0
     if dp > 1 and zero == 0 and tp == 1 and pp == 1:
-        buffers += psi * FP32  # DDP's buckets
+        # DDP's buckets, allocated once. (Composed layouts' OverlappedGradReducer flattens every gradient into
+        # buckets too, but only from the end of backward to its finish: beside the gradients, as the optimizer
+        # step's temporaries of the same size are, which `_peak`'s step counts.)
+        buffers += psi * FP32
     if deepspeed:
         bucket = max(2**20, shape.embed_dim ** 2)
-        buffers += bucket * FP32 + (0 if zero < 3 else psi * weight_bytes)  # reduce bucket; ZeRO-3's gathers
+        gathered = min(psi, DEEPSPEED_MAX_LIVE_PARAMETERS)  # ZeRO-3's gathers, at most its live parameters
+        buffers += bucket * FP32 + (0 if zero < 3 else gathered * weight_bytes)  # and the reduce bucket
     if pp > 1:  # receive buffers for every microbatch: activations (not stage 0), gradients (not the last)
         buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
             FP32
-    if half and not deepspeed:
+    if half and not deepspeed and not fsdp:
+        # autocast's 16-bit copies of the matmuls' fp32 weights (FSDP2 gathers its parameters in 16 bits already:
+        # autocast has nothing to cast, and the gathers are counted below)
         buffers += layers * shape.matmul_params(tp) * 2 + (shape.embed_dim * shape.vocab_columns(tp) * 2 if last else 0)
     if fsdp:  # whole 16/32-bit parameters gathered for compute: all of them at ZeRO-2, about two blocks at ZeRO-3
         gathered = psi if zero == 2 else 2 * (split // tp + replicated)

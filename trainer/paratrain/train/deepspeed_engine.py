@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..api import Spec
+from ..api.memory import DEEPSPEED_MAX_LIVE_PARAMETERS
 from .checkpoint import CheckpointError
 from .partial_read import FlatRange
 from .engine import Batch, StepResult
@@ -82,6 +83,9 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
         "allgather_bucket_size": bucket,
         "stage3_prefetch_bucket_size": int(0.9 * bucket),
         "stage3_param_persistence_threshold": 10 * embed_dim,
+        # DeepSpeed's defaults, pinned: the memory model bounds ZeRO-3's gathered parameters by them
+        "stage3_max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS,
+        "stage3_max_reuse_distance": DEEPSPEED_MAX_LIVE_PARAMETERS,
     }
     if device.type == "cpu":
         zero["overlap_comm"] = False  # no streams to overlap on; DeepSpeed's default elsewhere

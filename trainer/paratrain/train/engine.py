@@ -154,11 +154,13 @@ class TorchEngine:
 
     def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Call a schedule's step/eval with what this stage feeds it (inputs on the first, targets on the last);
-        return the mean microbatch loss on the last stage. The loss_fn multiplied by loss_multiplier; undo it."""
+        return the mean microbatch loss on the last stage. The loss_fn multiplied by loss_multiplier; undo it.
+        The last stage's outputs are not kept for a merged return (torch's default): that would hold every
+        microbatch's logits to the end of the step, m x tokens x vocabulary, where 1F1B needs one at a time."""
         losses: list[torch.Tensor] = []
         first, last = self.dims.pp_rank == 0, self.dims.is_last_stage
         args = (x,) if first else ()
-        run(*args, **({"target": y, "losses": losses} if last else {}))
+        run(*args, return_outputs=False, **({"target": y, "losses": losses} if last else {}))
         return torch.stack([loss.detach() for loss in losses]).mean().item() / self.loss_multiplier if last else None
 
     @torch.no_grad()

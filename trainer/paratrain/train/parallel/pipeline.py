@@ -37,7 +37,27 @@ def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.d
     every gradient the stage holds after each run, so would divide earlier micro-steps' gradients again."""
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
     _keep_rng_streams_through_metadata_forward(stage)
+    _forget_evaluated_outputs(stage)
     return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _forget_evaluated_outputs(stage: PipelineStage) -> None:
+    """torch keeps each microbatch's output in the stage's fwd_cache for its backward, and in a forward-only run
+    (evaluation, under no_grad) until the next run starts: on the last stage, every microbatch's logits at once,
+    m x tokens x vocabulary, the job's peak at a large vocabulary. The last stage sends nothing on (the schedules
+    still ask it for its sends, from the cache) and its loss is computed from what forward returns: there, under
+    no_grad, the entry goes once its sends were asked for."""
+    if not stage.is_last:
+        return
+    send_ops = stage.get_fwd_send_ops
+
+    def get_fwd_send_ops(fwd_chunk_id: int):
+        ops = send_ops(fwd_chunk_id)
+        if not torch.is_grad_enabled():
+            stage.fwd_cache.pop(fwd_chunk_id, None)
+        return ops
+
+    stage.get_fwd_send_ops = get_fwd_send_ops
 
 
 def _keep_rng_streams_through_metadata_forward(stage: PipelineStage) -> None:
