@@ -20,7 +20,9 @@ parameters outside the embedding, L layers, H·Q = embedDim, T the context; no r
 over the GPU's dense bf16 peak from perf.PEAK_FLOPS (989 TFLOP/s for an H100 SXM), printed with the results.
 Tokens/s and MFU are at steady state (the steps after each run's first: perf.SteadyRate). Peak memory is the
 allocator's peak of live tensors (torch.cuda.max_memory_allocated), the quantity paratrain.api.memory predicts;
-each result carries `predicted_peak_bytes` and their ratio, and the allocator's reserved peak beside it.
+each result carries `predicted_peak_bytes` and their ratio, measured less predicted bytes per term
+(`measured_minus_predicted`: params, grads, optimizer, the rest of the peak; the memory model's CUDA terms, which
+only a GPU can check), and the allocator's reserved peak beside it.
 
 Writes bench/results/gpu.json (dry run: bench/results/gpu-dry-run.json, or --out).
 """
@@ -106,7 +108,7 @@ def fit_batch(job: dict, device_bytes: int, share: float = 0.85, most: int = 64)
     def fits(per_gpu: int) -> bool:
         spec["training"]["batchSize"] = per_gpu * dp
         parsed = parse_job(job).spec
-        peak = max(r.peak_bytes for r in predict(parsed, spec["model"]["vocabSize"]))
+        peak = max(r.peak_bytes for r in predict(parsed, spec["model"]["vocabSize"], "cuda"))
         return peak <= share * Headroom.of(parsed).usable(device_bytes)
 
     per_gpu = 1
@@ -145,7 +147,8 @@ def run(name: str, job: dict, work: Path, dry_run: bool, timeout: float) -> dict
     metrics = json.loads((run_dir / "metrics.json").read_text())
     measured = max(metrics["peak_tensor_bytes"])
     reserved = metrics["peak_reserved_bytes"]
-    predicted = max(r.peak_bytes for r in predict(parse_job(job).spec, job["spec"]["model"]["vocabSize"]))
+    ranks = predict(parse_job(job).spec, job["spec"]["model"]["vocabSize"], "cpu" if dry_run else "cuda")
+    predicted = max(r.peak_bytes for r in ranks)
     return {"layout": metrics["layout"], "world_size": metrics["world_size"],
             "batch_size": job["spec"]["training"]["batchSize"],
             "tokens_per_second": metrics["tokens_per_second"],
@@ -154,8 +157,23 @@ def run(name: str, job: dict, work: Path, dry_run: bool, timeout: float) -> dict
             "peak_flops_per_device": metrics["peak_flops_per_device"],
             "peak_tensor_bytes": measured, "predicted_peak_bytes": predicted,
             "predicted_over_measured": predicted / measured,
+            "measured_minus_predicted": by_term(ranks, metrics),
             "peak_reserved_bytes": None if None in reserved else max(reserved),
             "final_loss": metrics["losses"][-1]}
+
+
+def by_term(ranks: list, metrics: dict) -> dict[str, int]:
+    """Measured less predicted bytes, per term, on the rank whose measured peak is largest: the model state's terms
+    (params, grads, optimizer) as the trainer counts its tensors, and the rest of the peak (activations, loss,
+    buffers and what the model leaves out) as the peak less those. Where it is far from 0 is where to calibrate."""
+    rank = max(range(len(metrics["peak_tensor_bytes"])), key=lambda i: metrics["peak_tensor_bytes"][i])
+    said = next(s for s in metrics["model_state_bytes"] if s["rank"] == rank)
+    terms = ranks[rank].terms
+    out = {term: said[term] - terms[term] for term in ("params", "grads", "optimizer")}
+    states = ("params", "grads", "optimizer")
+    out["rest_of_the_peak"] = ((metrics["peak_tensor_bytes"][rank] - sum(said[t] for t in states))
+                               - (ranks[rank].peak_bytes - sum(terms[t] for t in states)))
+    return out
 
 
 def device_memory() -> int:

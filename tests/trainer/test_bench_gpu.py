@@ -23,6 +23,11 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
     for name, result in report["results"].items():
         assert result["tokens_per_second"] > 0 and result["steps_left_out_of_the_rate"] == 1, name  # 3 steps
         assert 0.85 <= result["predicted_over_measured"] <= 1.15, (name, result)
+        # Measured less predicted, per term, adds up to the whole peak's difference (the largest rank's).
+        terms = result["measured_minus_predicted"]
+        assert set(terms) == {"params", "grads", "optimizer", "rest_of_the_peak"}, name
+        if result["world_size"] == 1:
+            assert sum(terms.values()) == result["peak_tensor_bytes"] - result["predicted_peak_bytes"], (name, terms)
         assert result["peak_reserved_bytes"] is None, name  # no allocator reserves on the CPU
     assert "6N + 12·L·H·Q·T" in proc.stdout and f"wrote {out}" in proc.stdout
 
