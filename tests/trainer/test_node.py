@@ -70,6 +70,7 @@ def test_pod_command_trains(tmp_path):
     proc = _node(tmp_path, {"training": {**TINY_JOB["spec"]["training"], "steps": 3}})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done step=3" in proc.stdout + proc.stderr
+    assert "backend gloo, attention cpu flash;" in proc.stdout + proc.stderr  # the first line names the kernel
 
 
 @pytest.mark.parametrize("exitcode, kept", [(2, False), (1, False), (-9, True)])

@@ -94,3 +94,40 @@ def test_fused_qkv_computes_the_separate_projections_attention(family):
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 32)
     torch.testing.assert_close(attn(x, *args), attn.wo(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_attention_aims_at_a_fused_kernel_for_every_precision_and_head_layout(device, dtype, grouped):
+    """On CUDA, only 16-bit inputs take grouped key/value heads fused (flash); fp32 grouped heads are repeated for
+    the memory-efficient kernel rather than left to the math kernel. CPU's flash takes every case."""
+    from paratrain.train.models.gpt import attention_kernel, fuses_grouped_heads
+
+    half = dtype != torch.float32
+    assert fuses_grouped_heads(device, dtype) is (device == "cpu" or half)
+    kernel = attention_kernel(device, dtype, grouped)
+    expected = ("cpu flash" if device == "cpu" else "flash" if half else
+                "memory-efficient, key/value heads repeated to the query heads" if grouped else "memory-efficient")
+    assert kernel == expected and "math" not in kernel
+
+
+def test_repeated_key_value_heads_attend_exactly_as_grouped_ones(monkeypatch):
+    """The repeat `attend` makes where no fused kernel takes grouped heads (CUDA fp32) computes what grouped-query
+    attention does, forward and backward: forced here on CPU."""
+    from paratrain.train.models import gpt
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    grouped = gpt.attend(q, k, v, 0.0, None)
+    grouped.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    monkeypatch.setattr(gpt, "fuses_grouped_heads", lambda device_type, dtype: False)
+    repeated = gpt.attend(q, k, v, 0.0, None)
+    repeated.sum().backward()
+    torch.testing.assert_close(repeated, grouped)
+    for t, g in zip((q, k, v), grads, strict=True):
+        torch.testing.assert_close(t.grad, g)

@@ -111,8 +111,8 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: in
     fp32), MLP input projection and GELU output (2F/tp). Llama (RMSNorm, RoPE, SwiGLU): q/k/v after RoPE, gate and
     up outputs, SiLU and product (4F/tp); on CPU, RMSNorm is a composite of ops that keeps its normalised input in
     fp32 for its gain's gradient (2C·4), where CUDA's fused kernel (torch's `_fused_rms_norm`) keeps only its input
-    (the residual, counted) and one statistic a token. On CUDA, fp32 grouped-query attention runs the math kernel
-    (`math_attention`): the whole attention matrix, and k and v expanded to the query heads.
+    (the residual, counted) and one statistic a token. On CUDA, fp32 grouped-query attention repeats k and v to the
+    query heads for the memory-efficient kernel (`repeated_kv_bytes`).
 
     Selective AC keeps the matmul and attention outputs and tensor parallel's collectives: the row-parallel
     projections' (attention's o, the MLP's down) outputs are full width, partial sums, and under tp > 1 each is
@@ -121,7 +121,7 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: in
     act = 2 if half else FP32
     stats = 4 * FP32 if shape.family == "gpt" else 2 * FP32
     residual = 2 * c * residual_bytes
-    attention = math_attention_bytes(shape, half, device)
+    attention = repeated_kv_bytes(shape, half, device)
     if shape.family == "gpt":
         norms = 2 * c * act
         split = (3 * c + c + 2 * f) * act + h * FP32
@@ -133,19 +133,20 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: in
     if mode == "selective":
         column = (c + 2 * kv + c + (2 * f if shape.family == "llama" else f)) * act  # q/k/v, attention, MLP input
         row = 2 * c * act * (2 if tp > 1 else 1)  # o and down projections' outputs, and their all-reduces'
-        return c * residual_bytes + (column + h * FP32 + attention) / tp + row
+        # (repeated k and v are an op's output selective AC recomputes: not kept)
+        return c * residual_bytes + (column + h * FP32) / tp + row
     return residual + norms + stats + (split + attention) / tp
 
 
-def math_attention_bytes(shape: Shape, half: bool, device: str) -> float:
-    """What attention saves per token beyond a fused kernel (its output and log-sum-exp) where it falls to torch's
-    math kernel: on CUDA, fp32 (or tf32) attention whose key/value heads are fewer than its query heads (flash needs
-    16-bit inputs, the memory-efficient kernel takes no `enable_gqa`). It saves the softmax, heads x context fp32
-    values a token, and k and v repeated to every query head (in place of the grouped ones), and no log-sum-exp.
-    0 elsewhere: CPU's flash kernel takes fp32 and grouped heads."""
+def repeated_kv_bytes(shape: Shape, half: bool, device: str) -> float:
+    """What attention saves per token beyond the grouped k and v where `models.gpt.attend` repeats them to every
+    query head: on CUDA, in fp32 (or TF32) with fewer key/value heads than query heads, where no fused kernel takes
+    grouped heads (flash needs 16-bit inputs, the memory-efficient kernel no `enable_gqa`; torch's math kernel, which
+    it would otherwise fall to, would hold the whole attention matrix). The memory-efficient kernel then keeps the
+    repeated k and v: 2C in place of 2·kv, in fp32. 0 elsewhere: CPU's flash kernel takes fp32 and grouped heads."""
     if device != "cuda" or half or shape.kv_heads == shape.heads:
         return 0.0
-    return shape.heads * shape.block_size * FP32 + (2 * shape.embed_dim - 2 * shape.kv_dim) * FP32 - shape.heads * FP32
+    return (2 * shape.embed_dim - 2 * shape.kv_dim) * FP32
 
 
 @dataclass

@@ -222,8 +222,10 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
     from .data import load_corpus
     from .host_memory import HostPhases
     from .loop import Trainer
+    from .models.gpt import attention_kernel
     from .models.hf_config import init_problem
     from .models.registry import model_config
+    from .parallel.precision import DTYPES
     from .build import build_engine
     from .perf import device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes, peak_reserved_bytes, \
         tensor_peak
@@ -250,8 +252,9 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
         reporter = ProgressReporter(spec.training.steps, os.environ.get(contract.ENV_EVENTS_FILE),
                                     os.environ.get(contract.ENV_PROGRESS_HOST), int(port) if port else None,
                                     tensorboard)
-        log.info("job %s: %s on %d ranks, device %s, backend %s; %s", job.metadata.name, describe_layout(spec),
-                 world, device, dist.get_backend(), describe_checkpoints(spec))
+        kernel = attention_kernel(device.type, DTYPES[spec.precision], spec.model.kv_heads != spec.model.heads)
+        log.info("job %s: %s on %d ranks, device %s, backend %s, attention %s; %s", job.metadata.name,
+                 describe_layout(spec), world, device, dist.get_backend(), kernel, describe_checkpoints(spec))
         if restarted:
             reporter.restarted(*restarted)
     checkpointer = None

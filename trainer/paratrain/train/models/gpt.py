@@ -85,10 +85,33 @@ def split_heads(qkv: torch.Tensor, head_dim: int, group: int) -> tuple[torch.Ten
     return q.reshape(B, T, -1, head_dim).transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
 
+def fuses_grouped_heads(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's fused attention kernels take grouped key/value heads (`enable_gqa`) for these inputs. On
+    CUDA only flash (and cuDNN) do, and only in 16 bits: the memory-efficient kernel takes no `enable_gqa`, so fp32
+    (and TF32) grouped-query attention would fall to the math kernel, which holds the whole attention matrix (2 GiB
+    a layer for llama3-1b at batch 4, 2,048 tokens) and is about 10x slower. CPU's flash kernel takes both."""
+    return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
+
+
+def attention_kernel(device_type: str, dtype: torch.dtype, grouped: bool) -> str:
+    """The SDPA kernel `attend` aims at, for the run's first line (torch may still choose another where a kernel's
+    own limits, e.g. its head size, rule it out: bench/gpu.sh prints torch's verdicts on a GPU)."""
+    if device_type != "cuda":
+        return f"{device_type} flash"
+    if dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    return "memory-efficient, key/value heads repeated to the query heads" if grouped else "memory-efficient"
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, heads_rng) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs), nkv dividing nh (grouped-query attention:
-    query head i reads key/value head i // (nh / nkv)). Dropout on these heads draws from `heads_rng` when set
-    (tensor parallel: heads this rank alone holds, see tensor_parallel.py)."""
+    query head i reads key/value head i // (nh / nkv)); where no fused kernel takes grouped heads for q's device and
+    dtype (`fuses_grouped_heads`), k and v are repeated to every query head first, which the memory-efficient
+    kernel takes. Dropout on these heads draws from `heads_rng` when set (tensor parallel: heads this rank alone
+    holds, see tensor_parallel.py)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and not fuses_grouped_heads(q.device.type, q.dtype):
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     with heads_rng.fork() if dropout and heads_rng else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                               enable_gqa=k.shape[1] != q.shape[1])
