@@ -84,8 +84,8 @@ def describe_exit(code: int) -> str:
         return "the trainer rejected the spec"
     if code == contract.EXIT_PREEMPTED:
         return "stopped by SIGTERM after checkpointing its last step"
-    if code == contract.EXIT_BUILD_OUT_OF_MEMORY:
-        return "out of device memory while building the model: the layout does not fit"
+    if code == contract.EXIT_OUT_OF_MEMORY:
+        return "out of device memory: the layout does not fit at this batch"
     if code in (126, 127):
         return "the image cannot run the command"
     if code > 128 and code - 128 in _SIGNALS:
@@ -199,7 +199,9 @@ def _consequence(failure: Failure) -> bool:
 
 def _cause_wait(root: Failure, others: Sequence[PodView], now: datetime) -> float:
     """Seconds more to wait for the cause of `root` (a consequence) while another pod of the gang still runs: its
-    failure, seen a moment later, is the cause the restart names. 0: decide now."""
+    failure, seen a moment later, is the cause the restart names. 0: decide now. Counted from the pod's finishedAt
+    (its node's clock): a node clock ahead of the operator's lengthens the wait by the difference, one behind
+    shortens it; either way it ends, and the resync passes meanwhile."""
     since = from_iso(root.at)
     if since is None or not any(p.active for p in others):
         return 0.0

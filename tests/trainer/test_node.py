@@ -73,12 +73,29 @@ def test_pod_command_trains(tmp_path):
     assert "backend gloo, attention cpu flash;" in proc.stdout + proc.stderr  # the first line names the kernel
 
 
-@pytest.mark.parametrize("exitcode, kept", [(2, False), (1, False), (-9, True)])
-def test_a_workers_exit_is_one_line_and_only_where_a_signal_killed_it(exitcode, kept):
+def _worker_exit(exitcode: int, exc: BaseException) -> logging.LogRecord:
     try:
-        raise RuntimeError("torch internals")
-    except RuntimeError:
-        record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
-                                   "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
-                                   (exitcode, 0, 123, "train_worker", "forkserver"), sys.exc_info())
+        raise exc
+    except BaseException:  # noqa: BLE001
+        return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                                 "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                                 (exitcode, 0, 123, "train_worker", "forkserver"), sys.exc_info())
+
+
+@pytest.mark.parametrize("exitcode, kept", [(2, False), (75, False), (-9, True)])
+def test_a_workers_exit_is_one_line_and_only_where_a_signal_killed_it(exitcode, kept):
+    from torch.multiprocessing import ProcessExitedException
+
+    record = _worker_exit(exitcode, ProcessExitedException("process 0 terminated", 0, 123, exitcode))
     assert QuietWorkerExits().filter(record) is kept and record.exc_info is None
+
+
+def test_a_worker_that_raised_keeps_its_own_traceback_in_the_pods_log():
+    """An exception the trainer did not handle: torch's worker wrapper hands its traceback to this record alone,
+    so it is kept, in place of torch's own traceback."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    worker_traceback = 'Traceback (most recent call last):\n  File "loop.py", line 9\nKeyError: \'step\''
+    record = _worker_exit(1, ProcessRaisedException(worker_traceback, 0, 123))
+    assert QuietWorkerExits().filter(record) and record.exc_info is None
+    assert record.getMessage().endswith("KeyError: 'step'") and "File \"loop.py\"" in record.getMessage()

@@ -59,13 +59,14 @@ EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a g
 # Stopped on request (SIGTERM: a drain, a preemption, a suspend), a checkpoint of the last whole step written: the
 # operator restarts the gang without counting it against backoffLimit.
 EXIT_PREEMPTED = 76
-# Out of device memory while building the model, its shards and optimizer state, before any step: the layout does
-# not fit the device, and a restart would only meet the same error (EX_CONFIG, a configuration error).
-EXIT_BUILD_OUT_OF_MEMORY = 78
+# Out of device memory, building the model (its shards, its optimizer state) or in a step: the layout does not fit
+# the device at this batch, and a restart would only meet the same error (EX_CONFIG, a configuration error).
+# Permanent unless a spec.failurePolicy rule says otherwise (a memory leak a restart clears, fragmentation).
+EXIT_OUT_OF_MEMORY = 78
 # 126/127: the image cannot run the command.
-PERMANENT_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, EXIT_BUILD_OUT_OF_MEMORY, 126, 127})
+PERMANENT_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, EXIT_OUT_OF_MEMORY, 126, 127})
 # The permanent codes whose pod's termination message carries the trainer's own words ({"error": ...}).
-EXPLAINED_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, EXIT_BUILD_OUT_OF_MEMORY})
+EXPLAINED_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, EXIT_OUT_OF_MEMORY})
 
 
 def service_name(job_name: str) -> str:

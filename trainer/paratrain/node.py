@@ -113,14 +113,22 @@ def _launch_train_workers(spec_path: str) -> None:
 
 
 class QuietWorkerExits(logging.Filter):
-    """torch elastic logs a failed worker's exit with ten lines of its own traceback, below the error the worker
-    logged itself: a pod's log should end with that error. Dropped where the worker exited with a code (it said
-    why); one line, without the traceback, where a signal killed it (it could say nothing)."""
+    """torch elastic logs a failed worker's exit with ten lines of its own traceback (torch internals), below the
+    error the worker logged itself: a pod's log should end with that error. Where the worker raised an exception
+    it did not handle, its own traceback (which only this record carries: torch's worker wrapper prints nothing)
+    takes the place of torch's; where a signal killed it (it could say nothing), one line; where it exited with a
+    code, nothing (it said why before exiting)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (record.exc_info and str(record.msg).startswith("failed (exitcode")):
             return True
+        from torch.multiprocessing import ProcessRaisedException
+
+        raised = record.exc_info[1]
         record.exc_info, record.exc_text = None, None
+        if isinstance(raised, ProcessRaisedException):
+            record.msg, record.args = f"{record.msg}\n%s", (*record.args, str(raised).strip())
+            return True
         code = record.args[0] if isinstance(record.args, tuple) and record.args else None
         return not isinstance(code, int) or code < 0
 

@@ -14,6 +14,7 @@
                                        pod whose node is gone), TERM stops it as the kubelet stops a deleted pod
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
+    step_oom:<rank>:<step>             <rank> runs out of device memory in the forward/backward of its <step>th step
     exit_at:<rank>:<step>:<code>:<rounds>
                                        <rank> exits with <code> after <step> optimizer steps of its process (a
                                        resumed round counts from its checkpoint's step) in each of the first
@@ -161,5 +162,22 @@ if FAULT:
             return original_build(*args, **kwargs)
 
         build.build_engine = build_engine
+    elif kind == "step_oom":
+        import torch
+
+        from paratrain.train import engine
+
+        oom_rank, oom_step = int(args[0]), int(args[1])
+        original_forward_backward = engine.TorchEngine.forward_backward
+        steps = {"begun": 0}
+
+        def forward_backward(self, micro_batches):
+            steps["begun"] += 1
+            if _rank() == oom_rank and steps["begun"] == oom_step:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total "
+                                             "capacity of 79.19 GiB of which 2.12 GiB is free.")
+            return original_forward_backward(self, micro_batches)
+
+        engine.TorchEngine.forward_backward = forward_backward
     else:
         raise SystemExit(f"unknown PARATRAIN_TEST_FAULT {FAULT!r}")

@@ -132,10 +132,16 @@ def block_bytes(shape: Shape, tp: int, half: bool, mode: str, residual_bytes: in
         return c * residual_bytes  # the block's input
     if mode == "selective":
         column = (c + 2 * kv + c + (2 * f if shape.family == "llama" else f)) * act  # q/k/v, attention, MLP input
-        row = 2 * c * act * (2 if tp > 1 else 1)  # o and down projections' outputs, and their all-reduces'
         # (repeated k and v are an op's output selective AC recomputes: not kept)
-        return c * residual_bytes + (column + h * FP32) / tp + row
+        return c * residual_bytes + (column + h * FP32) / tp + row_parallel_outputs(shape, tp, half)
     return residual + norms + stats + (split + attention) / tp
+
+
+def row_parallel_outputs(shape: Shape, tp: int, half: bool) -> float:
+    """What selective AC keeps a token of the row-parallel projections (attention's o, the MLP's down): their
+    outputs, full width (partial sums under tensor parallel), and under tp > 1 their all-reduces' outputs, also
+    full width. A block without checkpointing keeps none of them (the residual adds that read them need nothing)."""
+    return 2 * shape.embed_dim * (2 if half else FP32) * (2 if tp > 1 else 1)
 
 
 def repeated_kv_bytes(shape: Shape, half: bool, device: str) -> float:
@@ -224,8 +230,10 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
         terms["activations"] += tokens * shape.embed_dim * FP32
     # Backward of one block: the gradients of its MLP's hidden activations, and under checkpointing what it
     # rebuilds of the block beyond what it saved.
-    rebuilt = (block_bytes(shape, tp, half, "none", residual_bytes, device)
-               - block_bytes(shape, tp, half, mode, residual_bytes, device))
+    kept = block_bytes(shape, tp, half, mode, residual_bytes, device)
+    if mode == "selective":  # what selective AC keeps that no plain backward keeps is not rebuilt
+        kept -= row_parallel_outputs(shape, tp, half)
+    rebuilt = max(0.0, block_bytes(shape, tp, half, "none", residual_bytes, device) - kept)
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
     if fsdp and zero == 3:
         # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is resharded after forward, so

@@ -328,7 +328,7 @@ def first_rule(rules: Iterable[FailurePolicyRule], exit_code: int | None,
 class FailurePolicy(_Model):
     rules: list[FailurePolicyRule] = Field(default_factory=list, max_length=8, description=(
         "Checked in order; the first rule that matches a failed pod decides. Where none does: exit codes 2 (the "
-        "trainer refused the spec or its data), 78 (out of memory before the first step), 126 and 127 (the image "
+        "trainer refused the spec or its data), 78 (out of device memory, building or in a step), 126 and 127 (the image "
         "cannot run the command) fail the job; a DisruptionTarget is ignored; any other exit restarts the workers "
         "in place while restartPolicy.inPlaceLimit allows, and then the gang, counted."))
 

@@ -94,8 +94,7 @@ class Progress(_StatusModel):
 
 
 class JobStatus(_StatusModel):
-    """What the operator observed. The words its messages and Events use (gang, attempt, agent, round, stop, exit
-    codes 2/75/76/78) are explained in the glossary of docs/operator.md, "Words the Events and status use"."""
+    """What the operator observed; its words (gang, attempt, round, stop, exit codes): docs/operator.md, glossary."""
 
     phase: Phase | None = None
     reason: str | None = Field(None, max_length=1024, description="CamelCase reason for the phase.")

@@ -72,8 +72,19 @@ def pick_device(job: ParallelTrainJob, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
-class BuildOutOfMemory(Exception):
-    """The device ran out of memory while the model was built: the layout does not fit, whatever restarts."""
+class OutOfMemory(Exception):
+    """The device ran out of memory, building the model or in a step: the layout does not fit at this batch,
+    whatever restarts (EXIT_OUT_OF_MEMORY)."""
+
+
+def out_of_memory(exc: BaseException, where: str, device, spec) -> OutOfMemory:
+    """torch's OutOfMemoryError as the pod's error: where (the rank and step, or the build), the bytes torch asked
+    for (its first line), and what shrinks them."""
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
+    return OutOfMemory(
+        f"out of memory {where} on {device} ({describe_layout(spec)}): {first_line}. This layout needs fewer bytes "
+        "per device: more tensor or pipeline ranks, a higher parallelism.zeroStage, bf16, activation checkpointing "
+        "or smaller micro-steps (training.gradientAccumulation); `paratrain validate --memory` estimates each layout")
 
 
 def _refuse(exc: Exception, code: int = contract.EXIT_INVALID_SPEC) -> int:
@@ -112,8 +123,8 @@ def train_main(spec_path: str) -> int:
         return _train(job, rank, world, local_rank)
     except ValueError as exc:  # a spec the device or data cannot honour (named in the message)
         return _refuse(exc)
-    except BuildOutOfMemory as exc:
-        return _refuse(exc, contract.EXIT_BUILD_OUT_OF_MEMORY)
+    except OutOfMemory as exc:
+        return _refuse(exc, contract.EXIT_OUT_OF_MEMORY)
     except FabricError as exc:
         log.error("preflight: %s; the gang should restart", exc)
         return contract.EXIT_RETRYABLE
@@ -267,15 +278,14 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
             with host.phase("build"):
                 engine = build_engine(spec, dims, device, corpus.vocab_size)
         except torch.OutOfMemoryError as exc:
-            first_line = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
-            raise BuildOutOfMemory(
-                f"out of memory while building the model on {device} ({describe_layout(spec)}), before any step: "
-                f"{first_line}. This layout needs fewer bytes per device: more tensor or pipeline ranks, a higher "
-                "parallelism.zeroStage, or bf16; `paratrain validate --memory` estimates each layout") from None
+            raise out_of_memory(exc, "while building the model, before any step,", device, spec) from None
         # From here a SIGTERM stops at the next step boundary, with a checkpoint (before: at once, as ever).
         stop = StopRequest()
+        trainer = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop, host)
         try:
-            result = Trainer(spec, engine, dims, corpus, device, reporter, checkpointer, stop, host).run()
+            result = trainer.run()
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory(exc, f"on rank {rank} in step {trainer.step_in_flight}", device, spec) from None
         except Preempted as stopped:
             if reporter:
                 reporter.close()  # the last progress becomes the pod's termination message

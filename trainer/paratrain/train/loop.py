@@ -69,6 +69,7 @@ class Trainer:
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
         self.host = host or HostPhases()
         self.result = RunResult()
+        self.step_in_flight = 0  # the step being trained or evaluated after (from 1), for an error to name
 
     @functools.cached_property
     def _rows(self) -> slice:
@@ -191,6 +192,7 @@ class Trainer:
         self._emit("start", step=r.start_step, startStep=r.start_step, totalSteps=t.steps)
         train_time, t_last = 0.0, time.perf_counter()
         for step in range(r.start_step, t.steps):
+            self.step_in_flight = step + 1
             t0 = time.perf_counter()
             micro_batches = self._micro_batches(step)
             t_forward = time.perf_counter()
