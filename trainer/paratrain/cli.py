@@ -131,6 +131,50 @@ def _memory(job, args: argparse.Namespace, here_vocab: int | None) -> int:
     return 0
 
 
+def _explain(job, args: argparse.Namespace, here_vocab: int | None) -> int:
+    """The planner's verdict on the job's model and batch (`--explain`): exit 1 where no layout is feasible."""
+    from .api import hardware, planner
+    from .api.memory import Headroom, parse_bytes
+
+    spec = job.spec
+    vocab = args.vocab_size or here_vocab or spec.data.vocab_size
+    if vocab is None:
+        raise SpecError([Problem("--explain", f"the vocabulary comes from the data ({spec.data.path}), which is not "
+                                 "on this machine: give it with --vocab-size N")])
+    try:
+        gpu = hardware.accelerator(args.gpu) if args.gpu else None
+    except ValueError as exc:
+        raise SpecError([Problem("--gpu", str(exc))]) from None
+    if gpu is None and spec.resources.gpus_per_node:
+        raise SpecError([Problem("--gpu", "a GPU job is planned for a GPU: name it (one of "
+                                 f"{', '.join(hardware.BY_NAME)})")])
+    if not 0 <= args.memory_headroom < 1:
+        raise SpecError([Problem("--memory-headroom", f"{args.memory_headroom} is not a share in [0, 1)")])
+    allow, pin = _names(args.allow, planner.MODES, "--allow"), _names(args.pin, planner.PINNABLE, "--pin")
+    keep = 1 - args.memory_headroom
+    if gpu is not None:
+        budget: int | None = int(Headroom.of(spec).usable(gpu.memory_bytes) * keep)
+    else:  # CPU ranks share their pod's memory
+        budget = int(parse_bytes(spec.resources.memory) / spec.procs_per_node * keep) if spec.resources.memory \
+            else None
+    nodes = args.nodes or spec.nodes
+    counts = list(range(1, nodes + 1)) if args.objective == "minGPUs" else [nodes]
+    result = planner.plan(spec, vocab, gpu or hardware.CPU, budget, "cuda" if gpu else "cpu", counts,
+                          args.objective, allow if args.allow else planner.MODES, pin)
+    if args.json:
+        print(json.dumps(planner.as_json(result), indent=1))
+    else:
+        print("\n".join(planner.explain(result, spec, spec.training.batch_size * spec.model.block_size)))
+    return 0 if result.chosen else 1
+
+
+def _names(given: str | None, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in (given or "").split(",") if n.strip())
+    if unknown := [n for n in names if n not in known]:
+        raise SpecError([Problem(flag, f"{', '.join(unknown)}: not one of {', '.join(known)}")])
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,9 +202,28 @@ def _parser() -> argparse.ArgumentParser:
                           help="also print each rank's predicted peak memory, split into terms (docs/trainer.md)")
     validate.add_argument("--gpu-memory", metavar="BYTES",
                           help="with --memory: a device's memory (e.g. 80GiB); exit 1 if a rank's peak exceeds it")
-    validate.add_argument("--json", action="store_true", help="with --memory: the prediction as JSON on stdout")
+    validate.add_argument("--json", action="store_true",
+                          help="with --memory or --explain: the prediction (or the plan) as JSON on stdout")
     validate.add_argument("--vocab-size", type=int, metavar="N",
-                          help="with --memory: the data's vocabulary, where the data is not on this machine")
+                          help="with --memory or --explain: the data's vocabulary, where the data is not on this "
+                          "machine")
+    validate.add_argument("--explain", action="store_true",
+                          help="plan the layout of this model and batch: every legal layout predicted for memory "
+                          "and step time, the fastest that fits, the next best and every rejection (docs/trainer.md)")
+    validate.add_argument("--gpu", metavar="NAME", help="with --explain: the GPU to plan for (e.g. H100-80GB; "
+                          "default for a CPU job: its CPU ranks)")
+    validate.add_argument("--nodes", type=int, metavar="N", help="with --explain: nodes to plan for (default: "
+                          "spec.nodes; of spec.procsPerNode ranks each)")
+    validate.add_argument("--objective", choices=("throughput", "minGPUs"), default="throughput",
+                          help="with --explain: the shortest step, or the fewest nodes (up to --nodes) that fit")
+    validate.add_argument("--memory-headroom", type=float, default=0.15, metavar="F",
+                          help="with --explain: the share of a rank's usable memory kept free (default 0.15, the "
+                          "memory model's tested error)")
+    validate.add_argument("--allow", metavar="MODES", help="with --explain: the modes the plan may use, comma-"
+                          "separated, of data,tensor,pipeline,zero,activationCheckpointing,gradientAccumulation")
+    validate.add_argument("--pin", metavar="FIELDS", help="with --explain: fields kept as the job has them, comma-"
+                          "separated, of data,tensor,pipeline,zeroStage,pipelineSchedule,microbatches,"
+                          "activationCheckpointing,gradientAccumulation")
 
     render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for a job")
     _add_job_args(render)
@@ -258,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             trains = f"its own program: {' '.join(own.command + own.args)}" if own else describe_model(job.spec)
             print(f"{args.job}: valid ({job.metadata.name}, world size {job.spec.world_size}, {trains})", file=out)
             runs_somewhere = _verdicts(job, _platform(args), out)
+            if args.explain:
+                return _explain(job, args, here_vocab)
             code = _memory(job, args, here_vocab) if args.memory or job.spec.resources.gpu_memory else 0
             return code or (0 if runs_somewhere else 1)
         if args.command == "render":

@@ -174,13 +174,26 @@ def device_of(spec) -> str:
 def predict(spec, vocab_size: int, device: str | None = None) -> list[RankMemory]:
     """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out), on
     `device` ("cpu" or "cuda"; default: the spec's, `device_of`), where some kernels keep other tensors."""
-    p, m = spec.parallelism, spec.model
-    shape = Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size, m.bias)
-    device = device or device_of(spec)
+    p = spec.parallelism
+    shape, device = _shape(spec, vocab_size), device or device_of(spec)
     stages = [_stage(spec, shape, s, device) for s in range(p.pipeline)]
     per_stage = p.data * p.tensor
     return [RankMemory(rank, rank // per_stage, dict(stages[rank // per_stage]),
                        _peak(stages[rank // per_stage], p.pipeline > 1)) for rank in range(spec.world_size)]
+
+
+def largest_peak(spec, vocab_size: int, device: str) -> int:
+    """The largest rank's predicted peak, computed for the stages that can hold it only (the planner asks for
+    thousands of layouts): the first (the embedding, the most microbatches in flight under 1F1B), the second (as many
+    layers or one fewer, but receive buffers the first lacks; every later middle stage holds no more than it) and
+    the last (the loss)."""
+    pp, shape = spec.parallelism.pipeline, _shape(spec, vocab_size)
+    return max(_peak(_stage(spec, shape, s, device), pp > 1) for s in sorted({0, min(1, pp - 1), pp - 1}))
+
+
+def _shape(spec, vocab_size: int) -> Shape:
+    m = spec.model
+    return Shape(m.family, m.layers, m.embed_dim, m.heads, m.kv_heads, m.ffn_dim, vocab_size, m.block_size, m.bias)
 
 
 def _stage_layers(layers: int, stages: int, stage: int) -> int:

@@ -12,22 +12,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..api.hardware import ACCELERATORS
 from .host_memory import peak_rss_bytes
 from .models.registry import ModelConfig, build_model
 
-# Dense (not sparse) bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' datasheets, matched as substrings
-# of torch.cuda.get_device_name() in this order (so "H100 PCIe" before "H100", "L40S" before "L4").
-PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),  # SXM
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("V100", 125e12),  # fp16 (no bf16)
-)
+# Dense (not sparse) bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' datasheets (api.hardware),
+# matched as substrings of torch.cuda.get_device_name() in this order (so "H100 PCIe" before "H100").
+PEAK_FLOPS = tuple((a.device_name, a.peak_flops) for a in ACCELERATORS)
 
 
 class SteadyRate:

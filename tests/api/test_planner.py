@@ -1,0 +1,137 @@
+"""The layout planner (paratrain.api.planner): its time model against the formulas it states, the search against
+the spec's own rules and the memory budget, the choice by objective, pins and allowed modes, and `paratrain
+validate --explain` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.api import hardware, planner
+from paratrain.api.load import parse_job
+from paratrain.api.memory import largest_peak, predict
+from paratrain.api.spec import cross_field_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+H100 = hardware.accelerator("H100-80GB")
+
+
+def spec_of(nodes=1, procs=8, parallelism=None, model=None, training=None, precision="bf16"):
+    return parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "p"},
+                      "spec": {"nodes": nodes, "procsPerNode": procs, "precision": precision,
+                               "parallelism": parallelism or {"data": nodes * procs},
+                               "model": model or {"preset": "llama3-1b", "blockSize": 2048},
+                               "data": {"source": "synthetic", "vocabSize": 128256},
+                               "training": {"batchSize": 256, "steps": 10, **(training or {})},
+                               "resources": {"gpusPerNode": procs}}}).spec
+
+
+def test_the_step_time_is_the_sum_of_the_formulas_parts():
+    spec = spec_of(nodes=2, parallelism={"data": 4, "tensor": 2, "pipeline": 2, "microbatches": 8})
+    t = planner.step_time(spec, 128256, H100, 8)
+    m, tokens = spec.model, 256 * 2048
+    matmul_params = 1498482688 - 128256 * 2048  # all but the embedding table (the untied head is a matmul)
+    compute = tokens * (6 * matmul_params + 12 * 16 * 2048 * 2048) / (16 * 989e12 * planner.COMPUTE_EFFICIENCY)
+    assert t["compute"] == pytest.approx(compute)
+    assert t["bubble"] == pytest.approx(compute * (2 - 1) / 8)  # (p - 1)/m
+    rank_tokens, link = tokens / 4, planner.COMMUNICATION_EFFICIENCY
+    # 4 all-reduces a layer of the stage's 8 layers, ring volume 2(t-1)/t, bf16 activations, within a node
+    assert t["tensor"] == pytest.approx(4 * 8 * rank_tokens * 2048 * 2 * 2 * 1 / 2 / (H100.node_bytes_per_second * link))
+    # the pipeline spans both nodes (its group is every rank): the network
+    assert t["pipeline"] == pytest.approx(2 * rank_tokens * 2048 * 2 / (H100.network_bytes_per_second * link))
+    # fp32 gradients of the stage's tensor shard (a quarter of the model), ring 2(d-1)/d; data x tensor = 8 ranks:
+    # within a node; exposed where it outlasts backward (2/3 of the compute), at least its last fifth
+    reduce = 4 * 1498482688 / 4 * 2 * 3 / 4 / (H100.node_bytes_per_second * link)
+    assert t["data"] == pytest.approx(max(0.2 * reduce, reduce - compute * 2 / 3))
+    assert t["total"] == pytest.approx(sum(t[k] for k in ("compute", "bubble", "tensor", "pipeline", "data")))
+    full = planner.step_time(spec.model_copy(update={"training": spec.training.model_copy(
+        update={"activation_checkpointing": "full"})}), 128256, H100, 8)
+    assert full["compute"] == pytest.approx(compute * 4 / 3) and full["tensor"] == pytest.approx(t["tensor"] * 6 / 4)
+
+
+def test_every_feasible_layout_keeps_the_spec_rules_and_the_budget_and_the_choice_is_the_simplest_near_best():
+    spec = spec_of()
+    budget = 40 * 2**30
+    result = planner.plan(spec, 128256, H100, budget, "cuda", [2])
+    assert result.feasible and result.considered == len(result.feasible) + sum(
+        r.count for r in result.rejected.values())
+    for c in result.feasible:
+        assert not cross_field_problems(c.spec) and c.spec.world_size == 16
+        assert c.peak_bytes == max(r.peak_bytes for r in predict(c.spec, 128256, "cuda")) <= budget
+        assert c.spec.training.batch_size * c.spec.model.block_size == 256 * 2048  # the global batch kept
+    best = min(c.step_seconds for c in result.feasible)
+    near = [c for c in result.feasible if c.step_seconds <= best * (1 + planner.TIE)]
+    assert result.chosen in near and result.chosen.simplicity() == min(c.simplicity() for c in near)
+    assert "memory: the predicted peak exceeds the budget" in result.rejected  # some layouts do not fit 40 GiB
+    assert [c.step_seconds for c in result.feasible[1:]] == sorted(c.step_seconds for c in result.feasible[1:])
+
+
+def test_pins_and_allowed_modes_bound_the_search():
+    spec = spec_of(nodes=2, parallelism={"data": 8, "tensor": 2})
+    pinned = planner.plan(spec, 128256, H100, 60 * 2**30, "cuda", [2], pin=("tensor",))
+    assert pinned.feasible and {c.spec.parallelism.tensor for c in pinned.feasible} == {2}
+    only_data = planner.plan(spec, 128256, H100, 60 * 2**30, "cuda", [2], allow=("data", "zero",
+                                                                              "gradientAccumulation"))
+    assert only_data.feasible
+    assert all(c.spec.parallelism.tensor == c.spec.parallelism.pipeline == 1 for c in only_data.feasible)
+    assert all(c.spec.training.activation_checkpointing == "none" for c in only_data.feasible)
+    assert any(c.spec.training.gradient_accumulation > 1 for c in only_data.feasible)
+
+
+def test_min_gpus_takes_the_fewest_nodes_that_fit():
+    spec = spec_of(nodes=4, parallelism={"data": 32})
+    budget = 30 * 2**30
+    result = planner.plan(spec, 128256, H100, budget, "cuda", [1, 2, 3, 4], objective="minGPUs")
+    fewest = result.chosen.spec.nodes
+    assert all(c.spec.nodes >= fewest for c in result.feasible)
+    smaller = planner.plan(spec, 128256, H100, budget, "cuda", list(range(1, fewest)))
+    assert not smaller.feasible  # nothing fits on fewer nodes
+    fastest = planner.plan(spec, 128256, H100, budget, "cuda", [4])
+    assert fastest.chosen.step_seconds < result.chosen.step_seconds  # more GPUs, a shorter step
+
+
+def test_the_largest_peak_is_the_largest_ranks():
+    for parallelism in ({"data": 2, "pipeline": 4, "microbatches": 8}, {"data": 1, "pipeline": 8, "microbatches": 8,
+                                                                         "pipelineSchedule": "GPipe"},
+                        {"data": 4, "tensor": 2, "zeroStage": 3}):
+        spec = spec_of(parallelism=parallelism, model={"preset": "llama3-1b", "blockSize": 512, "layers": 13})
+        for device in ("cpu", "cuda"):
+            assert largest_peak(spec, 128256, device) == max(r.peak_bytes for r in predict(spec, 128256, device))
+
+
+def validate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_validate_explain_prints_the_plan_its_bands_alternatives_and_rejections():
+    proc = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--nodes", "8")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "plan on H100-80GB (objective throughput; the global batch, 524,288 tokens a step, kept)" in out
+    assert "  chosen: data " in out and "(±15%, the memory model's tested error)" in out
+    assert "(±50%: the time model is not calibrated on a GPU yet)" in out and "tokens/s: compute" in out
+    assert "as the job's own: --set spec.nodes=8" in out
+    assert "\n  2. " in out and "\n  4. " in out
+    assert "this job's own layout (" in out and "not planned here" in out  # its 2 nodes, not the 8 planned
+    assert "  rejected " in out and "; e.g. " in out
+    as_json = json.loads(validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--json").stdout)
+    assert as_json["chosen"]["peak_bytes"] <= as_json["memory_budget_bytes"]
+    assert as_json["considered"] == as_json["feasible"] + sum(r["count"] for r in as_json["rejected"].values())
+    assert as_json["own"]["set"]["spec.nodes"] == 2
+
+
+def test_validate_explain_refuses_what_it_cannot_plan_naming_the_flag():
+    unknown = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-81GB")
+    assert unknown.returncode != 0 and "--gpu: 'H100-81GB' is not a GPU paratrain knows" in unknown.stderr
+    unnamed = validate("examples/llama3-1b-gpu.yaml", "--explain")
+    assert unnamed.returncode != 0 and "--gpu: a GPU job is planned for a GPU" in unnamed.stderr
+    nothing = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "L4-24GB", "--allow", "data")
+    assert nothing.returncode == 1 and "no layout is feasible" in nothing.stdout
+    assert "rejected " in nothing.stdout and "memory" in nothing.stdout
+    bad = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--pin", "tensr")
+    assert bad.returncode != 0 and "--pin: tensr: not one of" in bad.stderr

@@ -1,0 +1,58 @@
+"""The accelerators paratrain knows by name: memory, peak FLOP/s and link bandwidths, from the vendors' datasheets.
+
+The planner (`paratrain validate --explain --gpu NAME`) sizes layouts against them; perf.PEAK_FLOPS (MFU) reads its
+peaks from here. Bandwidths are per GPU and direction, what a collective's ring can use: NVLink within a node where
+the GPU has it (else PCIe), the node's network share across nodes (its NICs divided by its GPUs). They are defaults:
+a cluster whose links differ should be measured, and the planner says its time is uncalibrated until a GPU run is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str  # what --gpu takes
+    device_name: str  # a substring of torch.cuda.get_device_name() that identifies it
+    memory_bytes: int
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
+    fp32_flops: float  # plain fp32 (TF32 tensor cores give half the bf16 peak)
+    node_bytes_per_second: float  # within a node, per GPU and direction (NVLink, else PCIe)
+    network_bytes_per_second: float  # across nodes, per GPU and direction
+    gpus_per_node: int = 8
+
+    def flops(self, precision: str, tf32: bool) -> float:
+        """The peak a job's matmuls can reach in `precision` (fp32 with spec.tf32: TF32 tensor cores)."""
+        if precision in ("bf16", "fp16"):
+            return self.peak_flops
+        return self.peak_flops / 2 if tf32 and self.fp32_flops < self.peak_flops / 2 else self.fp32_flops
+
+
+# In match order for device_name (so "H100 PCIe" before "H100", "L40S" before "L4").
+ACCELERATORS = (
+    Accelerator("H100-PCIe-80GB", "H100 PCIe", 80 * GiB, 756e12, 51e12, 64 * GB, 25 * GB),
+    Accelerator("H100-NVL-94GB", "H100 NVL", 94 * GiB, 835e12, 60e12, 64 * GB, 50 * GB),
+    Accelerator("H100-80GB", "H100", 80 * GiB, 989e12, 67e12, 450 * GB, 50 * GB),  # SXM: NVLink 4, 8 x 400 Gb/s
+    Accelerator("H200-NVL-141GB", "H200 NVL", 141 * GiB, 835e12, 60e12, 64 * GB, 50 * GB),
+    Accelerator("H200-141GB", "H200", 141 * GiB, 989e12, 67e12, 450 * GB, 50 * GB),  # SXM
+    Accelerator("A100-80GB", "A100", 80 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB),  # SXM: NVLink 3, 200 Gb/s
+    Accelerator("A100-40GB", "A100", 40 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB),
+    Accelerator("L40S-48GB", "L40S", 48 * GiB, 362e12, 91.6e12, 32 * GB, 12.5 * GB),  # PCIe 4, 100 Gb/s a node
+    Accelerator("L4-24GB", "L4", 24 * GiB, 121e12, 30.3e12, 32 * GB, 12.5 * GB),
+    Accelerator("V100-32GB", "V100", 32 * GiB, 125e12, 15.7e12, 150 * GB, 12.5 * GB),  # fp16 (no bf16)
+)
+BY_NAME = {a.name: a for a in ACCELERATORS}
+# A CPU rank, for planning local runs: an order of magnitude, not a datasheet (gloo over shared memory).
+CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, gpus_per_node=1)
+
+
+def accelerator(name: str) -> Accelerator:
+    """The catalogue's entry for `name` (case-insensitive); ValueError naming the known ones."""
+    found = {a.name.lower(): a for a in ACCELERATORS}.get(name.lower())
+    if found is None:
+        raise ValueError(f"{name!r} is not a GPU paratrain knows: one of {', '.join(BY_NAME)}")
+    return found

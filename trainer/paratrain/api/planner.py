@@ -1,0 +1,332 @@
+"""The layout planner: every legal layout of a job's model, batch and gang on an accelerator, each predicted for
+memory (memory.largest_peak) and step time (`step_time`), the fastest that fits chosen, the rest ranked and every
+rejection counted. `paratrain validate --explain` prints it (no torch; a 1,024-GPU search takes well under a
+second).
+
+A layout is data x tensor x pipeline degrees, the ZeRO stage, the pipeline schedule and microbatches, activation
+checkpointing and gradient accumulation; the global batch (training.batchSize x blockSize tokens) stays fixed.
+Tensor parallel stays within a node; the mesh is (pipeline, data, tensor), tensor innermost (ParallelDims), so a
+data-parallel or pipeline group crosses nodes once it spans more ranks than a node has. Within 5% of the fastest
+layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
+model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
+
+The time model, per step and rank (docs/trainer.md, "Planner"): compute at COMPUTE_EFFICIENCY of the accelerator's
+peak for the precision, full activation checkpointing adding a forward (x4/3), selective a few %; the pipeline bubble (p-1)/m of the
+compute; tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 with full recompute), ring
+volume 2(t-1)/t; pipeline sends of the activations and their gradients; data parallel's gradient reduction (fp32,
+2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward; links at COMMUNICATION_EFFICIENCY.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+from .hardware import Accelerator
+from .memory import largest_peak
+from .shapes import parameter_count
+from .spec import Spec, cross_field_problems
+
+COMPUTE_EFFICIENCY = 0.4  # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%)
+SELECTIVE_RECOMPUTE = 0.03  # selective AC recomputes the cheap ops (norms, activations): a few % of the compute
+COMMUNICATION_EFFICIENCY = 0.7  # of a link's bandwidth a ring collective reaches
+TIE = 0.05  # within this of the fastest, the simplest layout wins
+MEMORY_BAND = 0.15  # the memory model's error, held by tests/trainer/test_memory_model.py
+TIME_BAND = 0.5  # the time model's: uncalibrated until a GPU run measures it
+AC_MODES = ("none", "selective", "full")
+MODES = ("data", "tensor", "pipeline", "zero", "activationCheckpointing", "gradientAccumulation")
+PINNABLE = ("data", "tensor", "pipeline", "zeroStage", "pipelineSchedule", "microbatches", "activationCheckpointing",
+            "gradientAccumulation")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout, what it changes of the spec, and its predictions."""
+
+    spec: Spec
+    peak_bytes: int
+    time: dict[str, float]  # the step time's parts, and "total"
+
+    @property
+    def step_seconds(self) -> float:
+        return self.time["total"]
+
+    def describe(self) -> str:
+        p, t = self.spec.parallelism, self.spec.training
+        pipe = f", {p.pipeline_schedule} with {p.microbatches} microbatches" if p.pipeline > 1 else ""
+        zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
+        ac = f", {t.activation_checkpointing} activation checkpointing" if t.activation_checkpointing != "none" \
+            else ""
+        acc = f", {t.gradient_accumulation} micro-steps" if t.gradient_accumulation > 1 else ""
+        nodes = f" on {self.spec.nodes} node(s)" if self.spec.nodes else ""
+        return f"data {p.data} x tensor {p.tensor} x pipeline {p.pipeline}{pipe}{zero}{ac}{acc}{nodes}"
+
+    def simplicity(self) -> tuple:
+        p, t = self.spec.parallelism, self.spec.training
+        return (sum(d > 1 for d in (p.data, p.tensor, p.pipeline)), p.pipeline > 1, p.zero_stage,
+                AC_MODES.index(t.activation_checkpointing), t.gradient_accumulation, p.tensor)
+
+    def overrides(self) -> dict[str, object]:
+        """The spec fields the plan sets, as `--set` paths take them."""
+        p, t = self.spec.parallelism, self.spec.training
+        return {"spec.nodes": self.spec.nodes, "spec.parallelism.data": p.data, "spec.parallelism.tensor": p.tensor,
+                "spec.parallelism.pipeline": p.pipeline, "spec.parallelism.zeroStage": p.zero_stage,
+                "spec.parallelism.pipelineSchedule": p.pipeline_schedule,
+                "spec.parallelism.microbatches": p.microbatches,
+                "spec.training.activationCheckpointing": t.activation_checkpointing,
+                "spec.training.gradientAccumulation": t.gradient_accumulation}
+
+
+@dataclass
+class Rejection:
+    count: int = 0
+    example: str = ""
+
+
+@dataclass
+class Plan:
+    accelerator: Accelerator
+    memory_budget: int | None  # bytes a rank's predicted peak may use; None: not judged
+    objective: str
+    node_counts: tuple[int, ...] = ()
+    considered: int = 0
+    feasible: list[Candidate] = field(default_factory=list)  # ranked, the chosen first
+    rejected: dict[str, Rejection] = field(default_factory=dict)
+    own: Candidate | None = None  # the job's own layout, where legal and within the budget
+    own_problem: str = ""  # else why not
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.feasible[0] if self.feasible else None
+
+    def reject(self, reason: str, example: str) -> None:
+        entry = self.rejected.setdefault(reason, Rejection())
+        entry.count += 1
+        entry.example = entry.example or example
+
+
+def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int) -> dict[str, float]:
+    """Seconds per step, by part, for the spec's layout (see the module docstring)."""
+    p, t, m = spec.parallelism, spec.training, spec.model
+    world, tokens = spec.world_size, t.batch_size * m.block_size
+    act = 2 if spec.precision in ("bf16", "fp16") else 4
+    tables = vocab_size * m.embed_dim + (m.block_size * m.embed_dim if m.family == "gpt" else 0)
+    matmul_params = parameter_count(m, vocab_size) - tables
+    flops = tokens * (6 * matmul_params + 12 * m.layers * m.embed_dim * m.block_size)
+    if t.activation_checkpointing == "full":
+        flops *= 4 / 3  # the forward again
+    elif t.activation_checkpointing == "selective":
+        flops *= 1 + SELECTIVE_RECOMPUTE
+    compute = flops / (world * gpu.flops(spec.precision, spec.tf32) * COMPUTE_EFFICIENCY)
+    bubble = compute * (p.pipeline - 1) / p.microbatches if p.pipeline > 1 else 0.0
+
+    def link(span: int) -> float:  # a group of `span` consecutive ranks: within a node, or across
+        bw = gpu.node_bytes_per_second if span <= gpus_per_node else gpu.network_bytes_per_second
+        return bw * COMMUNICATION_EFFICIENCY
+
+    rank_tokens = tokens / p.data
+    stage_layers = m.layers / p.pipeline
+    tensor = 0.0
+    if p.tensor > 1:
+        all_reduces = 6 if t.activation_checkpointing == "full" else 4
+        volume = all_reduces * stage_layers * rank_tokens * m.embed_dim * act * 2 * (p.tensor - 1) / p.tensor
+        tensor = volume / link(p.tensor)
+    pipeline = 2 * rank_tokens * m.embed_dim * act / link(world) if p.pipeline > 1 else 0.0
+    data = 0.0
+    if p.data > 1:
+        shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
+        volume = 4 * shard * 2 * (p.data - 1) / p.data * (1.5 if p.zero_stage == 3 else 1.0)
+        reduce = volume / link(p.data * p.tensor)
+        data = max(0.2 * reduce, reduce - compute * 2 / 3)  # overlapped with backward, all but its last bucket
+    total = compute + bubble + tensor + pipeline + data
+    return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipeline, "data": data,
+            "total": total}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | None, device: str,
+         node_counts: list[int], objective: str = "throughput", allow: tuple[str, ...] = MODES,
+         pin: tuple[str, ...] = ()) -> Plan:
+    """Every layout of `spec`'s model and batch over `node_counts` nodes of spec.procsPerNode ranks each,
+    judged by the spec's own rules (cross_field_problems, as `validate` and the CRD's CEL judge a job) and by
+    `memory_budget`, ranked by `objective`: throughput (the shortest step) or minGPUs (the fewest nodes that fit,
+    then the shortest step: node counts are searched from the fewest up, and the search ends at the first that has
+    a feasible layout). `allow`: the modes it may use (MODES); `pin`: the fields it keeps as the spec has them
+    (PINNABLE)."""
+    result = Plan(gpu, memory_budget, objective, tuple(node_counts))
+    par, train = spec.parallelism, spec.training
+    procs, layers = spec.procs_per_node, spec.model.layers
+    kept = {name: getattr(par, _attr(name), None) if name not in ("activationCheckpointing", "gradientAccumulation")
+            else getattr(train, _attr(name)) for name in pin}
+
+    def options(name: str, allowed: bool, values: list) -> list:
+        if name in kept:
+            return [kept[name]] if kept[name] in values else []
+        return values if allowed else values[:1]
+
+    for nodes in sorted(node_counts):
+        if objective == "minGPUs" and result.feasible:
+            break
+        world = nodes * procs
+        for tp in options("tensor", "tensor" in allow, [d for d in _divisors(world) if d <= procs]):
+            for pp in options("pipeline", "pipeline" in allow, [d for d in _divisors(world // tp) if d <= layers]):
+                dp = world // (tp * pp)
+                if "data" in kept and kept["data"] != dp:
+                    continue
+                if dp > 1 and "data" not in allow:
+                    result.reject("data parallel not allowed", f"data {dp} x tensor {tp} x pipeline {pp}")
+                    continue
+                zeros = options("zeroStage", "zero" in allow, [0, 1, 2, 3] if dp > 1 else [0])
+                schedules = options("pipelineSchedule", True, ["1F1B", "GPipe"] if pp > 1 else [par.pipeline_schedule])
+                micro = options("microbatches", True, [pp * k for k in (1, 2, 4, 8)] if pp > 1 else [1])
+                acs = options("activationCheckpointing", "activationCheckpointing" in allow, list(AC_MODES))
+                for zero, schedule, m, ac in product(zeros, schedules, micro, acs):
+                    _fit_accumulation(spec, vocab_size, gpu, device, result, nodes, dp, tp, pp, zero, schedule, m,
+                                      ac, options("gradientAccumulation", "gradientAccumulation" in allow,
+                                                  [1, 2, 4, 8, 16, 32]))
+    _rank(result)
+    _judge_own(spec, vocab_size, gpu, device, result)
+    return result
+
+
+def _attr(name: str) -> str:
+    return {"zeroStage": "zero_stage", "pipelineSchedule": "pipeline_schedule",
+            "activationCheckpointing": "activation_checkpointing",
+            "gradientAccumulation": "gradient_accumulation"}.get(name, name)
+
+
+def _layout(spec: Spec, nodes: int, dp: int, tp: int, pp: int, zero: int, schedule: str, m: int, ac: str,
+            accumulation: int) -> Spec:
+    """The spec with this layout (not validated: cross_field_problems judges it; copies are cheap)."""
+    par = spec.parallelism.model_copy(update={"data": dp, "tensor": tp, "pipeline": pp, "zero_stage": zero,
+                                              "pipeline_schedule": schedule, "microbatches": m})
+    train = spec.training.model_copy(update={"activation_checkpointing": ac, "gradient_accumulation": accumulation})
+    return spec.model_copy(update={"nodes": nodes, "parallelism": par, "training": train})
+
+
+def _fit_accumulation(spec, vocab_size, gpu, device, result: Plan, nodes, dp, tp, pp, zero, schedule, m, ac,
+                      accumulations: list[int]) -> None:
+    """The layout with the fewest micro-steps that passes the spec's rules and fits: more micro-steps only trade
+    speed for memory. Each layout tried counts once, as rejected or feasible."""
+    for accumulation in accumulations:
+        candidate = _layout(spec, nodes, dp, tp, pp, zero, schedule, m, ac, accumulation)
+        result.considered += 1
+        if problems := cross_field_problems(candidate):
+            path, message = problems[0]
+            result.reject(f"{path}: the spec's rules", message)
+            continue
+        peak = largest_peak(candidate, vocab_size, device)
+        if result.memory_budget is not None and peak > result.memory_budget:
+            result.reject("memory: the predicted peak exceeds the budget",
+                          f"{Candidate(candidate, peak, {}).describe()} needs {peak / 2**30:.1f} GiB")
+            continue
+        result.feasible.append(Candidate(candidate, peak, step_time(candidate, vocab_size, gpu, spec.procs_per_node)))
+        return
+
+
+def _rank(result: Plan) -> None:
+    """Ranked by the objective; the first within TIE of the best by simplicity."""
+    if not result.feasible:
+        return
+    if result.objective == "minGPUs":
+        fewest = min(c.spec.nodes for c in result.feasible)
+        result.feasible = [c for c in result.feasible if c.spec.nodes == fewest] + \
+            [c for c in result.feasible if c.spec.nodes != fewest]
+        pool = [c for c in result.feasible if c.spec.nodes == fewest]
+    else:
+        pool = result.feasible
+    best = min(c.step_seconds for c in pool)
+    chosen = min((c for c in pool if c.step_seconds <= best * (1 + TIE)), key=lambda c: (c.simplicity(),
+                                                                                         c.step_seconds))
+    rest = sorted((c for c in result.feasible if c is not chosen),
+                  key=lambda c: (c.spec.nodes if result.objective == "minGPUs" else 0, c.step_seconds))
+    result.feasible = [chosen, *rest]
+
+
+def _judge_own(spec: Spec, vocab_size: int, gpu: Accelerator, device: str, result: Plan) -> None:
+    """The job's own layout, judged the same way: its rank among the feasible, or why it is not."""
+    if problems := cross_field_problems(spec):
+        result.own_problem = f"{problems[0][0]}: {problems[0][1]}"
+        return
+    peak = largest_peak(spec, vocab_size, device)
+    if result.memory_budget is not None and peak > result.memory_budget:
+        result.own_problem = f"its predicted peak, {peak / 2**30:.1f} GiB, exceeds the budget"
+        return
+    result.own = Candidate(spec, peak, step_time(spec, vocab_size, gpu, spec.procs_per_node))
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s"
+
+
+def explain(result: Plan, job_spec: Spec, tokens_per_step: int, alternatives: int = 3) -> list[str]:
+    """`paratrain validate --explain`'s lines: the plan, its predictions with their bands and parts, the next best
+    layouts and what each loses by, the job's own layout, and the rejections with an example each."""
+    gpu, chosen = result.accelerator, result.chosen
+    budget = (f"budget {result.memory_budget / 2**30:.1f} GiB a rank" if result.memory_budget is not None
+              else "memory not judged (no device memory known)")
+    out = [f"plan on {gpu.name} (objective {result.objective}; the global batch, {tokens_per_step:,} tokens a step, "
+           f"kept): {result.considered} layouts considered, {len(result.feasible)} feasible; {budget}"]
+    if chosen is None:
+        out.append("  no layout is feasible: see the rejections below")
+    else:
+        own = Candidate(job_spec, 0, {}).overrides()
+        changed = [f"--set {k}={v}" for k, v in chosen.overrides().items() if own[k] != v]
+        out += [f"  chosen: {chosen.describe()}", *_predicted(chosen, tokens_per_step),
+                f"    as the job's own: {' '.join(changed)}" if changed else "    the job's own layout"]
+        for i, alt in enumerate(result.feasible[1:alternatives + 1], 2):
+            out.append(f"  {i}. {alt.describe()}: {_loses(alt, chosen, result.objective)}")
+    own = result.own
+    if own is not None and own.spec.nodes not in result.node_counts:
+        out.append(f"  this job's own layout ({own.describe()}), not planned here: "
+                   f"peak memory {own.peak_bytes / 2**30:.2f} GiB a rank, step {_seconds(own.step_seconds)}")
+    elif own is not None:
+        rank = next((i for i, c in enumerate(result.feasible, 1) if c.overrides() == own.overrides()), None)
+        where = (f"ranked {rank} of {len(result.feasible)}" if rank else
+                 "feasible, not ranked (each layout is ranked with the fewest micro-steps that fit)")
+        out.append(f"  this job's own layout ({own.describe()}): {where}, "
+                   f"{_loses(own, chosen, result.objective) if chosen else ''}".rstrip(", "))
+    else:
+        out.append(f"  this job's own layout: not feasible: {result.own_problem}")
+    for reason, rejection in sorted(result.rejected.items(), key=lambda kv: -kv[1].count):
+        out.append(f"  rejected {rejection.count}: {reason}; e.g. {rejection.example}")
+    return out
+
+
+def _predicted(c: Candidate, tokens_per_step: int) -> list[str]:
+    parts = ", ".join(f"{name} {_seconds(c.time[name])}" for name in ("compute", "bubble", "tensor", "pipeline",
+                                                                         "data") if c.time[name])
+    return [f"    peak memory {c.peak_bytes / 2**30:.2f} GiB a rank (±{MEMORY_BAND:.0%}, the memory model's tested "
+            "error)",
+            f"    step {_seconds(c.step_seconds)} (±{TIME_BAND:.0%}: the time model is not calibrated on a GPU yet), "
+            f"{tokens_per_step / c.step_seconds:,.0f} tokens/s: {parts}"]
+
+
+def _loses(alt: Candidate, chosen: Candidate, objective: str) -> str:
+    """Why `alt` was not chosen: more nodes, a longer step (and where the time goes), or, within TIE, simplicity."""
+    if objective == "minGPUs" and alt.spec.nodes > chosen.spec.nodes:
+        return f"{alt.spec.nodes} nodes, not {chosen.spec.nodes}"
+    if alt is chosen or alt.overrides() == chosen.overrides():
+        return "the chosen plan"
+    longer = alt.step_seconds / chosen.step_seconds - 1
+    if longer <= TIE:
+        return (f"step {_seconds(alt.step_seconds)} ({longer:+.1%}), within {TIE:.0%} of the chosen one, which is "
+                "simpler")
+    part = max(("compute", "bubble", "tensor", "pipeline", "data"), key=lambda k: alt.time[k] - chosen.time[k])
+    return (f"step {_seconds(alt.step_seconds)} ({longer:+.1%}), {_seconds(alt.time[part] - chosen.time[part])} more "
+            f"in {part}")
+
+
+def as_json(result: Plan) -> dict:
+    def one(c: Candidate | None) -> dict | None:
+        return None if c is None else {"layout": c.describe(), "set": c.overrides(), "peak_bytes": c.peak_bytes,
+                                       "step_seconds": c.time}
+    return {"accelerator": result.accelerator.name, "objective": result.objective,
+            "memory_budget_bytes": result.memory_budget, "considered": result.considered,
+            "feasible": len(result.feasible), "memory_band": MEMORY_BAND, "time_band": TIME_BAND,
+            "chosen": one(result.chosen), "alternatives": [one(c) for c in result.feasible[1:4]],
+            "own": one(result.own), "own_problem": result.own_problem,
+            "rejected": {k: {"count": v.count, "example": v.example} for k, v in result.rejected.items()}}
