@@ -119,13 +119,14 @@ def test_second_command_sets_up_and_collects_the_suite(clone: Path) -> None:
 
 
 def test_modes_block_validates_runs_and_renders(clone: Path) -> None:
-    validate, run, render = paratrain_lines(block_with("paratrain validate examples/tensor-parallel.yaml"))
+    validate, run, render, explain = paratrain_lines(block_with("paratrain validate examples/tensor-parallel.yaml"))
     sh(clone, ACTIVATE + validate)
     sh(clone, ACTIVATE + fewer_steps(run, 20))
     metrics = json.loads((clone / "m.json").read_text())
     assert metrics["world_size"] == 4 and len(metrics["losses"]) == 20, metrics.keys()
     rendered = list(yaml.safe_load_all(sh(clone, ACTIVATE + render).stdout))
     assert {doc["kind"] for doc in rendered} >= {"Service", "ConfigMap", "Pod"}
+    assert "  chosen: data " in sh(clone, ACTIVATE + explain).stdout  # the planner's choice, on the GPU it names
 
 
 def test_tokens_block_prepares_trains_and_exports(clone: Path) -> None:
