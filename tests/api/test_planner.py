@@ -74,6 +74,9 @@ def test_pins_and_allowed_modes_bound_the_search():
     spec = spec_of(nodes=2, parallelism={"data": 8, "tensor": 2})
     pinned = planner.plan(spec, 128256, H100, 60 * 2**30, "cuda", [2], pin=("tensor",))
     assert pinned.feasible and {c.spec.parallelism.tensor for c in pinned.feasible} == {2}
+    impossible = planner.plan(spec_of(nodes=2, procs=4, parallelism={"data": 1, "tensor": 8}), 128256, H100,
+                              60 * 2**30, "cuda", [1], pin=("tensor",))  # 1 node of 4 ranks: tensor 8 cannot be
+    assert not impossible.feasible and "--pin tensor: the job's value cannot be used here" in impossible.rejected
     only_data = planner.plan(spec, 128256, H100, 60 * 2**30, "cuda", [2], allow=("data", "zero",
                                                                               "gradientAccumulation"))
     assert only_data.feasible

@@ -164,7 +164,11 @@ def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | Non
 
     def options(name: str, allowed: bool, values: list) -> list:
         if name in kept:
-            return [kept[name]] if kept[name] in values else []
+            if kept[name] in values:
+                return [kept[name]]
+            result.reject(f"--pin {name}: the job's value cannot be used here",
+                          f"{name} {kept[name]}, where {', '.join(map(str, values))} could")
+            return []
         return values if allowed else values[:1]
 
     for nodes in sorted(node_counts):
