@@ -166,6 +166,29 @@ def test_an_fp32_cpu_job_is_checked_without_loading_torch():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_gpu_is_asked_about_the_precision_by_a_child_process(monkeypatch):
+    """Issue 44: the launcher ran a bf16 op on cuda:0 itself, leaving a CUDA context on GPU 0 for the whole run
+    (and failing on EXCLUSIVE_PROCESS GPUs). The question goes to a child now; its refusal names the field. (This
+    machine has no GPU: the child's answer is a refusal, whatever it is, and this process never touches CUDA.)"""
+    import torch
+
+    from paratrain.train import entrypoint
+
+    asked = []
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv) or run(argv, **kw))
+    monkeypatch.setattr(entrypoint, "device_type", lambda job: "cuda")
+    problem = launch.device_problem(parse_job(apply_overrides(TINY_JOB, ["spec.precision=bf16"])))
+    assert [argv[1:] for argv in asked] == [["-c", launch.CUDA_CHECK, "bf16", "0"]]
+    assert problem is not None and problem.path in ("spec.precision", "spec.resources.gpusPerNode"), problem
+    assert not torch.cuda.is_initialized()
+    # The child's own refusal (exit 3, its message) becomes the problem, the field named:
+    monkeypatch.setattr(launch, "CUDA_CHECK", "print('spec.precision: bf16 needs a GPU with bfloat16 support'); "
+                                              "raise SystemExit(3)")
+    said = launch.cuda_problem("bf16", False)
+    assert (said.path, said.message) == ("spec.precision", "bf16 needs a GPU with bfloat16 support")
+
+
 def test_what_the_device_cannot_run_is_refused_before_launch_naming_the_field(monkeypatch):
     import torch
 

@@ -510,25 +510,57 @@ def preflight(job: ParallelTrainJob, checksums: bool = True, volumes: Mapping[st
         raise SpecError(problems)
 
 
+# The precision check on a GPU, run by a short-lived child (`cuda_problem`); its refusal printed, exit 3.
+CUDA_CHECK = """import sys
+import torch
+from paratrain.train.parallel.precision import check_device_supports
+try:
+    check_device_supports(sys.argv[1], torch.device("cuda"), sys.argv[2] == "1")
+except ValueError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
 def device_problem(job: ParallelTrainJob) -> Problem | None:
     """What this machine's device would refuse of the spec: GPUs it does not have, a precision it cannot run.
-    torch is imported only to ask: fp32 on the CPU needs no question, and the import costs the launcher seconds of
-    CPU (the ranks have it from their fork server)."""
+    torch is imported only to ask: fp32 needs no question, and the import costs the launcher seconds of CPU (the
+    ranks have it from their fork server). A GPU is asked by a child process (`cuda_problem`)."""
     from .train.entrypoint import device_type
 
     try:
         device = device_type(job)
-        if job.spec.precision != "fp32":
-            import torch
+        if job.spec.precision == "fp32":
+            return None
+        from .train.parallel.dims import ParallelDims
 
-            from .train.parallel.dims import ParallelDims
-            from .train.parallel.precision import check_device_supports
+        deepspeed = ParallelDims.from_spec(job.spec).uses_deepspeed
+        if device == "cuda":
+            return cuda_problem(job.spec.precision, deepspeed)
+        import torch
 
-            check_device_supports(job.spec.precision, torch.device(device),
-                                  ParallelDims.from_spec(job.spec).uses_deepspeed)
+        from .train.parallel.precision import check_device_supports
+
+        check_device_supports(job.spec.precision, torch.device(device), deepspeed)
     except ValueError as exc:
         path, _, message = str(exc).partition(": ")
         return Problem(path, message)
+    return None
+
+
+def cuda_problem(precision: str, deepspeed: bool) -> Problem | None:
+    """The precision check on GPU 0, in a child process that exits with it: made here, its CUDA context (about
+    0.5 GiB) would stay on GPU 0 for the whole run, and a GPU in EXCLUSIVE_PROCESS compute mode would refuse the
+    rank that needs it."""
+    done = subprocess.run([sys.executable, "-c", CUDA_CHECK, precision, "1" if deepspeed else "0"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        path, _, message = done.stdout.strip().partition(": ")
+        return Problem(path, message)
+    if done.returncode:
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Problem("spec.resources.gpusPerNode", f"the GPU could not be asked whether it runs "
+                       f"spec.precision {precision}: {said}")
     return None
 
 
