@@ -48,6 +48,8 @@ STUCK_AFTER_SECONDS = float(os.environ.get("PARATRAIN_STUCK_POD_SECONDS", "60"))
 # How long a pod whose ranks saw a peer fail (exit 75) or stopped unasked (76) waits for the failing peer's own
 # exit to be seen: the peer's pod often shows Failed a moment later (its agent, then its kubelet's status write).
 CAUSE_WAIT_SECONDS = 15.0
+# Exits a rank makes because another failed: it saw its peer vanish (75), or NCCL's watchdog aborted it (134).
+CONSEQUENCE_EXITS = frozenset({contract.EXIT_RETRYABLE, contract.EXIT_ABORTED})
 
 
 class Failure(status_model.Failure):
@@ -192,9 +194,9 @@ def _unprompted(stop: Failure) -> Failure:
 
 
 def _consequence(failure: Failure) -> bool:
-    """A pod that failed because another did (its ranks saw a peer fail, exit 75) or stopped though nothing stopped
-    the gang (76): what it exited with is not why the gang fails."""
-    return failure.retryable and (failure.exit_code == contract.EXIT_RETRYABLE or failure.reason == "Stopped")
+    """A pod that failed because another did (its ranks saw a peer fail, exit 75, or NCCL's watchdog aborted them,
+    134) or stopped though nothing stopped the gang (76): what it exited with is not why the gang fails."""
+    return failure.retryable and (failure.exit_code in CONSEQUENCE_EXITS or failure.reason == "Stopped")
 
 
 def _cause_wait(root: Failure, others: Sequence[PodView], now: datetime) -> float:
@@ -217,11 +219,11 @@ def _cause_unseen(root: Failure) -> Failure:
 
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
-    """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75) is a
-    consequence, not the cause, then one that was stopped (exit 76, it saved its step) or whose failure a rule
+    """Permanent failures decide the job; among retryable ones, a pod that merely saw its peer die (exit 75, or 134:
+    NCCL's watchdog aborted it) is a consequence, not the cause, then one that was stopped (exit 76, it saved its step) or whose failure a rule
     ignores, and among stops the deleted pod before its peers that exited 76 on its account; then the earliest.
     So a deleted or disrupted pod whose peers exit 75 restarts the gang uncounted, naming the deleted pod."""
-    return min(failures, key=lambda f: (f.retryable, f.exit_code == contract.EXIT_RETRYABLE, f.preempted,
+    return min(failures, key=lambda f: (f.retryable, f.exit_code in CONSEQUENCE_EXITS, f.preempted,
                                         f.exit_code == contract.EXIT_PREEMPTED, f.at or "~", f.pod or ""))
 
 

@@ -87,6 +87,15 @@ def test_the_root_cause_is_the_pod_that_failed_not_the_peers_that_noticed():
     assert decide(pods, RUNNING).state.failure.pod == "job-0-1"
 
 
+@pytest.mark.parametrize("consequence", [contract.EXIT_RETRYABLE, contract.EXIT_ABORTED])
+def test_a_peer_that_exited_75_or_was_aborted_by_the_nccl_watchdog_is_not_the_cause(consequence):
+    """Under NCCL a rank whose peer died is aborted by the watchdog (SIGABRT, 134) rather than exiting 75: the same
+    consequence, never named while the pod that really failed is known."""
+    pods = [pod(0, "Failed", exit_code=consequence, finished_at="2026-11-29T11:59:00Z"),
+            pod(1, "Failed", exit_code=137, finished_at="2026-11-29T11:59:01Z"), pod(2, "Failed", exit_code=consequence)]
+    assert decide(pods, RUNNING).state.failure.pod == "job-0-1"
+
+
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_the_pod_that_failed_is_named_whichever_pod_is_seen_failed_first(order):
     """Rank 1 killed (137), the others exit 75 (a peer failed) a moment later: the pods' Failed statuses reach the

@@ -56,6 +56,9 @@ LABEL_NODE_RANK = "paratrain.dev/node-rank"
 EXIT_OK = 0
 EXIT_INVALID_SPEC = 2  # permanent: the spec can never train
 EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a gang restart may succeed
+# SIGABRT's exit (128 + 6): NCCL's watchdog aborts a rank whose collective failed or timed out, most often because a
+# peer died (TORCH_NCCL_ASYNC_ERROR_HANDLING): like 75, a consequence where another pod's failure is known.
+EXIT_ABORTED = 134
 # Stopped on request (SIGTERM: a drain, a preemption, a suspend), a checkpoint of the last whole step written: the
 # operator restarts the gang without counting it against backoffLimit.
 EXIT_PREEMPTED = 76
