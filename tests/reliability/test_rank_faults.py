@@ -80,17 +80,23 @@ def test_hung_rank_fails_the_job_on_the_collective_timeout(tmp_path):
     assert left == [], f"{context}: left running: {left}"
 
 
-def test_out_of_memory_while_building_fails_at_once_with_its_own_exit_code(tmp_path):
-    """A layout that does not fit the device fails before any step with EXIT_OUT_OF_MEMORY (permanent: the
-    operator fails the job instead of spending backoffLimit on restarts that meet the same error), its reason in
-    the termination message the operator shows."""
-    run = start_run(tmp_path, layout(data=2), env=fault_env("build_oom:1"))
+def rank_1_log_after_out_of_memory(tmp_path, fault: str) -> str:
+    """A 2-rank run whose rank 1 meets `fault` (an injected OutOfMemoryError): it exits EXIT_OUT_OF_MEMORY; rank 1's log."""
+    run = start_run(tmp_path, layout(data=2), env=fault_env(fault))
     try:
         code = run.proc.wait(timeout=120)
     finally:
         run.kill_all()
     assert code == contract.EXIT_OUT_OF_MEMORY, run.stderr()
     log = (tmp_path / "work" / "logs" / "rank-1.log").read_text()
+    return log
+
+
+def test_out_of_memory_while_building_fails_at_once_with_its_own_exit_code(tmp_path):
+    """A layout that does not fit the device fails before any step with EXIT_OUT_OF_MEMORY (permanent: the
+    operator fails the job instead of spending backoffLimit on restarts that meet the same error), its reason in
+    the termination message the operator shows."""
+    log = rank_1_log_after_out_of_memory(tmp_path, "build_oom:1")
     assert ("out of memory while building the model, before any step, on cpu (data 2 × tensor 1 × pipeline 1, fp32): "
             "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
             "is free. This layout needs fewer bytes per device") in log, log
@@ -101,13 +107,7 @@ def test_out_of_memory_in_a_step_fails_at_once_naming_the_rank_the_step_and_the_
     """An out-of-memory error in a step (a GPU's OutOfMemoryError, injected) exits EXIT_OUT_OF_MEMORY too, not 1:
     as 1 it was restartable, and the same OOM came back through inPlaceLimit, then backoffLimit. The termination
     message, which the operator shows, names the rank, the step and the bytes torch asked for."""
-    run = start_run(tmp_path, layout(data=2), env=fault_env("step_oom:1:3"))
-    try:
-        code = run.proc.wait(timeout=120)
-    finally:
-        run.kill_all()
-    assert code == contract.EXIT_OUT_OF_MEMORY, run.stderr()
-    log = (tmp_path / "work" / "logs" / "rank-1.log").read_text()
+    log = rank_1_log_after_out_of_memory(tmp_path, "step_oom:1:3")
     assert ("out of memory on rank 1 in step 3 on cpu (data 2 × tensor 1 × pipeline 1, fp32): CUDA out of memory. "
             "Tried to allocate 3.50 GiB.") in log, log
     assert "activation checkpointing" in log and "paratrain validate --memory" in log
