@@ -584,6 +584,34 @@ async def node_gone(name: str) -> bool | None:
     return any(t.get("key") == OUT_OF_SERVICE_TAINT for t in (node.get("spec") or {}).get("taints") or [])
 
 
+NODE_LABELS_SECONDS = 60.0  # how long a list of the GPU nodes' labels serves mode auto's plans
+_node_labels: tuple[float, list[dict[str, str]] | None] | None = None
+
+
+async def gpu_node_labels(label: str) -> list[dict[str, str]] | None:
+    """The labels of the nodes that carry `label` (GPU Feature Discovery's gpu.product), listed at most once a
+    NODE_LABELS_SECONDS for every job's plan, a page at a time; None when the operator may not list nodes."""
+    global _node_labels
+    if _node_labels is not None and time.monotonic() - _node_labels[0] < NODE_LABELS_SECONDS:
+        return _node_labels[1]
+    labels: list[dict[str, str]] | None = []
+    token = ""
+    try:
+        while True:
+            params = {"labelSelector": label, "limit": "500", **({"continue": token} if token else {})}
+            page = await client().request("GET", api_path("v1", "nodes", None), params=params)
+            labels += [dict((item.get("metadata") or {}).get("labels") or {}) for item in page.get("items") or []]
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                break
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        labels = None
+    _node_labels = (time.monotonic(), labels)
+    return labels
+
+
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     return await get_object({"apiVersion": API_GROUP_VERSION, "metadata": {"namespace": namespace, "name": name}},
                             PLURAL)

@@ -22,7 +22,9 @@ Why each rule:
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
 - nodes (get): only for a pod of an old attempt stuck terminating past its grace period: if its node is gone or
   NotReady (no kubelet will ever confirm the deletion), the pod is force-deleted, as the pod garbage collector
-  does, so the gang's restart can proceed; on a Ready node it is only reported.
+  does, so the gang's restart can proceed; on a Ready node it is only reported. (list): parallelism mode auto
+  reads the GPU nodes' GPU Feature Discovery labels (nvidia.com/gpu.product, gpu.memory, gpu.count) to plan a
+  gang, at most once a minute; without it the platform's planner.gpu names the GPU.
 - customresourcedefinitions (list, watch): kopf's resource observer (it notices the CRD being installed).
 - leases (coordination.k8s.io), only in the operator's own namespace (a Role there): leader election among its
   replicas (`--leader-elect`): read, created once, renewed and taken over by update.
@@ -54,11 +56,12 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
 )
 # Cluster-scoped reads: kopf's (namespaces, CRDs) even when the operator serves only some namespaces, and one
-# node at a time to tell a lost node from a slow kubelet (a stuck pod). A namespaced install goes without them;
-# a stuck pod is then only reported, never force-deleted.
+# node at a time to tell a lost node from a slow kubelet (a stuck pod), the GPU nodes' labels for mode auto's plans.
+# A namespaced install goes without them; a stuck pod is then only reported, never force-deleted, and mode auto
+# plans for the platform's planner.gpu.
 CLUSTER_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "namespaces", ("list", "watch")),
-    ("", "nodes", ("get",)),
+    ("", "nodes", ("get", "list")),
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
 

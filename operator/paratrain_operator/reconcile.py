@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, Problem, SpecError, describe_layout, parse_job
-from paratrain.api.memory import parse_bytes
+from paratrain.api import planner
+from paratrain.api.memory import human, parse_bytes
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
-from . import apply, gang, metrics, observe, status
+from . import apply, gang, metrics, observe, planning, status
 from .clock import from_iso, now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
@@ -224,11 +225,14 @@ async def _pass(body: dict[str, Any]) -> str | None:
         return prev.get("phase")
     gang_build: GangBuild | None = None
     job: ParallelTrainJob | None = None
+    plan: dict[str, Any] | None = None  # status.plan, for a mode auto job
     filled: list[str] = []  # what the platform's jobDefaults filled in
     try:
         if (size := jobs.oversized(key)) is not None:  # not kept: refused before it is read
             raise SpecError([Problem("spec", spec_size_problem(size, PLATFORM) or "")])
         job, filled = as_the_operator_takes_it(parse_job(job_document(body)), PLATFORM)
+        if job.spec.parallelism.mode == "auto":
+            job, plan = await _planned(job, prev, views, state)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
@@ -252,7 +256,9 @@ async def _pass(body: dict[str, Any]) -> str | None:
                 failure = Failure(reason="RenderFailed", message=f"cannot build the gang: {exc}", retryable=False)
                 decision = gang.fail(state, views, failure, now)
 
-    written = await _persist(body, decision, job, views, filled)
+    if plan is not None and plan is not prev.get("plan"):
+        decision = replace(decision, events=(*decision.events, _planned_event(plan, prev.get("plan"))))
+    written = await _persist(body, decision, job, views, filled, plan)
     if written is None:
         forget(namespace, name)  # deleted meanwhile: its DELETED event may be one nobody could read
         return None
@@ -276,6 +282,32 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+async def _planned(job: ParallelTrainJob, prev: Mapping[str, Any], views: Sequence[PodView], state: GangState
+                   ) -> tuple[ParallelTrainJob, dict[str, Any]]:
+    """A mode auto job as its gang runs it, and its status.plan: the recorded layout while any pod of the job
+    exists or once it has finished, else planned now (planning's docstring)."""
+    kept = prev.get("plan")
+    if kept and kept.get("layout") and (views or state.phase in gang.FINISHED):
+        return planning.recorded(job, kept), kept
+    labels = await observe.gpu_node_labels(planning.GFD_PRODUCT) if job.spec.resources.gpus_per_node else None
+    try:
+        planned, plan = planning.plan_now(job, labels, PLATFORM, state.attempt)
+    except planner.NoPlan as exc:
+        raise SpecError([Problem("spec.parallelism", str(exc))]) from None
+    if kept and kept.get("layout") == plan["layout"] and kept.get("source") == plan["source"]:
+        return planned, kept  # the same plan: its measurements stay
+    return planned, plan
+
+
+def _planned_event(plan: Mapping[str, Any], before: Mapping[str, Any] | None) -> gang.Event:
+    what = "planned again (a fresh gang)" if before else "planned"
+    return gang.Event("Normal", "Planned", (
+        f"{what}: {plan['summary']}, for {plan['accelerator']} from {plan['source']}; predicted peak "
+        f"{human(plan['predictedPeakBytes'])} a rank, {plan['predictedStepSeconds']:.3g} s a step "
+        f"({plan['predictedTokensPerSecond']:,} tokens/s); {plan['feasible']} of {plan['considered']} layouts "
+        "feasible"))
 
 
 @dataclass(frozen=True)
@@ -414,7 +446,8 @@ def _acts(decision: Decision) -> bool:
 
 
 async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
-                   views: Sequence[PodView], filled: Sequence[str] = ()) -> dict[str, Any] | None:
+                   views: Sequence[PodView], filled: Sequence[str] = (), plan: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any] | None:
     """Write the decision's state (before any action: see gang's docstring), conditional on `body`'s
     resourceVersion, and post its Events; returns the job as now stored (`body` when nothing was written), or
     None when the job is gone. Raises apply.Conflict when the job changed since `body`."""
@@ -428,7 +461,7 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=describe_layout(job.spec) if job else None,
-                       platform_defaults=filled, now=clock_now())
+                       platform_defaults=filled, plan=plan, now=clock_now())
     patch = _paced((meta["namespace"], meta["name"]), status.patch(stored_status, new))
     stored = body
     if patch or _acts(decision):

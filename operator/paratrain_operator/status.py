@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from paratrain import contract
+from paratrain.api.planner import with_measurements
 from paratrain.api.status import JobStatus, fit_to_schema, progress_text
 
 from . import decode, gang
@@ -50,9 +52,10 @@ OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "obser
               "uncountedRestarts", "startTimeouts", "restartsText", "lossText", "eta", "failureReason",
               "lastRestartReason", "lastRestartTime", "resumedFromStep",
               "completionTime", "failure", "lastStop",
-              "pods", "progress", "progressText", "conditions")
+              "pods", "progress", "progressText", "conditions", "plan")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
-                     "tokensPerSecond": int, "etaSeconds": float, "restartsInPlace": int}
+                     "tokensPerSecond": int, "etaSeconds": float, "restartsInPlace": int,
+                     "peakMemoryBytes": int}
 _SIGNED = frozenset({"loss", "valLoss"})
 _RANK_FAILURE_NUMBERS = ("rank", "nodeRank", "exitCode")
 _TRAINER_PHASES = frozenset({"starting", "training", "done"})
@@ -172,12 +175,13 @@ def stall(state: GangState, conditions: Sequence[Mapping[str, Any]], progress: M
 
 def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods: Sequence[PodView],
           progress: Mapping[str, Any] | None, stall_timeout: int, generation: int | None, layout: str | None,
-          now: datetime, platform_defaults: Sequence[str] = ()) -> dict[str, Any]:
+          now: datetime, platform_defaults: Sequence[str] = (), plan: Mapping[str, Any] | None = None
+          ) -> dict[str, Any]:
     """The whole status this operator owns (other keys in `prev` are left to their writers)."""
     prev = prev or {}
     out: dict[str, Any] = {"phase": state.phase or gang.PENDING, "reason": state.reason, "message": state.message}
     if layout:
-        out["layout"] = layout
+        out["layout"] = f"{layout} (planned)" if plan else layout
     if platform_defaults:  # once the platform fills nothing, the patch removes an earlier list (OWNED_KEYS)
         out["platformDefaults"] = list(platform_defaults)
     if generation is not None:
@@ -215,6 +219,8 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["lastRestartReason"], out["lastRestartTime"] = state.last_restart_reason, state.last_restart_time
     if state.resumed_from is not None:
         out["resumedFromStep"] = state.resumed_from
+    if plan:  # mode auto's choice and, once this attempt has trained, what was measured beside its predictions
+        out["plan"] = with_measurements(dict(plan), progress, contract.MEASURE_AFTER_STEPS)
     progress = progress or prev.get("progress")
     if progress:
         out["progress"] = dict(progress)

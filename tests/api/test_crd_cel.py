@@ -92,6 +92,8 @@ CROSS_FIELD_CASES = [
     ("min-lr", {"training": {"learningRate": 0.001, "minLearningRate": 0.01}}, {"spec.training.minLearningRate"}),
     ("warmup", {"training": {"steps": 5, "warmupSteps": 10}}, {"spec.training.warmupSteps"}),
     ("source-needs-path", {"data": {"source": "tokens"}}, {"spec.data.path"}),  # and text: the random specs
+    ("planner-field-under-manual", {"parallelism": {"objective": "minGPUs"}}, {"spec.parallelism.objective"}),
+    ("auto-with-entrypoint", {"entrypoint": OWN, "parallelism": {"mode": "auto"}}, {"spec.parallelism.mode"}),
     ("gpus-per-proc", {"resources": {"gpusPerNode": 2}}, {"spec.resources.gpusPerNode"}),
     ("queue-needs-volcano", {"scheduling": {"queue": "q"}}, {"spec.scheduling.queue"}),
     ("topology-needs-kubernetes-gang", {"scheduling": {"gang": "volcano", "topologyKey": "kubernetes.io/zone"}},
@@ -188,6 +190,9 @@ MORE_CASES = [
     ("failure-rules-clash-with-a-copy", {"failurePolicy": {"rules": [
         rule("FailJob", exitCodes=[3]), rule("Ignore", exitCodes=[9]), rule("FailJob", exitCodes=[3]),
         rule("RestartGang", exitCodes=[9, 3])]}}, {"spec.failurePolicy.rules"}),
+    ("pin-under-manual", {"parallelism": {"pin": ["tensor"]}}, {"spec.parallelism.pin"}),
+    ("allow-under-manual", {"parallelism": {"allow": []}}, {"spec.parallelism.allow"}),
+    ("headroom-under-manual", {"parallelism": {"memoryHeadroom": 0}}, {"spec.parallelism.memoryHeadroom"}),
     ("annotations-too-big", {"pod": {"annotations": {f"k{i}": "x" * 60_000 for i in range(5)}}},
      {"spec.pod.annotations"}),
 ]
@@ -260,6 +265,10 @@ VALID = [
     {"pod": {"volumes": [vol("data", "/data", persistentVolumeClaim="corpus.v1"), vol("tmp", "/tmp")],
              "env": [{"name": "PYTHONPATH", "value": "/x"}], "labels": {"example.com/team": "a"}}},
     {"entrypoint": OWN, "nodes": 2, "parallelism": {"data": 2}, "precision": "bf16"},
+    # Under mode auto the layout fields are the planner's: the manual layout rules do not hold them.
+    {"nodes": 2, "parallelism": {"mode": "auto", "objective": "minGPUs", "pin": ["tensor"], "allow": ["data", "zero"],
+                                 "memoryHeadroom": 0.2}},
+    {"nodes": 3, "parallelism": {"mode": "auto", "zeroStage": 1, "microbatches": 2}, "training": {"batchSize": 7}},
     {"restartPolicy": {"inPlaceLimit": 3},
      "failurePolicy": {"rules": [rule("FailJob", exitCodes=[3, 4]), rule("FailJob", exitCodes=[4]),
                                  rule("Ignore", podConditions=["DisruptionTarget", "Evicted"]),
@@ -349,7 +358,9 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         "nodes": mostly(data * tensor * pipeline // procs, 1, 3), "procsPerNode": procs,
         "parallelism": {"data": data, "tensor": tensor, "pipeline": pipeline,
                         "zeroStage": mostly(0, 1, 2, 3), "pipelineSchedule": pick(["GPipe", "1F1B"]),
-                        "microbatches": mostly(pipeline, 1, 2, 3)},
+                        "microbatches": mostly(pipeline, 1, 2, 3),
+                        **mostly({}, {"mode": "auto"}, {"mode": "auto", "objective": "minGPUs", "pin": ["tensor"]},
+                                 {"memoryHeadroom": 0.1}, {"mode": "manual", "allow": ["data"]})},
         "model": {"layers": mostly(4, 1, 2), "heads": mostly(heads, 3, 6), "embedDim": mostly(8 * heads, 9, 12),
                   **pick([{}, {"family": "llama"}, {"family": "gpt"}]),
                   **mostly({}, {"kvHeads": max(1, heads // 2)}, {"kvHeads": 3}, {"ffnDim": 6}, {"ropeTheta": 1e4},

@@ -5,6 +5,8 @@ validate --explain` as a user runs it."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +140,89 @@ def test_validate_explain_refuses_what_it_cannot_plan_naming_the_flag():
     assert "rejected " in nothing.stdout and "memory" in nothing.stdout
     bad = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--pin", "tensr")
     assert bad.returncode != 0 and "--pin: tensr: not one of" in bad.stderr
+
+
+def auto_spec(nodes=2, procs=8, **settings):
+    return spec_of(nodes=nodes, procs=procs, parallelism={"mode": "auto", **settings})
+
+
+def test_a_mode_auto_spec_is_planned_by_its_own_settings_into_a_manual_spec_the_ranks_run():
+    target = planner.Target(H100, "--gpu H100-80GB")
+    chosen, result = planner.planned(auto_spec(), 128256, target)
+    assert chosen.parallelism.mode == "manual" and chosen.parallelism.pin is None
+    assert not cross_field_problems(chosen) and chosen.world_size == 16 and chosen == result.chosen.spec
+    # What status.plan records applies back to the same spec: a replacement pod runs its peers' layout.
+    assert planner.with_layout(auto_spec(), result.chosen.layout()) == chosen
+    pinned, _ = planner.planned(auto_spec(tensor=4, pin=["tensor"]), 128256, target)
+    assert pinned.parallelism.tensor == 4
+    only_data, _ = planner.planned(auto_spec(allow=["data", "zero", "gradientAccumulation"]), 128256, target)
+    assert only_data.parallelism.tensor == only_data.parallelism.pipeline == 1
+    assert only_data.training.activation_checkpointing == "none"
+    # 2 GPUs a node and 80% of their memory kept free: one node is too few, all four more than needed
+    tight = {"objective": "minGPUs", "memoryHeadroom": 0.8}
+    fewest, _ = planner.planned(auto_spec(nodes=4, procs=2, **tight), 128256, target)
+    assert fewest.nodes == 2
+    assert planner.plan_job(auto_spec(nodes=1, procs=2, **tight), 128256, target).chosen is None
+    # memoryHeadroom shrinks the budget; a flag (the CLI's) overrides the spec's setting
+    roomy = planner.plan_job(auto_spec(memoryHeadroom=0.5), 128256, target)
+    assert roomy.memory_budget == pytest.approx(planner.plan_job(auto_spec(), 128256, target).memory_budget
+                                                * 0.5 / 0.85, rel=1e-6)
+    assert planner.plan_job(auto_spec(memoryHeadroom=0.5), 128256, target, headroom=0.0).memory_budget > \
+        roomy.memory_budget
+
+
+def test_no_feasible_layout_is_a_clear_error_naming_the_rejections():
+    small = planner.Target(hardware.accelerator("L4-24GB"), "--gpu L4-24GB")
+    with pytest.raises(planner.NoPlan, match=r"no layout fits on --gpu L4-24GB \(L4-24GB, [0-9.]+ GiB a rank\): "
+                                             r"of \d+ considered, \d+ by memory: the predicted peak exceeds the "
+                                             r"budget \(e\.g\. data "):
+        planner.planned(auto_spec(nodes=1, procs=1, allow=["data"]), 128256, small)
+
+
+def test_gpu_names_map_to_the_catalogue_by_name_and_memory():
+    assert hardware.by_device_name("NVIDIA-H100-80GB-HBM3", 81559 * 2**20).name == "H100-80GB"
+    assert hardware.by_device_name("NVIDIA H100 PCIe").name == "H100-PCIe-80GB"
+    a100 = hardware.by_device_name("NVIDIA-A100-SXM4-40GB", 40960 * 2**20)
+    assert a100.name == "A100-40GB" and a100.memory_bytes == 40960 * 2**20  # the label's memory, not the table's
+    assert hardware.by_device_name("NVIDIA-A100-SXM4-80GB", 81920 * 2**20).name == "A100-80GB"
+    assert hardware.by_device_name("Tesla-T4") is None
+
+
+def test_measurements_are_set_beside_the_predictions_once_the_attempt_has_trained_enough():
+    record = planner.record(planner.plan_job(auto_spec(), 128256, planner.Target(H100, "x")), planner.Target(H100, "x"),
+                            256 * 2048, attempt=0)
+    assert record["predictedTokensPerSecond"] > 0 and record["layout"]["data"] >= 1 and len(record["alternatives"]) == 3
+    early = {"step": 5, "startStep": 0, "totalSteps": 100, "tokensPerSecond": 1000}
+    assert planner.with_measurements(record, early, 10) == record
+    resumed = {"step": 25, "startStep": 20, "totalSteps": 100, "tokensPerSecond": 1000}  # 5 steps of this run
+    assert planner.with_measurements(record, resumed, 10) == record
+    later = {"step": 12, "startStep": 0, "totalSteps": 100, "tokensPerSecond": record["predictedTokensPerSecond"] // 2,
+             "peakMemoryBytes": int(record["predictedPeakBytes"] * 1.1)}
+    measured = planner.with_measurements(record, later, 10)
+    assert measured["measuredAtStep"] == 12 and measured["tokensPerSecondError"] == pytest.approx(-0.5, abs=1e-3)
+    assert measured["peakError"] == pytest.approx(0.1, abs=1e-3)
+    short = {"step": 4, "startStep": 0, "totalSteps": 4, "tokensPerSecond": 10}  # a job of 4 steps: all it trains
+    assert planner.with_measurements(record, short, 10)["measuredTokensPerSecond"] == 10
+
+
+def test_validate_and_run_plan_a_mode_auto_job_here(tmp_path):
+    job = tmp_path / "auto.yaml"
+    job.write_text((ROOT / "examples/shakespeare.yaml").read_text())
+    sets = ["--set", "spec.parallelism.mode=auto", "--set", "spec.training.steps=3", "--set",
+            "spec.training.evalInterval=3", "--set", "spec.training.evalSteps=1", "--set", "spec.training.warmupSteps=0",
+            "--set", "spec.checkpoint.path=null"]
+    checked = validate(str(job), *sets)
+    assert checked.returncode == 0, checked.stderr
+    assert "paratrain: planned for this machine's CPU: data " in checked.stderr
+    # The operator plans before any rank has read the text: it needs the vocabulary stated.
+    assert "in a cluster (the operator): refused: spec.data.vocabSize: mode auto sizes" in checked.stdout
+    explained = validate(str(job), *sets, "--explain")
+    assert "  chosen: data " in explained.stdout and "as the job's own" not in explained.stdout
+    ran = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(job), *sets, "--no-progress",
+                          "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr
+    planned = re.search(r"planned for this machine's CPU: (data \d+ x tensor \d+ x pipeline \d+)", ran.stderr)
+    assert planned, ran.stderr
+    assert f"shakespeare: {planned.group(1).replace(' x ', ' × ')}, fp32; 2 local processes" in ran.stderr
+    assert "finished 3 steps" in ran.stderr

@@ -53,11 +53,13 @@ def _platform(args: argparse.Namespace):
 def _verdicts(job, platform, out) -> bool:
     """Print what `paratrain run` here and the operator in a cluster would each do with the job; whether either
     would run it."""
-    from .launch import cluster_notes, map_volumes, preflight
+    from .launch import cluster_notes, data_vocab, map_volumes, missing_data, planned_here, preflight
 
     here = []
     try:
         local, volumes = map_volumes(job, Path("runs") / job.metadata.name, [], create=False)
+        if local.spec.parallelism.mode == "auto" and not missing_data(local, volumes):
+            local = planned_here(local, data_vocab(local))  # the plan `paratrain run` would run here
         preflight(local, checksums=False, volumes=volumes)  # validate has hashed the shards already (broken_data)
     except SpecError as exc:
         here = exc.problems
@@ -134,7 +136,7 @@ def _memory(job, args: argparse.Namespace, here_vocab: int | None) -> int:
 def _explain(job, args: argparse.Namespace, here_vocab: int | None) -> int:
     """The planner's verdict on the job's model and batch (`--explain`): exit 1 where no layout is feasible."""
     from .api import hardware, planner
-    from .api.memory import Headroom, parse_bytes
+    from .api import spec as spec_module
 
     spec = job.spec
     vocab = args.vocab_size or here_vocab or spec.data.vocab_size
@@ -148,24 +150,35 @@ def _explain(job, args: argparse.Namespace, here_vocab: int | None) -> int:
     if gpu is None and spec.resources.gpus_per_node:
         raise SpecError([Problem("--gpu", "a GPU job is planned for a GPU: name it (one of "
                                  f"{', '.join(hardware.BY_NAME)})")])
-    if not 0 <= args.memory_headroom < 1:
+    if args.memory_headroom is not None and not 0 <= args.memory_headroom < 1:
         raise SpecError([Problem("--memory-headroom", f"{args.memory_headroom} is not a share in [0, 1)")])
-    allow, pin = _names(args.allow, planner.MODES, "--allow"), _names(args.pin, planner.PINNABLE, "--pin")
-    keep = 1 - args.memory_headroom
-    if gpu is not None:
-        budget: int | None = int(Headroom.of(spec).usable(gpu.memory_bytes) * keep)
-    else:  # CPU ranks share their pod's memory
-        budget = int(parse_bytes(spec.resources.memory) / spec.procs_per_node * keep) if spec.resources.memory \
-            else None
-    nodes = args.nodes or spec.nodes
-    counts = list(range(1, nodes + 1)) if args.objective == "minGPUs" else [nodes]
-    result = planner.plan(spec, vocab, gpu or hardware.CPU, budget, "cuda" if gpu else "cpu", counts,
-                          args.objective, allow if args.allow else planner.MODES, pin)
+    allow = _names(args.allow, planner.MODES, "--allow") if args.allow is not None else None
+    pin = _names(args.pin, spec_module.PINNABLE, "--pin") if args.pin is not None else None
+    target = planner.Target(gpu, f"--gpu {gpu.name}") if gpu else planner.Target(hardware.CPU, "CPU ranks")
+    result = planner.plan_job(spec, vocab, target, args.nodes, args.objective, allow, pin, args.memory_headroom)
     if args.json:
         print(json.dumps(planner.as_json(result), indent=1))
     else:
         print("\n".join(planner.explain(result, spec, spec.training.batch_size * spec.model.block_size)))
     return 0 if result.chosen else 1
+
+
+def _planned_for_render(job, args: argparse.Namespace):
+    """A mode auto job as the operator would render it on --gpu's nodes (CPU pods: on CPUs), its plan on stderr."""
+    from .api import hardware, planner
+
+    if job.spec.resources.gpus_per_node and not args.gpu:
+        raise SpecError([Problem("--gpu", "a mode auto GPU job is rendered as planned for a GPU: name the cluster's "
+                                 f"(one of {', '.join(hardware.BY_NAME)})")])
+    try:
+        target = (planner.Target(hardware.accelerator(args.gpu), f"--gpu {args.gpu}") if job.spec.resources.gpus_per_node
+                  else planner.Target(hardware.CPU, "CPU pods (resources.gpusPerNode 0)"))
+        spec, result = planner.planned(job.spec, planner.stated_vocab(job.spec), target)
+    except ValueError as exc:  # NoPlan, or a GPU the catalogue lacks
+        raise SpecError([Problem("--gpu" if "paratrain knows" in str(exc) else "spec.parallelism", str(exc))]) \
+            from None
+    print(f"paratrain: planned for {target.source}: {result.chosen.describe()}", file=sys.stderr)
+    return job.model_copy(update={"spec": spec})
 
 
 def _names(given: str | None, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -214,14 +227,17 @@ def _parser() -> argparse.ArgumentParser:
                           "default for a CPU job: its CPU ranks)")
     validate.add_argument("--nodes", type=int, metavar="N", help="with --explain: nodes to plan for (default: "
                           "spec.nodes; of spec.procsPerNode ranks each)")
-    validate.add_argument("--objective", choices=("throughput", "minGPUs"), default="throughput",
-                          help="with --explain: the shortest step, or the fewest nodes (up to --nodes) that fit")
-    validate.add_argument("--memory-headroom", type=float, default=0.15, metavar="F",
-                          help="with --explain: the share of a rank's usable memory kept free (default 0.15, the "
-                          "memory model's tested error)")
-    validate.add_argument("--allow", metavar="MODES", help="with --explain: the modes the plan may use, comma-"
-                          "separated, of data,tensor,pipeline,zero,activationCheckpointing,gradientAccumulation")
-    validate.add_argument("--pin", metavar="FIELDS", help="with --explain: fields kept as the job has them, comma-"
+    validate.add_argument("--objective", choices=("throughput", "minGPUs"),
+                          help="with --explain: the shortest step, or the fewest nodes (up to --nodes) that fit "
+                          "(default: a mode auto job's parallelism.objective, else throughput)")
+    validate.add_argument("--memory-headroom", type=float, metavar="F",
+                          help="with --explain: the share of a rank's usable memory kept free (default: a mode auto "
+                          "job's parallelism.memoryHeadroom, else 0.15, the memory model's tested error)")
+    validate.add_argument("--allow", metavar="MODES", help="with --explain: the modes the plan may use (default: a "
+                          "mode auto job's parallelism.allow, else all), comma-separated, of data,tensor,pipeline,"
+                          "zero,activationCheckpointing,gradientAccumulation")
+    validate.add_argument("--pin", metavar="FIELDS", help="with --explain: fields kept as the job has them (default: "
+                          "a mode auto job's parallelism.pin), comma-"
                           "separated, of data,tensor,pipeline,zeroStage,pipelineSchedule,microbatches,"
                           "activationCheckpointing,gradientAccumulation")
 
@@ -229,6 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_job_args(render)
     render.add_argument("--namespace", help="default: the job's metadata.namespace, else `default`")
     render.add_argument("--attempt", type=int, default=0, help="gang restart attempt to render")
+    render.add_argument("--gpu", metavar="NAME", help="a mode auto GPU job: the cluster's GPU to plan for (e.g. "
+                        "H100-80GB), as the operator reads it from the nodes' labels")
     _add_platform_arg(render)
 
     prepare = sub.add_parser("prepare", help="tokenize text and JSONL files into a token directory "
@@ -323,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             runs_somewhere = _verdicts(job, _platform(args), out)
             if args.explain:
                 return _explain(job, args, here_vocab)
+            if job.spec.parallelism.mode == "auto":
+                if args.memory:
+                    raise SpecError([Problem("--memory", "a mode auto job's layout is the planner's: --explain "
+                                             "predicts the memory of the layout it chooses")])
+                return 0 if runs_somewhere else 1
             code = _memory(job, args, here_vocab) if args.memory or job.spec.resources.gpu_memory else 0
             return code or (0 if runs_somewhere else 1)
         if args.command == "render":
@@ -332,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
             platform = _platform(args)
             job, _ = as_the_operator_takes_it(job, platform)  # what the operator would refuse, render refuses too
+            if job.spec.parallelism.mode == "auto":
+                job = _planned_for_render(job, args)
             namespace = args.namespace or job.metadata.namespace or "default"
             sys.stdout.write(to_yaml_stream(render_job(job, namespace=namespace, attempt=args.attempt,
                                                        platform=platform)))

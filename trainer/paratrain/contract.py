@@ -28,6 +28,9 @@ ENV_PEAK_FLOPS = "PARATRAIN_PEAK_FLOPS"  # one device's peak FLOP/s, for MFU whe
 ENV_DEVICE = "PARATRAIN_DEVICE"  # "cpu" forces CPU/gloo even where CUDA is present or gpusPerNode > 0
 # Rank 0 writes its final progress JSON here: the pod's termination message, which the operator reads after
 # the pod exits (the progress endpoint is gone by then). Kubernetes' default terminationMessagePath:
+# After this many steps of an attempt, rank 0 reports the largest rank's peak of device memory (a GPU's) and
+# the operator writes the measurements beside status.plan's predictions.
+MEASURE_AFTER_STEPS = 10
 ENV_TERMINATION_LOG = "PARATRAIN_TERMINATION_LOG"
 # Seconds `paratrain node` gives its workers to save and exit after a SIGTERM (the pod's grace period, less a margin).
 ENV_STOP_GRACE = "PARATRAIN_STOP_GRACE_SECONDS"

@@ -27,7 +27,9 @@ from pathlib import Path
 import yaml
 
 from . import contract
-from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, describe_layout, parse_job
+from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, describe_layout, hardware, parse_job, \
+    planner
+from .api.memory import human
 from .token_shards import TokenDirError, open_token_dir
 
 STOP_GRACE_SECONDS = 5.0  # ranks left after another one failed: their gang is broken, nothing to save
@@ -477,8 +479,13 @@ def map_volumes(job: ParallelTrainJob, workdir: Path, mounts: list[str],
 
 
 def cluster_notes(job: ParallelTrainJob) -> list[str]:
-    """What a cluster accepts but may not find: the data's and the initial model's paths as a pod resolves them."""
+    """What a cluster accepts but may not find: the data's and the initial model's paths as a pod resolves them;
+    and where a mode auto job's plan comes from there."""
     notes = []
+    if job.spec.parallelism.mode == "auto":
+        notes.append("parallelism mode auto: the operator plans the layout before any pod exists, for the GPU the "
+                     "nodes' nvidia.com/gpu.product labels name (or the platform's planner.gpu; CPU pods: CPUs), "
+                     "into status.plan; `paratrain validate --explain --gpu NAME` shows that plan here")
     for field, path in (("spec.data.path", job.spec.data.path), ("spec.model.init", job.spec.model.init)):
         if not path:
             continue
@@ -564,6 +571,59 @@ def cuda_problem(precision: str, deepspeed: bool) -> Problem | None:
     return None
 
 
+# This machine's GPU 0 by name and memory, asked by a short-lived child (as CUDA_CHECK, for the same reasons).
+GPU_NAME = """import torch
+properties = torch.cuda.get_device_properties(0)
+print(properties.total_memory)
+print(properties.name)
+"""
+
+
+def local_target(job: ParallelTrainJob) -> planner.Target:
+    """What a mode auto job is planned for when it runs here: this machine's CPU, or its GPU 0."""
+    from .train.entrypoint import device_type
+
+    try:
+        if device_type(job) == "cpu":
+            return planner.Target(hardware.CPU, "this machine's CPU")
+    except ValueError as exc:
+        path, _, message = str(exc).partition(": ")
+        raise SpecError([Problem(path, message)]) from None
+    done = subprocess.run([sys.executable, "-c", GPU_NAME], capture_output=True, text=True, timeout=300)
+    memory, _, name = done.stdout.strip().partition("\n")
+    if done.returncode or not memory.isdigit():
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecError([Problem("spec.parallelism.mode", f"mode auto could not ask this machine's GPU what it is: "
+                                 f"{said}")])
+    gpu = hardware.by_device_name(name, int(memory))
+    if gpu is None:
+        raise SpecError([Problem("spec.parallelism.mode", f"mode auto plans for the GPUs it knows, and this "
+                                 f"machine's {name} is not one of them ({', '.join(hardware.BY_NAME)}): give the "
+                                 "layout (mode manual)")])
+    return planner.Target(gpu, f"this machine's GPU 0 ({name})", int(memory))
+
+
+def planned_here(job: ParallelTrainJob, vocab: int | None) -> ParallelTrainJob:
+    """A mode auto job as it runs here: planned for this machine (local_target) and its data's vocabulary (the
+    data must be here), its plan told on stderr; a manual job as it is."""
+    if job.spec.parallelism.mode == "manual":
+        return job
+    if vocab is None:
+        raise SpecError([Problem("spec.data.path", "mode auto sizes the model's embedding by the data's vocabulary, "
+                                 "and the data is not on this machine")])
+    target = local_target(job)
+    try:
+        spec, result = planner.planned(job.spec, vocab, target)
+    except planner.NoPlan as exc:
+        raise SpecError([Problem("spec.parallelism", str(exc))]) from None
+    chosen = result.chosen
+    tokens = spec.training.batch_size * spec.model.block_size
+    print(f"paratrain: planned for {target.source}: {chosen.describe()}; predicted peak "
+          f"{human(chosen.peak_bytes)} a rank, {tokens / chosen.step_seconds:,.0f} tokens/s ({len(result.feasible)} "
+          f"of {result.considered} layouts feasible; `paratrain validate --explain` says why)", file=sys.stderr)
+    return job.model_copy(update={"spec": spec})
+
+
 def root_failure(codes: list[int | None]) -> tuple[int, int] | None:
     """(rank, exit code) of the rank whose failure to report, among the exit codes seen so far (None: running).
     A rank that exited with EXIT_RETRYABLE saw a peer die: the peer is the cause (killed ranks die first, so both
@@ -621,6 +681,10 @@ def run_local(job: ParallelTrainJob, metrics_out: str | None = None, workdir: st
     for volume in job.spec.pod.volumes:
         print(f"paratrain: volume {volume.name} ({volume.mount_path} in pods) is {volumes[volume.name]}",
               file=sys.stderr)
+    if job.spec.parallelism.mode == "auto":
+        if problem := missing_data(job, volumes):
+            raise SpecError([problem])
+        job = planned_here(job, data_vocab(job))
     preflight(job, volumes=volumes)
     with one_run_at_a_time(job, work):
         return _run_gang(job, work, metrics_out, progress, peak_flops, measure_memory)

@@ -253,31 +253,38 @@ _ENTRYPOINT = _present("self.entrypoint")
 def _for_the_builtin_trainer(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**rule, "rule": f"{_ENTRYPOINT} || ({rule['rule']})"} for rule in rules]
 
+
+def _manual_layout(rule: dict[str, Any]) -> dict[str, Any]:
+    """A layout rule holds under mode manual; under auto the planner chooses the layout (and each it tries passes
+    the rule)."""
+    return {**rule, "rule": f"{P}.mode == 'auto' || ({rule['rule']})"}
+
+
 FAMILY, LAYERS, HEADS, KV_HEADS, EMBED_DIM, FFN_DIM = (
     model_value(f) for f in ("family", "layers", "heads", "kvHeads", "embedDim", "ffnDim"))
 
 # Where (a dotted path under spec, `[]` for list items) → rules; each twin of one `cross_field_problems` check.
 SPEC_RULES: dict[str, list[dict[str, Any]]] = {
     "": [
-        _rule(f"{P}.data * {P}.tensor * {P}.pipeline == self.nodes * self.procsPerNode",
+        _manual_layout(_rule(f"{P}.data * {P}.tensor * {P}.pipeline == self.nodes * self.procsPerNode",
               f"data({{{P}.data}}) x tensor({{{P}.tensor}}) x pipeline({{{P}.pipeline}}) = "
               f"{{{P}.data * {P}.tensor * {P}.pipeline}} must equal nodes({{self.nodes}}) x "
-              "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode}", ".parallelism"),
-        _rule(f"{P}.zeroStage == 0 || {P}.data >= 2",
+              "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode}", ".parallelism")),
+        _manual_layout(_rule(f"{P}.zeroStage == 0 || {P}.data >= 2",
               f"zeroStage {{{P}.zeroStage}} shards over data-parallel ranks and needs parallelism.data >= 2",
-              ".parallelism.zeroStage"),
+              ".parallelism.zeroStage")),
         # The built-in trainer's own constraints: not for a program of its own (see cross_field_problems).
         *_for_the_builtin_trainer([
             _rule(f"{EMBED_DIM} % {HEADS} == 0",
                   f"embedDim({{{EMBED_DIM}}}) must be divisible by heads({{{HEADS}}})", ".model.embedDim"),
-            _rule(f"{HEADS} % {P}.tensor == 0",
-                  f"heads({{{HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads"),
+            _manual_layout(_rule(f"{HEADS} % {P}.tensor == 0",
+                  f"heads({{{HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.heads")),
             _rule(f"{HEADS} % {KV_HEADS} == 0",
                   f"heads({{{HEADS}}}) must be divisible by kvHeads({{{KV_HEADS}}})", ".model.kvHeads"),
-            _rule(f"{KV_HEADS} == {HEADS} || {KV_HEADS} % {P}.tensor == 0",
-                  f"kvHeads({{{KV_HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.kvHeads"),
-            _rule(f"{FFN_DIM} % {P}.tensor == 0",
-                  f"ffnDim({{{FFN_DIM}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.ffnDim"),
+            _manual_layout(_rule(f"{KV_HEADS} == {HEADS} || {KV_HEADS} % {P}.tensor == 0",
+                  f"kvHeads({{{KV_HEADS}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.kvHeads")),
+            _manual_layout(_rule(f"{FFN_DIM} % {P}.tensor == 0",
+                  f"ffnDim({{{FFN_DIM}}}) must be divisible by parallelism.tensor({{{P}.tensor}})", ".model.ffnDim")),
             _rule(f"{FAMILY} != 'llama' || {EMBED_DIM} % {HEADS} != 0 || {EMBED_DIM} / {HEADS} % 2 == 0",
                   f"RoPE rotates pairs: the head dimension embedDim/heads = {{{EMBED_DIM} / {HEADS}}} must be even",
                   ".model.embedDim"),
@@ -288,30 +295,30 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
                   "family llama has no biases: bias is for family gpt", ".model.bias"),
             _rule(f"{FAMILY} != 'gpt' || !{_given(f'{M}.ropeTheta', 'double')}",
                   "family gpt learns position embeddings: ropeTheta is for family llama", ".model.ropeTheta"),
-            _rule(f"{LAYERS} >= {P}.pipeline",
+            _manual_layout(_rule(f"{LAYERS} >= {P}.pipeline",
                   f"layers({{{LAYERS}}}) must be >= parallelism.pipeline({{{P}.pipeline}}): every stage needs at "
-                  "least one layer", ".model.layers"),
-            _rule(f"{T}.batchSize % {P}.data == 0",
+                  "least one layer", ".model.layers")),
+            _manual_layout(_rule(f"{T}.batchSize % {P}.data == 0",
                   f"batchSize({{{T}.batchSize}}) must be divisible by parallelism.data({{{P}.data}})",
-                  ".training.batchSize"),
+                  ".training.batchSize")),
             # Each checked only when the division before it is exact (the rule before reports the other case).
-            _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation == 0",
+            _manual_layout(_rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation == 0",
                   f"per-rank batch batchSize/data = {{{T}.batchSize / {P}.data}} must be divisible by "
-                  f"gradientAccumulation({{{T}.gradientAccumulation}})", ".training.gradientAccumulation"),
-            _rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation != 0 || "
+                  f"gradientAccumulation({{{T}.gradientAccumulation}})", ".training.gradientAccumulation")),
+            _manual_layout(_rule(f"{T}.batchSize % {P}.data != 0 || {T}.batchSize / {P}.data % {T}.gradientAccumulation != 0 || "
                   f"{T}.batchSize / {P}.data / {T}.gradientAccumulation % {P}.microbatches == 0",
                   f"per-rank micro-step batch batchSize/data/gradientAccumulation = "
                   f"{{{T}.batchSize / {P}.data / {T}.gradientAccumulation}} must be divisible by "
-                  f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches"),
-            _rule(f"!{T}.compile || {P}.zeroStage != 3 || {P}.tensor > 1 || {P}.pipeline > 1",
+                  f"microbatches({{{P}.microbatches}})", ".parallelism.microbatches")),
+            _manual_layout(_rule(f"!{T}.compile || {P}.zeroStage != 3 || {P}.tensor > 1 || {P}.pipeline > 1",
                   "compile does not go with DeepSpeed ZeRO-3 (zeroStage 3 with tensor and pipeline 1), whose "
                   "gathers hook every module: use zeroStage 1 or 2, or add tensor or pipeline parallelism (ZeRO-3 "
-                  "then runs on FSDP2)", ".training.compile"),
-            _rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
-                  "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches"),
-            _rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",
+                  "then runs on FSDP2)", ".training.compile")),
+            _manual_layout(_rule(f"{P}.microbatches == 1 || {P}.pipeline > 1",
+                  "microbatches > 1 needs parallelism.pipeline > 1", ".parallelism.microbatches")),
+            _manual_layout(_rule(f"{P}.pipeline == 1 || {P}.pipelineSchedule != '1F1B' || {P}.microbatches >= {P}.pipeline",
                   f"1F1B needs microbatches({{{P}.microbatches}}) >= pipeline({{{P}.pipeline}})",
-                  ".parallelism.microbatches"),
+                  ".parallelism.microbatches")),
             _rule(f"{T}.minLearningRate <= {T}.learningRate",
                   f"minLearningRate({{{T}.minLearningRate}}) must be <= learningRate({{{T}.learningRate}})",
                   ".training.minLearningRate"),
@@ -320,6 +327,13 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
             _rule(f"self.data.source == 'synthetic' || {_given('self.data.path')}",
                   "data.source '{self.data.source}' needs data.path", ".data.path"),
         ]),
+        *(_rule(f"{P}.mode == 'auto' || !{_given(f'{P}.{name}', kind)}",
+                f"{name} is for parallelism.mode auto (the planner's); this job's mode is manual",
+                f".parallelism.{name}")
+          for name, kind in (("objective", "string"), ("pin", "list"), ("allow", "list"),
+                             ("memoryHeadroom", "double"))),
+        _rule(f"{P}.mode == 'manual' || !{_ENTRYPOINT}", "mode auto plans the built-in trainer's model: a program "
+              "of its own (spec.entrypoint) gives its layout (mode manual)", ".parallelism.mode"),
         _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
               f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),

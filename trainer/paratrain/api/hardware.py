@@ -8,7 +8,7 @@ a cluster whose links differ should be measured, and the planner says its time i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 10**9
 GiB = 2**30
@@ -56,3 +56,18 @@ def accelerator(name: str) -> Accelerator:
     if found is None:
         raise ValueError(f"{name!r} is not a GPU paratrain knows: one of {', '.join(BY_NAME)}")
     return found
+
+
+def by_device_name(name: str, memory_bytes: int | None = None) -> Accelerator | None:
+    """The catalogue's entry for a GPU named so (torch.cuda.get_device_name(), or GPU Feature Discovery's
+    nvidia.com/gpu.product label, whose dashes stand for spaces), the one nearest `memory_bytes` where one name
+    comes in several sizes (A100 40 and 80 GB), with that memory; None where the catalogue has no such GPU."""
+    spaced = name.replace("-", " ")
+    first = next((a for a in ACCELERATORS if a.device_name in spaced), None)
+    if first is None:
+        return None
+    sizes = [a for a in ACCELERATORS if a.device_name == first.device_name]
+    if memory_bytes is None:
+        return first
+    nearest = min(sizes, key=lambda a: abs(a.memory_bytes - memory_bytes))
+    return replace(nearest, memory_bytes=memory_bytes)

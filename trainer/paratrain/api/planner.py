@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
-from .hardware import Accelerator
-from .memory import largest_peak
+from .hardware import CPU, Accelerator
+from .memory import Headroom, human, largest_peak, parse_bytes
 from .shapes import parameter_count
-from .spec import Spec, cross_field_problems
+from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems
 
 COMPUTE_EFFICIENCY = 0.4  # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%)
 SELECTIVE_RECOMPUTE = 0.03  # selective AC recomputes the cheap ops (norms, activations): a few % of the compute
@@ -34,9 +34,7 @@ TIE = 0.05  # within this of the fastest, the simplest layout wins
 MEMORY_BAND = 0.15  # the memory model's error, held by tests/trainer/test_memory_model.py
 TIME_BAND = 0.5  # the time model's: uncalibrated until a GPU run measures it
 AC_MODES = ("none", "selective", "full")
-MODES = ("data", "tensor", "pipeline", "zero", "activationCheckpointing", "gradientAccumulation")
-PINNABLE = ("data", "tensor", "pipeline", "zeroStage", "pipelineSchedule", "microbatches", "activationCheckpointing",
-            "gradientAccumulation")
+MODES = PLANNER_MODES
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,10 @@ class Candidate:
         p, t = self.spec.parallelism, self.spec.training
         return (sum(d > 1 for d in (p.data, p.tensor, p.pipeline)), p.pipeline > 1, p.zero_stage,
                 AC_MODES.index(t.activation_checkpointing), t.gradient_accumulation, p.tensor)
+
+    def layout(self) -> dict[str, object]:
+        """The layout's fields by their spec names (status.plan keeps them; with_layout applies them)."""
+        return {k.rsplit(".", 1)[1]: v for k, v in self.overrides().items()}
 
     def overrides(self) -> dict[str, object]:
         """The spec fields the plan sets, as `--set` paths take them."""
@@ -196,6 +198,93 @@ def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | Non
     return result
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a job is planned for: its ranks' accelerator (hardware.CPU for CPU pods and local runs), the device
+    memory a rank has where known better than the catalogue (a GPU Feature Discovery label), and where both came
+    from, in words."""
+
+    accelerator: Accelerator
+    source: str
+    memory_bytes: int | None = None
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.accelerator is CPU else "cuda"
+
+
+class NoPlan(ValueError):
+    """No layout of the job's model and batch is feasible on its target: the message names the rejections."""
+
+
+def memory_budget(spec: Spec, target: Target, headroom: float) -> int | None:
+    """The bytes a rank's predicted peak may use: a GPU's memory (spec.resources.gpuMemory, else the target's) less
+    the spec's reserve and fragmentation (memory.Headroom), less `headroom` of the rest; CPU ranks share their pod's
+    memory (spec.resources.memory; unset: not judged, None)."""
+    keep = 1 - headroom
+    if target.accelerator is CPU:
+        memory = spec.resources.memory
+        return int(parse_bytes(memory) / spec.procs_per_node * keep) if memory else None
+    device = parse_bytes(spec.resources.gpu_memory) if spec.resources.gpu_memory else \
+        target.memory_bytes or target.accelerator.memory_bytes
+    return int(Headroom.of(spec).usable(device) * keep)
+
+
+def plan_job(spec: Spec, vocab_size: int, target: Target, nodes: int | None = None, objective: str | None = None,
+             allow: tuple[str, ...] | None = None, pin: tuple[str, ...] | None = None,
+             headroom: float | None = None) -> Plan:
+    """`plan` for a job as `paratrain validate`, `paratrain run` and the operator plan it: the settings a mode
+    auto spec gives (parallelism.objective, allow, pin, memoryHeadroom), each overridden where given here (the CLI's
+    flags), over `nodes` nodes (default spec.nodes; objective minGPUs: 1 to that many)."""
+    p = spec.parallelism
+    auto = p.mode == "auto"
+    objective = objective or (p.objective if auto else None) or "throughput"
+    allow = allow if allow is not None else tuple(p.allow) if auto and p.allow is not None else MODES
+    pin = pin if pin is not None else tuple(p.pin or ()) if auto else ()
+    headroom = headroom if headroom is not None else \
+        p.memory_headroom if auto and p.memory_headroom is not None else DEFAULT_MEMORY_HEADROOM
+    most = nodes or spec.nodes
+    counts = list(range(1, most + 1)) if objective == "minGPUs" else [most]
+    return plan(spec, vocab_size, target.accelerator, memory_budget(spec, target, headroom), target.device, counts,
+                objective, allow, pin)
+
+
+def planned(spec: Spec, vocab_size: int, target: Target) -> tuple[Spec, Plan]:
+    """A mode auto spec's chosen layout, as a manual spec (what the ranks run), and the plan; NoPlan where nothing
+    is feasible."""
+    result = plan_job(spec, vocab_size, target)
+    if result.chosen is None:
+        raise NoPlan(no_plan_message(result, target))
+    return result.chosen.spec, result
+
+
+def stated_vocab(spec: Spec) -> int:
+    """The vocabulary a plan sizes the embedding by, where the data is not read (the operator, `paratrain
+    render`): spec.data.vocabSize, or a synthetic source's model.vocabSize; NoPlan where neither says it."""
+    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
+    if vocab is None:
+        raise NoPlan(f"mode auto sizes the model's embedding by its vocabulary, which is read from the "
+                     f"{spec.data.source} data only by the ranks: give spec.data.vocabSize")
+    return vocab
+
+
+def no_plan_message(result: Plan, target: Target) -> str:
+    budget = (f"{human(result.memory_budget)} a rank" if result.memory_budget is not None else "no memory limit")
+    worst = sorted(result.rejected.items(), key=lambda kv: -kv[1].count)[:3]
+    why = "; ".join(f"{r.count} by {reason} (e.g. {r.example})" for reason, r in worst)
+    return (f"no layout fits on {target.source} ({result.accelerator.name}, {budget}): of {result.considered} "
+            f"considered, {why}. `paratrain validate --explain` shows the search; more nodes, a smaller model or "
+            "batch, or a smaller memoryHeadroom may fit")
+
+
+def with_layout(spec: Spec, layout: dict) -> Spec:
+    """`spec` with a recorded plan's layout (status.plan's fields, as Candidate.layout gives them): the same
+    manual spec the plan chose, for a gang whose pods already run it."""
+    return _layout(spec, layout["nodes"], layout["data"], layout["tensor"], layout["pipeline"], layout["zeroStage"],
+                   layout["pipelineSchedule"], layout["microbatches"], layout["activationCheckpointing"],
+                   layout["gradientAccumulation"])
+
+
 def _attr(name: str) -> str:
     return {"zeroStage": "zero_stage", "pipelineSchedule": "pipeline_schedule",
             "activationCheckpointing": "activation_checkpointing",
@@ -204,9 +293,11 @@ def _attr(name: str) -> str:
 
 def _layout(spec: Spec, nodes: int, dp: int, tp: int, pp: int, zero: int, schedule: str, m: int, ac: str,
             accumulation: int) -> Spec:
-    """The spec with this layout (not validated: cross_field_problems judges it; copies are cheap)."""
-    par = spec.parallelism.model_copy(update={"data": dp, "tensor": tp, "pipeline": pp, "zero_stage": zero,
-                                              "pipeline_schedule": schedule, "microbatches": m})
+    """The spec with this layout, as a manual one (not validated: cross_field_problems judges it; copies are
+    cheap)."""
+    par = spec.parallelism.model_copy(update={"mode": "manual", "objective": None, "pin": None, "allow": None,
+                                              "memory_headroom": None, "data": dp, "tensor": tp, "pipeline": pp,
+                                              "zero_stage": zero, "pipeline_schedule": schedule, "microbatches": m})
     train = spec.training.model_copy(update={"activation_checkpointing": ac, "gradient_accumulation": accumulation})
     return spec.model_copy(update={"nodes": nodes, "parallelism": par, "training": train})
 
@@ -251,7 +342,10 @@ def _rank(result: Plan) -> None:
 
 
 def _judge_own(spec: Spec, vocab_size: int, gpu: Accelerator, device: str, result: Plan) -> None:
-    """The job's own layout, judged the same way: its rank among the feasible, or why it is not."""
+    """The job's own layout, judged the same way: its rank among the feasible, or why it is not (under mode auto
+    it has none)."""
+    if spec.parallelism.mode == "auto":
+        return
     if problems := cross_field_problems(spec):
         result.own_problem = f"{problems[0][0]}: {problems[0][1]}"
         return
@@ -277,27 +371,33 @@ def explain(result: Plan, job_spec: Spec, tokens_per_step: int, alternatives: in
     if chosen is None:
         out.append("  no layout is feasible: see the rejections below")
     else:
-        own = Candidate(job_spec, 0, {}).overrides()
-        changed = [f"--set {k}={v}" for k, v in chosen.overrides().items() if own[k] != v]
-        out += [f"  chosen: {chosen.describe()}", *_predicted(chosen, tokens_per_step),
-                f"    as the job's own: {' '.join(changed)}" if changed else "    the job's own layout"]
+        out += [f"  chosen: {chosen.describe()}", *_predicted(chosen, tokens_per_step)]
+        if job_spec.parallelism.mode == "manual":
+            own = Candidate(job_spec, 0, {}).overrides()
+            changed = [f"--set {k}={v}" for k, v in chosen.overrides().items() if own[k] != v]
+            out.append(f"    as the job's own: {' '.join(changed)}" if changed else "    the job's own layout")
         for i, alt in enumerate(result.feasible[1:alternatives + 1], 2):
             out.append(f"  {i}. {alt.describe()}: {_loses(alt, chosen, result.objective)}")
-    own = result.own
-    if own is not None and own.spec.nodes not in result.node_counts:
-        out.append(f"  this job's own layout ({own.describe()}), not planned here: "
-                   f"peak memory {own.peak_bytes / 2**30:.2f} GiB a rank, step {_seconds(own.step_seconds)}")
-    elif own is not None:
-        rank = next((i for i, c in enumerate(result.feasible, 1) if c.overrides() == own.overrides()), None)
-        where = (f"ranked {rank} of {len(result.feasible)}" if rank else
-                 "feasible, not ranked (each layout is ranked with the fewest micro-steps that fit)")
-        out.append(f"  this job's own layout ({own.describe()}): {where}, "
-                   f"{_loses(own, chosen, result.objective) if chosen else ''}".rstrip(", "))
-    else:
-        out.append(f"  this job's own layout: not feasible: {result.own_problem}")
+    if job_spec.parallelism.mode == "manual":
+        out.append(_own_line(result))
     for reason, rejection in sorted(result.rejected.items(), key=lambda kv: -kv[1].count):
         out.append(f"  rejected {rejection.count}: {reason}; e.g. {rejection.example}")
     return out
+
+
+def _own_line(result: Plan) -> str:
+    """Where a manual job's own layout stands: ranked, not planned here, or why it is not feasible."""
+    own, chosen = result.own, result.chosen
+    if own is None:
+        return f"  this job's own layout: not feasible: {result.own_problem}"
+    if own.spec.nodes not in result.node_counts:
+        return (f"  this job's own layout ({own.describe()}), not planned here: "
+                f"peak memory {own.peak_bytes / 2**30:.2f} GiB a rank, step {_seconds(own.step_seconds)}")
+    rank = next((i for i, c in enumerate(result.feasible, 1) if c.overrides() == own.overrides()), None)
+    where = (f"ranked {rank} of {len(result.feasible)}" if rank else
+             "feasible, not ranked (each layout is ranked with the fewest micro-steps that fit)")
+    return (f"  this job's own layout ({own.describe()}): {where}, "
+            f"{_loses(own, chosen, result.objective) if chosen else ''}".rstrip(", "))
 
 
 def _predicted(c: Candidate, tokens_per_step: int) -> list[str]:
@@ -334,3 +434,39 @@ def as_json(result: Plan) -> dict:
             "chosen": one(result.chosen), "alternatives": [one(c) for c in result.feasible[1:4]],
             "own": one(result.own), "own_problem": result.own_problem,
             "rejected": {k: {"count": v.count, "example": v.example} for k, v in result.rejected.items()}}
+
+
+def record(result: Plan, target: Target, tokens_per_step: int, attempt: int) -> dict:
+    """status.plan for the chosen layout (api.status.Plan): what, for what, predicted, and the next best."""
+    chosen = result.chosen
+    assert chosen is not None, "record() is for a plan with a chosen layout"
+    return {"summary": chosen.describe(), "layout": chosen.layout(), "accelerator": result.accelerator.name,
+            "source": target.source, "attempt": attempt, "objective": result.objective,
+            "considered": result.considered, "feasible": len(result.feasible),
+            **({"memoryBudgetBytes": result.memory_budget} if result.memory_budget is not None else {}),
+            "predictedPeakBytes": chosen.peak_bytes, "predictedStepSeconds": round(chosen.step_seconds, 6),
+            "predictedTokensPerSecond": round(tokens_per_step / chosen.step_seconds),
+            "memoryBand": MEMORY_BAND, "timeBand": TIME_BAND,
+            "alternatives": [f"{alt.describe()}: {_loses(alt, chosen, result.objective)}"
+                             for alt in result.feasible[1:4]]}
+
+
+def with_measurements(plan_record: dict, progress: dict | None, measure_after: int) -> dict:
+    """status.plan with what the gang measured beside the predictions, once it has trained `measure_after` steps
+    of its attempt, or all it trains (rank 0's progress: tokens/s, and on GPUs the largest rank's peak); as it
+    was before that."""
+    if not progress:
+        return plan_record
+    start = progress.get("startStep") or 0
+    trained = progress.get("step", 0) - start
+    if trained <= 0 or trained < min(measure_after, progress.get("totalSteps", measure_after) - start):
+        return plan_record
+    out = dict(plan_record, measuredAtStep=progress["step"])
+    for measured, predicted, error, key in (
+            ("measuredTokensPerSecond", "predictedTokensPerSecond", "tokensPerSecondError", "tokensPerSecond"),
+            ("measuredPeakBytes", "predictedPeakBytes", "peakError", "peakMemoryBytes")):
+        if progress.get(key):
+            out[measured] = progress[key]
+            if plan_record.get(predicted):
+                out[error] = round(progress[key] / plan_record[predicted] - 1, 4)
+    return out

@@ -12,13 +12,15 @@ import fnmatch
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .. import contract
+from .hardware import Accelerator, accelerator
 from .kueue import kueue_problems
 from .load import Problem, SpecError, parse_job
 from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
@@ -79,6 +81,33 @@ HOST_ACCESS_MEANING = ("false: no job; true: jobs in every namespace; a list: jo
                        "(names or glob patterns such as team-rdma-*).")
 
 
+class PlannerProfile(_Model):
+    """What `parallelism: auto` plans for where the nodes do not say it (the operator reads GPU Feature Discovery's
+    nvidia.com/gpu.product, gpu.memory and gpu.count labels first) and the links the catalogue's defaults get wrong
+    on this cluster (paratrain.api.hardware)."""
+
+    gpu: str | None = Field(None, max_length=64, description=(
+        "The GPU jobs are planned for where no node the job may use carries GPU Feature Discovery's labels (or the "
+        "operator may not list nodes: a namespaced install), by its catalogue name, e.g. H100-80GB."))
+    node_bandwidth: str | None = Field(None, pattern=BYTES, max_length=32, description=(
+        "Bytes a second one GPU sends to another in its node, each way (NVLink, else PCIe), e.g. 450G; unset: the "
+        "catalogue's figure for the GPU."))
+    network_bandwidth: str | None = Field(None, pattern=BYTES, max_length=32, description=(
+        "Bytes a second one GPU sends across nodes, each way: the node's NICs divided by its GPUs, e.g. 50G for "
+        "8 x 400 Gb/s and 8 GPUs; unset: the catalogue's figure."))
+
+    @field_validator("gpu")
+    @classmethod
+    def _known(cls, name: str | None) -> str | None:
+        return None if name is None else accelerator(name).name
+
+    def links(self, gpu: Accelerator) -> Accelerator:
+        """`gpu` with this cluster's link bandwidths where the profile states them."""
+        changes = {k: float(parse_bytes(v)) for k, v in (("node_bytes_per_second", self.node_bandwidth),
+                                                         ("network_bytes_per_second", self.network_bandwidth)) if v}
+        return replace(gpu, **changes)
+
+
 class Platform(_Model):
     allow_ipc_lock: HostAccess = Field(False, description=(
         "Jobs may add the IPC_LOCK capability (spec.pod.ipcLock), which GPUDirect RDMA needs to pin memory. "
@@ -108,6 +137,8 @@ class Platform(_Model):
         "Bytes per second one node writes, then hashes, a checkpoint at on the storage jobs checkpoint to. A "
         "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
         "longer are refused."))
+    planner: PlannerProfile = Field(default_factory=PlannerProfile, description=(
+        "What parallelism mode auto plans for where the nodes' labels do not say it, and this cluster's links."))
 
 
 def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:

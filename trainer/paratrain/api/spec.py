@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 from .memory import memory_problem
 from .shapes import PRESETS, derive, resolve
@@ -104,7 +104,32 @@ def _accepts_null(model: type[BaseModel], key: str) -> bool:
     return field is None or not field.is_required() and field.default is None
 
 
+# What `parallelism.mode: auto` may use (allow) and keep as the job gives it (pin): paratrain.api.planner.
+PLANNER_MODES = ("data", "tensor", "pipeline", "zero", "activationCheckpointing", "gradientAccumulation")
+PINNABLE = ("data", "tensor", "pipeline", "zeroStage", "pipelineSchedule", "microbatches", "activationCheckpointing",
+            "gradientAccumulation")
+PLANNER_FIELDS = ("objective", "pin", "allow", "memoryHeadroom")  # read only under mode auto
+DEFAULT_MEMORY_HEADROOM = 0.15  # the memory model's tested error band
+
+
 class Parallelism(_Model):
+    mode: Literal["manual", "auto"] = Field("manual", description=(
+        "manual: the fields below are the layout. auto: paratrain plans it for the model, the global batch and the "
+        "gang (nodes x procsPerNode on the cluster's GPU): data, tensor and pipeline degrees, zeroStage, "
+        "pipelineSchedule, microbatches, training.activationCheckpointing and training.gradientAccumulation, "
+        "keeping the fields named in pin; status.plan shows the plan, its predictions and, once trained, what was "
+        "measured (`paratrain validate --explain` prints it before any pod exists)."))
+    objective: Literal["throughput", "minGPUs"] | None = Field(None, description=(
+        "With mode auto: throughput (default), the shortest predicted step on all the nodes; minGPUs, the fewest "
+        "nodes (up to spec.nodes) that fit, then the shortest step."))
+    pin: list[Literal[PINNABLE]] | None = Field(None, max_length=len(PINNABLE), description=(
+        "With mode auto: the fields the plan keeps as this spec gives them, e.g. [tensor] with tensor: 2."))
+    allow: list[Literal[PLANNER_MODES]] | None = Field(None, max_length=len(PLANNER_MODES), description=(
+        "With mode auto: the modes the plan may use (default all): data, tensor, pipeline, zero, "
+        "activationCheckpointing, gradientAccumulation."))
+    memory_headroom: float | None = Field(None, ge=0.0, le=0.9, description=(
+        "With mode auto: the share of a rank's usable device memory the plan leaves free (default 0.15, the "
+        "memory model's tested error)."))
     data: int = Field(1, ge=1, le=4096, description="Data-parallel degree (model replicas).")
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree (attention heads and MLP split).")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree (stages of consecutive layers).")
@@ -599,6 +624,8 @@ def fixes(spec: Spec) -> dict[str, str]:
     keep the model parallel degrees (tensor, pipeline) and size data parallelism to the gang, or keep the layout
     and size the gang to it."""
     p, out = spec.parallelism, {}
+    if p.mode == "auto":
+        return out
     product, world, model_parallel = p.data * p.tensor * p.pipeline, spec.world_size, p.tensor * p.pipeline
     if product != world:
         tries = []
@@ -624,7 +651,12 @@ def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
                         f"mounts (spec.pod.volumes), or the {what} are lost with the pod; relative paths are for "
                         "local runs"))
     vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
-    if spec.resources.gpu_memory and vocab:  # else only the data knows its vocabulary: the ranks check
+    if vocab is None and spec.parallelism.mode == "auto":
+        out.append(("spec.data.vocabSize", f"mode auto sizes the model's embedding by its vocabulary, and the "
+                    f"operator plans before any rank has read the {spec.data.source} data: give it here (65 for "
+                    "examples/data/tinyshakespeare.txt)"))
+    # Under mode auto gpuMemory is the planner's budget (a layout is chosen to fit it), not a check.
+    if spec.resources.gpu_memory and vocab and spec.parallelism.mode == "manual":  # else the ranks check
         if problem := memory_problem(spec, vocab):
             out.append(("spec.resources.gpuMemory", problem))
     return out
@@ -634,11 +666,13 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     """Constraints between fields, as (field path, message). Each has a CEL twin in the CRD (see crd.py)."""
     p, m, t = spec.parallelism, spec.model, spec.training
     out: list[tuple[str, str]] = []
+    # Under mode auto the layout fields are the planner's to choose (each layout it tries passes these rules).
+    manual = p.mode == "manual"
     product = p.data * p.tensor * p.pipeline
-    if product != spec.world_size:
+    if manual and product != spec.world_size:
         out.append(("spec.parallelism", f"data({p.data}) x tensor({p.tensor}) x pipeline({p.pipeline}) = {product} "
                     f"must equal nodes({spec.nodes}) x procsPerNode({spec.procs_per_node}) = {spec.world_size}"))
-    if p.zero_stage > 0 and p.data == 1:
+    if manual and p.zero_stage > 0 and p.data == 1:
         out.append(("spec.parallelism.zeroStage", f"zeroStage {p.zero_stage} shards over data-parallel ranks and "
                     "needs parallelism.data >= 2"))
     # The built-in trainer's own constraints (its model, batch, schedule, data): a program of its own
@@ -646,14 +680,14 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     if spec.entrypoint is None:
         if m.embed_dim % m.heads:
             out.append(("spec.model.embedDim", f"embedDim({m.embed_dim}) must be divisible by heads({m.heads})"))
-        if m.heads % p.tensor:
+        if manual and m.heads % p.tensor:
             out.append(("spec.model.heads", f"heads({m.heads}) must be divisible by parallelism.tensor({p.tensor})"))
         if m.heads % m.kv_heads:
             out.append(("spec.model.kvHeads", f"heads({m.heads}) must be divisible by kvHeads({m.kv_heads})"))
-        if m.kv_heads != m.heads and m.kv_heads % p.tensor:
+        if manual and m.kv_heads != m.heads and m.kv_heads % p.tensor:
             out.append(("spec.model.kvHeads", f"kvHeads({m.kv_heads}) must be divisible by "
                         f"parallelism.tensor({p.tensor})"))
-        if m.ffn_dim % p.tensor:
+        if manual and m.ffn_dim % p.tensor:
             out.append(("spec.model.ffnDim", f"ffnDim({m.ffn_dim}) must be divisible by "
                         f"parallelism.tensor({p.tensor})"))
         if m.family == "llama" and m.embed_dim % m.heads == 0 and m.embed_dim // m.heads % 2:
@@ -667,27 +701,27 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         if m.family == "gpt" and m.rope_theta is not None:
             out.append(("spec.model.ropeTheta", "family gpt learns position embeddings: ropeTheta is for family "
                         "llama"))
-        if m.layers < p.pipeline:
+        if manual and m.layers < p.pipeline:
             out.append(("spec.model.layers", f"layers({m.layers}) must be >= parallelism.pipeline({p.pipeline}): "
                         "every stage needs at least one layer"))
-        if t.batch_size % p.data:
+        if manual and t.batch_size % p.data:
             out.append(("spec.training.batchSize", f"batchSize({t.batch_size}) must be divisible by "
                         f"parallelism.data({p.data})"))
-        elif (t.batch_size // p.data) % t.gradient_accumulation:
+        elif manual and (t.batch_size // p.data) % t.gradient_accumulation:
             out.append(("spec.training.gradientAccumulation", f"per-rank batch batchSize/data = "
                         f"{t.batch_size // p.data} must be divisible by "
                         f"gradientAccumulation({t.gradient_accumulation})"))
-        elif (t.batch_size // p.data // t.gradient_accumulation) % p.microbatches:
+        elif manual and (t.batch_size // p.data // t.gradient_accumulation) % p.microbatches:
             out.append(("spec.parallelism.microbatches", "per-rank micro-step batch "
                         f"batchSize/data/gradientAccumulation = {t.batch_size // p.data // t.gradient_accumulation} "
                         f"must be divisible by microbatches({p.microbatches})"))
-        if t.compile and p.zero_stage == 3 and p.tensor == 1 and p.pipeline == 1:
+        if manual and t.compile and p.zero_stage == 3 and p.tensor == 1 and p.pipeline == 1:
             out.append(("spec.training.compile", "compile does not go with DeepSpeed ZeRO-3 (zeroStage 3 with "
                         "tensor and pipeline 1), whose gathers hook every module: use zeroStage 1 or 2, or add "
                         "tensor or pipeline parallelism (ZeRO-3 then runs on FSDP2)"))
-        if p.microbatches > 1 and p.pipeline == 1:
+        if manual and p.microbatches > 1 and p.pipeline == 1:
             out.append(("spec.parallelism.microbatches", "microbatches > 1 needs parallelism.pipeline > 1"))
-        if p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":
+        if manual and p.pipeline > 1 and p.microbatches < p.pipeline and p.pipeline_schedule == "1F1B":
             out.append(("spec.parallelism.microbatches", f"1F1B needs microbatches({p.microbatches}) >= "
                         f"pipeline({p.pipeline})"))
         if t.min_learning_rate > t.learning_rate:
@@ -697,6 +731,14 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append(("spec.training.warmupSteps", f"warmupSteps({t.warmup_steps}) must be <= steps({t.steps})"))
         if spec.data.source != "synthetic" and not spec.data.path:
             out.append(("spec.data.path", f"data.source '{spec.data.source}' needs data.path"))
+    if manual:
+        for name in PLANNER_FIELDS:
+            if getattr(p, to_snake(name)) is not None:
+                out.append((f"spec.parallelism.{name}", f"{name} is for parallelism.mode auto (the planner's); this "
+                            "job's mode is manual"))
+    elif spec.entrypoint:
+        out.append(("spec.parallelism.mode", "mode auto plans the built-in trainer's model: a program of its own "
+                    "(spec.entrypoint) gives its layout (mode manual)"))
     if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
         out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
@@ -817,8 +859,10 @@ def layout_label(spec: Spec) -> str:
 
 def describe_layout(spec: Spec) -> str:
     """The layout in words, for `kubectl get ptj` and first lines: `data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16`
-    (no ZeRO named where its stage is 0)."""
+    (no ZeRO named where its stage is 0); `planned (mode auto), bf16` until the planner has chosen it."""
     p = spec.parallelism
+    if p.mode == "auto":
+        return f"planned (mode auto), {spec.precision}"
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
     return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}, {spec.precision}"
 

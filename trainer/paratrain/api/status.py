@@ -91,6 +91,54 @@ class Progress(_StatusModel):
     restarts_in_place: int | None = Field(None, ge=0, description=(
         "The current attempt's in-place restarts (every rank restarted in the same pods)."))
     last_failure: RankFailure | None = Field(None, description="The rank whose exit caused the latest of them.")
+    peak_memory_bytes: int | None = Field(None, ge=0, description=(
+        "The largest rank's peak of device memory (CUDA's max_memory_allocated) after the first steps; CPU ranks "
+        "do not report it."))
+
+
+class PlanLayout(_StatusModel):
+    """The layout parallelism mode auto chose, by its spec fields: what the gang's pods run."""
+
+    nodes: int = Field(ge=1)
+    data: int = Field(ge=1)
+    tensor: int = Field(ge=1)
+    pipeline: int = Field(ge=1)
+    zero_stage: int = Field(ge=0, le=3)
+    pipeline_schedule: Literal["GPipe", "1F1B"]
+    microbatches: int = Field(ge=1)
+    activation_checkpointing: Literal["none", "full", "selective"]
+    gradient_accumulation: int = Field(ge=1)
+
+
+class Plan(_StatusModel):
+    """What parallelism mode auto chose, for what, what it predicted, and what the gang then measured."""
+
+    summary: str | None = Field(None, max_length=512, description=(
+        "The layout in words, e.g. `data 8 x tensor 2 x pipeline 1, ZeRO-1, selective activation checkpointing on "
+        "2 node(s)`."))
+    layout: PlanLayout | None = None
+    accelerator: str | None = Field(None, max_length=64, description="The GPU it was planned for (catalogue name).")
+    source: str | None = Field(None, max_length=512, description=(
+        "Where the GPU came from: the nodes' GPU Feature Discovery labels, the platform's planner.gpu, or CPU pods."))
+    attempt: int | None = Field(None, ge=0, description="The gang attempt it was planned for (restarts re-plan).")
+    objective: str | None = Field(None, max_length=32)
+    considered: int | None = Field(None, ge=0, description="Layouts the planner judged.")
+    feasible: int | None = Field(None, ge=0, description="Of them, those within the rules and the memory budget.")
+    memory_budget_bytes: int | None = Field(None, ge=0, description="What a rank's predicted peak could use.")
+    predicted_peak_bytes: int | None = Field(None, ge=0, description="The largest rank's predicted peak.")
+    predicted_step_seconds: float | None = Field(None, ge=0)
+    predicted_tokens_per_second: int | None = Field(None, ge=0)
+    memory_band: float | None = Field(None, ge=0, description="The memory model's tested error, as a share.")
+    time_band: float | None = Field(None, ge=0, description="The time model's error, as a share.")
+    alternatives: list[Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=3, description=(
+        "The next best layouts and why each lost."))
+    measured_at_step: int | None = Field(None, ge=0, description=(
+        "The step of the measurement below (taken once the gang has trained a few steps)."))
+    measured_tokens_per_second: int | None = Field(None, ge=0)
+    measured_peak_bytes: int | None = Field(None, ge=0, description=(
+        "The largest rank's peak of device memory (CUDA's max_memory_allocated; CPU ranks do not measure it)."))
+    tokens_per_second_error: float | None = Field(None, description="measured / predicted - 1.")
+    peak_error: float | None = Field(None, description="measured / predicted - 1.")
 
 
 class JobStatus(_StatusModel):
@@ -154,6 +202,9 @@ class JobStatus(_StatusModel):
     last_restart_reason: str | None = Field(None, max_length=1024, description=(
         "Why the gang last restarted (a pod's failure, a stop from outside, a start timeout)."))
     last_restart_time: datetime | None = Field(None, description="When the gang last restarted.")
+    plan: Plan | None = Field(None, description=(
+        "What parallelism mode auto chose (the pods run it), its predictions and, after a few steps, the "
+        "measurements beside them."))
     resumed_from_step: int | None = Field(None, ge=0, description=(
         "The step this attempt's ranks resumed from (their newest checkpoint; 0: from scratch), as its rank 0 said."))
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.

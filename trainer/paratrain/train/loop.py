@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..api import Spec
 from ..api.spec import TrainingSpec
+from ..contract import MEASURE_AFTER_STEPS
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .host_memory import HostPhases
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
@@ -179,6 +180,16 @@ class Trainer:
         return bool(self.checkpointer and c.interval is None and dist.get_rank() == 0
                     and train_time - self._saved_at >= 60 * c.interval_minutes)
 
+    def _peak_memory(self) -> dict:
+        """The largest rank's peak of device memory so far, as {peakMemoryBytes: n} (what the operator sets beside
+        the planner's prediction), taken by every rank at the same step; {} on CPU, whose allocator keeps no
+        count (a GPU's caching allocator does)."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {"peakMemoryBytes": int(peak.item())}
+
     def run(self) -> RunResult:
         t, r = self.spec.training, self.result
         self._saved_at = 0.0  # training seconds at the last save
@@ -215,9 +226,10 @@ class Trainer:
             eta = (t.steps - done) * train_time / (done - r.start_step)
             log_now = time.perf_counter() - t_last > 10 or done == t.steps
             t_last = time.perf_counter() if log_now else t_last
+            measured = self._peak_memory() if done == min(r.start_step + MEASURE_AFTER_STEPS, t.steps) else {}
             self._emit("step", step=done, totalSteps=t.steps, loss=loss, lr=lr_at(step, t),
                        gradNorm=outcome.grad_norm, applied=outcome.applied, tokensPerSecond=tps, etaSeconds=eta,
-                       log=log_now)
+                       log=log_now, **measured)
             if stop and done < t.steps:  # every rank saw it in the same all-reduce: all stop at this step
                 self._stop(done)
             if done % t.eval_interval == 0 and done < t.steps:

@@ -61,7 +61,7 @@ class ProgressReporter:
                  port: int | None = None, tensorboard: TensorBoardWriter | None = None):
         self.snapshot: dict = {"phase": "starting", "step": 0, "startStep": None, "totalSteps": total_steps,
                                "loss": None, "valLoss": None, "tokensPerSecond": 0.0, "etaSeconds": None,
-                               "updatedAt": _now()}
+                               "peakMemoryBytes": None, "updatedAt": _now()}
         self._lock = threading.Lock()
         self._events = open(events_file, "a", buffering=1) if events_file else None
         self._server = _serve(self, host or "0.0.0.0", port) if port else None

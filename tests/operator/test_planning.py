@@ -1,0 +1,98 @@
+"""parallelism mode auto in the operator (paratrain_operator.planning): which GPU a gang is planned for, from the
+nodes' GPU Feature Discovery labels or the platform; the plan recorded in status.plan, applied back while pods run
+it, and measured beside its predictions. The operator's use of it, end to end: test_live_planner.py."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from paratrain.api import hardware, parse_job, planner
+from paratrain.api.platform import Platform
+from paratrain.api.status import JobStatus
+from paratrain_operator import planning, status
+from paratrain_operator.gang import GangState
+
+H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.memory": "81559",
+        "nvidia.com/gpu.count": "8", "pool": "train"}
+A100_40 = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.memory": "40960",
+           "nvidia.com/gpu.count": "8", "pool": "train"}
+
+
+def job_of(gpus=8, node_selector=None, **parallelism):
+    return parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "a"},
+                      "spec": {"nodes": 2, "procsPerNode": gpus or 2, "precision": "bf16",
+                               "parallelism": {"mode": "auto", **parallelism},
+                               "model": {"preset": "llama3-1b", "blockSize": 2048},
+                               "data": {"source": "synthetic", "vocabSize": 128256},
+                               "training": {"batchSize": 64, "steps": 100},
+                               "resources": {"gpusPerNode": gpus},
+                               "scheduling": {"nodeSelector": node_selector or {}}}})
+
+
+def test_the_gpu_comes_from_the_labels_of_the_nodes_the_job_may_use():
+    target = planning.target_of(job_of().spec, [H100, H100, {"kubernetes.io/hostname": "cpu-1"}], Platform())
+    assert target.accelerator.name == "H100-80GB" and target.memory_bytes == 81559 * 2**20
+    assert target.source == "2 node(s) labelled nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"
+    # Two GPU types the gang may land on: the one with less memory, said so.
+    mixed = planning.target_of(job_of().spec, [H100, A100_40], Platform())
+    assert mixed.accelerator.name == "A100-40GB" and "the least memory of 2 GPU types" in mixed.source
+    # The job's nodeSelector and its GPUs a node rule nodes out.
+    picky = planning.target_of(job_of(node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}).spec,
+                               [H100, A100_40], Platform())
+    assert picky.accelerator.name == "H100-80GB"
+    small = dict(A100_40, **{"nvidia.com/gpu.count": "4"})
+    assert planning.target_of(job_of().spec, [H100, small], Platform()).accelerator.name == "H100-80GB"
+
+
+def test_without_labels_the_platform_names_the_gpu_and_its_links():
+    platform = Platform.model_validate({"planner": {"gpu": "a100-80gb", "networkBandwidth": "12.5G"}})
+    target = planning.target_of(job_of().spec, [], platform)
+    assert target.accelerator.name == "A100-80GB" and target.source.startswith("the platform's planner.gpu (no node")
+    assert target.accelerator.network_bytes_per_second == 12.5e9  # the profile's
+    assert target.accelerator.node_bytes_per_second == hardware.accelerator("A100-80GB").node_bytes_per_second
+    assert planning.target_of(job_of().spec, None, platform).accelerator.name == "A100-80GB"  # may not list nodes
+
+
+@pytest.mark.parametrize("labels,says", [
+    ([], "no node the job may use (spec.scheduling.nodeSelector, 8 GPUs or more) carries GPU Feature Discovery's "
+         "nvidia.com/gpu.product label"),
+    (None, "the operator may not list nodes (a namespaced install)"),
+    ([{"nvidia.com/gpu.product": "Tesla-T4", "nvidia.com/gpu.count": "8"}],
+     "nodes labelled Tesla-T4: not a GPU paratrain knows"),
+])
+def test_an_unknown_gpu_is_a_clear_refusal_naming_the_platform_setting(labels, says):
+    with pytest.raises(planner.NoPlan) as refused:
+        planning.target_of(job_of().spec, labels, Platform())
+    assert says in str(refused.value) and "the platform's planner.gpu (a Helm value) names it" in str(refused.value)
+
+
+def test_cpu_pods_are_planned_for_cpus_without_asking_the_nodes():
+    target = planning.target_of(job_of(gpus=0).spec, None, Platform())
+    assert target.accelerator is hardware.CPU and target.device == "cpu"
+
+
+def test_the_plan_recorded_is_what_the_pods_run_and_fits_the_status_schema():
+    job = job_of()
+    planned, record = planning.plan_now(job, [H100, H100], Platform(), attempt=3)
+    assert planned.spec.parallelism.mode == "manual" and planned.spec.world_size == 16
+    assert record["attempt"] == 3 and record["accelerator"] == "H100-80GB" and record["feasible"] > 1
+    assert planning.recorded(job, record).spec == planned.spec  # a replacement pod runs its peers' layout
+    st = status.build(None, GangState(phase="Running", attempt=3), nodes=2, pods=[], stall_timeout=600,
+                      generation=1, layout="data 16 × tensor 1 × pipeline 1, bf16", now=datetime.now(timezone.utc),
+                      plan=record, progress={"step": 10, "startStep": 0, "totalSteps": 100,
+                                             "tokensPerSecond": 1000, "peakMemoryBytes": 2**30})
+    assert st["layout"] == "data 16 × tensor 1 × pipeline 1, bf16 (planned)"
+    assert st["plan"]["measuredTokensPerSecond"] == 1000 and st["plan"]["measuredPeakBytes"] == 2**30
+    assert st["plan"]["tokensPerSecondError"] == round(1000 / record["predictedTokensPerSecond"] - 1, 4)
+    JobStatus.model_validate(st)  # what the CRD's status schema is generated from
+    # A later pass without a fresh report keeps the measurements.
+    again = status.build(st, GangState(phase="Running", attempt=3), nodes=2, pods=[], stall_timeout=600,
+                         generation=1, layout="x", now=datetime.now(timezone.utc), plan=st["plan"], progress=None)
+    assert again["plan"] == st["plan"]
+
+
+def test_a_job_nothing_fits_names_the_rejections():
+    with pytest.raises(planner.NoPlan, match="no layout fits on 2 node"):
+        planning.plan_now(job_of(allow=["data"], memoryHeadroom=0.9), [H100, H100], Platform(), attempt=0)
