@@ -141,7 +141,10 @@ def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: s
 def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0,
               ranks: Collection[int] | None = None) -> GangPlan:
     """The gang's plan; its `nodes` only those of `ranks` when given (each node copies the spec's env and
-    annotations: a batch of a 4,096-pod gang plans its own nodes, not all of them)."""
+    annotations: a batch of a 4,096-pod gang plans its own nodes, not all of them). A mode auto job is rendered
+    once the layout planner has chosen its layout (paratrain_operator.planning)."""
+    if job.spec.parallelism.mode == "auto":
+        raise ValueError("a mode auto job is rendered as planned: plan it first (paratrain.api.planner.planned)")
     name, gang = job.metadata.name, job.spec.scheduling.gang
     wanted = range(job.spec.nodes) if ranks is None else sorted(set(ranks))
     labels = gang_labels(name)

@@ -49,10 +49,25 @@ def test_the_step_time_is_the_sum_of_the_formulas_parts():
     # within a node; exposed where it outlasts backward (2/3 of the compute), at least its last fifth
     reduce = 4 * 1498482688 / 4 * 2 * 3 / 4 / (H100.node_bytes_per_second * link)
     assert t["data"] == pytest.approx(max(0.2 * reduce, reduce - compute * 2 / 3))
-    assert t["total"] == pytest.approx(sum(t[k] for k in ("compute", "bubble", "tensor", "pipeline", "data")))
+    # AdamW streams 32 bytes of each parameter the rank steps: the stage's tensor shard (no ZeRO: all of it)
+    assert t["optimizer"] == pytest.approx(1498482688 / 4 * 32 / H100.memory_bytes_per_second)
+    zero1 = spec_of(nodes=2, parallelism={"data": 4, "tensor": 2, "pipeline": 2, "microbatches": 8, "zeroStage": 1})
+    assert planner.step_time(zero1, 128256, H100, 8)["optimizer"] == pytest.approx(t["optimizer"] / 4)  # sharded
+    assert t["total"] == pytest.approx(sum(t[k] for k in ("compute", "bubble", "tensor", "pipeline", "data",
+                                                          "optimizer")))
     full = planner.step_time(spec.model_copy(update={"training": spec.training.model_copy(
         update={"activation_checkpointing": "full"})}), 128256, H100, 8)
     assert full["compute"] == pytest.approx(compute * 4 / 3) and full["tensor"] == pytest.approx(t["tensor"] * 6 / 4)
+
+
+def test_ranks_sharing_cores_compute_in_turn_and_lend_a_bubble_to_the_others():
+    spec = spec_of(nodes=1, procs=4, parallelism={"data": 2, "pipeline": 2, "microbatches": 2,
+                                                  "pipelineSchedule": "GPipe"}, precision="fp32")
+    alone, shared = planner.step_time(spec, 128256, hardware.CPU, 4), planner.step_time(spec, 128256, hardware.CPU, 4, 2.0)
+    assert shared["compute"] == pytest.approx(2 * alone["compute"])  # two threads a core: each rank half as fast
+    assert shared["bubble"] == 0  # the bubble (half the compute here) is within the other ranks' turns
+    assert planner.step_time(spec, 128256, hardware.CPU, 4, 1.2)["bubble"] == pytest.approx(
+        alone["compute"] * 1.5 - alone["compute"] * 1.2)
 
 
 def test_every_feasible_layout_keeps_the_spec_rules_and_the_budget_and_the_choice_is_the_simplest_near_best():
@@ -213,7 +228,7 @@ def test_validate_and_run_plan_a_mode_auto_job_here(tmp_path):
             "--set", "spec.checkpoint.path=null"]
     checked = validate(str(job), *sets)
     assert checked.returncode == 0, checked.stderr
-    assert "paratrain: planned for this machine's CPU: data " in checked.stderr
+    assert re.search(r"paratrain: planned for this machine's CPU \(\d+ cores\): data ", checked.stderr)
     # The operator plans before any rank has read the text: it needs the vocabulary stated.
     assert "in a cluster (the operator): refused: spec.data.vocabSize: mode auto sizes" in checked.stdout
     explained = validate(str(job), *sets, "--explain")
@@ -222,7 +237,8 @@ def test_validate_and_run_plan_a_mode_auto_job_here(tmp_path):
                           "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert ran.returncode == 0, ran.stderr
-    planned = re.search(r"planned for this machine's CPU: (data \d+ x tensor \d+ x pipeline \d+)", ran.stderr)
+    planned = re.search(r"planned for this machine's CPU \(\d+ cores\): (data \d+ x tensor \d+ x pipeline \d+)",
+                        ran.stderr)
     assert planned, ran.stderr
     assert f"shakespeare: {planned.group(1).replace(' x ', ' × ')}, fp32; 2 local processes" in ran.stderr
     assert "finished 3 steps" in ran.stderr

@@ -96,3 +96,37 @@ def test_the_plan_recorded_is_what_the_pods_run_and_fits_the_status_schema():
 def test_a_job_nothing_fits_names_the_rejections():
     with pytest.raises(planner.NoPlan, match="no layout fits on 2 node"):
         planning.plan_now(job_of(allow=["data"], memoryHeadroom=0.9), [H100, H100], Platform(), attempt=0)
+
+
+def test_the_recorded_plan_holds_while_pods_run_it_and_a_fresh_gang_is_planned_again(monkeypatch):
+    import asyncio
+
+    from paratrain_operator import observe, reconcile
+
+    nodes = [H100, H100]
+
+    async def labels(_label):
+        return nodes
+
+    monkeypatch.setattr(observe, "gpu_node_labels", labels)
+    job = job_of()
+    running = GangState(phase="Running", attempt=1)
+    first, plan = asyncio.run(reconcile._planned(job, {}, [], running))
+    assert plan["accelerator"] == "H100-80GB"
+    # The cluster's GPUs change while the gang runs: its pods keep the layout they run.
+    nodes = [A100_40, A100_40]
+    kept, same = asyncio.run(reconcile._planned(job, {"plan": plan}, ["a pod of the job"], running))
+    assert same is plan and kept.spec == first.spec
+    # A gang created afresh (no pod of the job left: a restart, a resume) is planned for what the cluster has now.
+    again, replanned = asyncio.run(reconcile._planned(job, {"plan": plan}, [], GangState(phase="Restarting",
+                                                                                         attempt=2)))
+    assert replanned["accelerator"] == "A100-40GB" and replanned["attempt"] == 2
+    assert reconcile._planned_event(replanned, plan).message.startswith("planned again (a fresh gang): ")
+    # Nothing changed: the record (and its measurements) stays.
+    measured = dict(plan, measuredTokensPerSecond=5)
+    nodes = [H100, H100]
+    _, unchanged = asyncio.run(reconcile._planned(job, {"plan": measured}, [], running))
+    assert unchanged is measured
+    # A finished job is never planned again.
+    _, finished = asyncio.run(reconcile._planned(job, {"plan": plan}, [], GangState(phase="Succeeded")))
+    assert finished is plan

@@ -17,6 +17,8 @@ import yaml
 
 from paratrain.api import load_job
 from paratrain.cli import main as cli_main
+from paratrain.api.platform import Platform
+from paratrain_operator import planning
 from paratrain_operator.render import render_job
 
 from ..api.crdsim import schema_problems
@@ -25,6 +27,8 @@ from .pss import restricted_violations
 ROOT = Path(__file__).resolve().parents[2]
 JOB_FILES = sorted(glob.glob(str(ROOT / "tests/operator/jobs/*.yaml")) + glob.glob(str(ROOT / "examples/*.yaml")))
 JOB_IDS = [str(Path(p).relative_to(ROOT)) for p in JOB_FILES]
+H100_NODE = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.memory": "81559",
+             "nvidia.com/gpu.count": "8"}
 
 # The spec part of the PodGroup CRDs as published upstream (Volcano v1beta1; scheduler-plugins v1alpha1);
 # kubernetes-validate has no schemas for custom resources. Unknown fields count as errors.
@@ -57,6 +61,8 @@ def validate(obj: dict[str, Any]) -> None:
 
 def render_file(path: str, attempt: int = 0) -> list[dict[str, Any]]:
     job = load_job(path)
+    if job.spec.parallelism.mode == "auto":  # as the operator renders it: planned (CPU pods, or a labelled H100)
+        job, _ = planning.plan_now(job, [H100_NODE], Platform(), attempt)
     return render_job(job, job.metadata.namespace or "default", attempt)
 
 
@@ -103,8 +109,7 @@ def test_cli_render_prints_a_valid_yaml_stream(capsys: pytest.CaptureFixture[str
     for path in JOB_FILES:  # every one cluster-shaped, as it is
         assert cli_main(["render", path, "--attempt", "1"]) == 0, capsys.readouterr().err
         docs = list(yaml.safe_load_all(capsys.readouterr().out))
-        job = load_job(path)
-        assert docs == render_job(job, job.metadata.namespace or "default", 1), path
+        assert docs == render_file(path, 1), path
         for doc in docs:
             validate(doc)
 

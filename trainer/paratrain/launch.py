@@ -585,7 +585,9 @@ def local_target(job: ParallelTrainJob) -> planner.Target:
 
     try:
         if device_type(job) == "cpu":
-            return planner.Target(hardware.CPU, "this machine's CPU")
+            world, cores = job.spec.world_size, os.cpu_count() or 1
+            threads = world * int(_threads_per_rank(world))
+            return planner.Target(hardware.CPU, f"this machine's CPU ({cores} cores)", oversubscription=threads / cores)
     except ValueError as exc:
         path, _, message = str(exc).partition(": ")
         raise SpecError([Problem(path, message)]) from None

@@ -23,6 +23,7 @@ class Accelerator:
     fp32_flops: float  # plain fp32 (TF32 tensor cores give half the bf16 peak)
     node_bytes_per_second: float  # within a node, per GPU and direction (NVLink, else PCIe)
     network_bytes_per_second: float  # across nodes, per GPU and direction
+    memory_bytes_per_second: float = 2e12  # the device memory's (HBM) bandwidth: what the optimizer step streams
     gpus_per_node: int = 8
 
     def flops(self, precision: str, tf32: bool) -> float:
@@ -34,20 +35,20 @@ class Accelerator:
 
 # In match order for device_name (so "H100 PCIe" before "H100", "L40S" before "L4").
 ACCELERATORS = (
-    Accelerator("H100-PCIe-80GB", "H100 PCIe", 80 * GiB, 756e12, 51e12, 64 * GB, 25 * GB),
-    Accelerator("H100-NVL-94GB", "H100 NVL", 94 * GiB, 835e12, 60e12, 64 * GB, 50 * GB),
-    Accelerator("H100-80GB", "H100", 80 * GiB, 989e12, 67e12, 450 * GB, 50 * GB),  # SXM: NVLink 4, 8 x 400 Gb/s
-    Accelerator("H200-NVL-141GB", "H200 NVL", 141 * GiB, 835e12, 60e12, 64 * GB, 50 * GB),
-    Accelerator("H200-141GB", "H200", 141 * GiB, 989e12, 67e12, 450 * GB, 50 * GB),  # SXM
-    Accelerator("A100-80GB", "A100", 80 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB),  # SXM: NVLink 3, 200 Gb/s
-    Accelerator("A100-40GB", "A100", 40 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB),
-    Accelerator("L40S-48GB", "L40S", 48 * GiB, 362e12, 91.6e12, 32 * GB, 12.5 * GB),  # PCIe 4, 100 Gb/s a node
-    Accelerator("L4-24GB", "L4", 24 * GiB, 121e12, 30.3e12, 32 * GB, 12.5 * GB),
-    Accelerator("V100-32GB", "V100", 32 * GiB, 125e12, 15.7e12, 150 * GB, 12.5 * GB),  # fp16 (no bf16)
+    Accelerator("H100-PCIe-80GB", "H100 PCIe", 80 * GiB, 756e12, 51e12, 64 * GB, 25 * GB, 2.0e12),
+    Accelerator("H100-NVL-94GB", "H100 NVL", 94 * GiB, 835e12, 60e12, 64 * GB, 50 * GB, 3.9e12),
+    Accelerator("H100-80GB", "H100", 80 * GiB, 989e12, 67e12, 450 * GB, 50 * GB, 3.35e12),  # SXM: NVLink 4, 8 x 400 Gb/s
+    Accelerator("H200-NVL-141GB", "H200 NVL", 141 * GiB, 835e12, 60e12, 64 * GB, 50 * GB, 4.8e12),
+    Accelerator("H200-141GB", "H200", 141 * GiB, 989e12, 67e12, 450 * GB, 50 * GB, 4.8e12),  # SXM
+    Accelerator("A100-80GB", "A100", 80 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB, 2.04e12),  # SXM: NVLink 3, 200 Gb/s
+    Accelerator("A100-40GB", "A100", 40 * GiB, 312e12, 19.5e12, 300 * GB, 25 * GB, 1.56e12),
+    Accelerator("L40S-48GB", "L40S", 48 * GiB, 362e12, 91.6e12, 32 * GB, 12.5 * GB, 0.864e12),  # PCIe 4, 100 Gb/s a node
+    Accelerator("L4-24GB", "L4", 24 * GiB, 121e12, 30.3e12, 32 * GB, 12.5 * GB, 0.3e12),
+    Accelerator("V100-32GB", "V100", 32 * GiB, 125e12, 15.7e12, 150 * GB, 12.5 * GB, 0.9e12),  # fp16 (no bf16)
 )
 BY_NAME = {a.name: a for a in ACCELERATORS}
 # A CPU rank, for planning local runs: an order of magnitude, not a datasheet (gloo over shared memory).
-CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, gpus_per_node=1)
+CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, 10 * GB, gpus_per_node=1)
 
 
 def accelerator(name: str) -> Accelerator:

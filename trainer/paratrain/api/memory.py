@@ -6,7 +6,8 @@ them to measurement (`paratrain run --measure-memory`) within ±15% on CPU.
 Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parallel shard) over dp ranks:
 - params: fp32 weights, 4Ψ (the optimizer steps them; autocast computes in 16 bits from a cached copy); FSDP2 ZeRO-3
   4Ψ/dp; DeepSpeed keeps its weights in the training dtype (2Ψ in bf16/fp16), ZeRO-3 2-4Ψ/dp.
-- grads: 4Ψ, ZeRO-2/3 4Ψ/dp (DeepSpeed accumulates in fp32; its ZeRO-1 in bf16 keeps whole fp32 gradients).
+- grads: 4Ψ, ZeRO-2/3 4Ψ/dp (DeepSpeed accumulates in fp32; its ZeRO-1 in bf16 keeps whole fp32 gradients, and
+  its ZeRO-1/2 under gradient accumulation whole gradients in the parameters' dtype until the boundary's reduction).
 - optimizer: AdamW's two fp32 moments, 8Ψ (ZeRO: 8Ψ/dp), and DeepSpeed's fp32 master copy 4Ψ/dp.
 - activations: what a block saves for backward per token (`block_bytes`), times the tokens of the microbatches in
   flight (all of a step's for GPipe, p - stage for 1F1B), for the rank's layers; activation checkpointing keeps
@@ -290,8 +291,14 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
         gathered = psi if zero == 2 else 2 * (split // tp + replicated)
         buffers += gathered * (2 if half else FP32)
     terms["buffers"] = int(buffers)
-    # Under accumulation or a pipeline, backward starts with the gradients of earlier micro-steps there.
-    terms["_grads_in_backward"] = terms["grads"] if (t.gradient_accumulation > 1 or pp > 1) else 0
+    # Under accumulation or a pipeline, backward starts with the gradients of earlier micro-steps there. Under
+    # DeepSpeed's own accumulation ZeRO-1 and ZeRO-2 keep whole gradients in param.grad (the parameters' dtype)
+    # through the micro-steps and reduce them into partitions at the boundary (measured: bench/planner.py found
+    # ZeRO-1 17% and ZeRO-2 17% over their predictions before this term).
+    accumulating = t.gradient_accumulation > 1 or pp > 1
+    whole_in_backward = deepspeed and zero in (1, 2) and t.gradient_accumulation > 1
+    terms["_grads_in_backward"] = (max(terms["grads"], psi * weight_bytes) if whole_in_backward else
+                                   terms["grads"] if accumulating else 0)
     terms["_step_temporaries"] = (psi // (dp if zero >= 1 else 1)) * FP32
     return terms
 

@@ -6,7 +6,7 @@ second).
 A layout is data x tensor x pipeline degrees, the ZeRO stage, the pipeline schedule and microbatches, activation
 checkpointing and gradient accumulation; the global batch (training.batchSize x blockSize tokens) stays fixed.
 Tensor parallel stays within a node; the mesh is (pipeline, data, tensor), tensor innermost (ParallelDims), so a
-data-parallel or pipeline group crosses nodes once it spans more ranks than a node has. Within 5% of the fastest
+data-parallel or pipeline group crosses nodes once it spans more ranks than a node has. Within 10% of the fastest
 layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
 model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
 
@@ -14,7 +14,9 @@ The time model, per step and rank (docs/trainer.md, "Planner"): compute at COMPU
 peak for the precision, full activation checkpointing adding a forward (x4/3), selective a few %; the pipeline bubble (p-1)/m of the
 compute; tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 with full recompute), ring
 volume 2(t-1)/t; pipeline sends of the activations and their gradients; data parallel's gradient reduction (fp32,
-2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward; links at COMMUNICATION_EFFICIENCY.
+2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward; links at COMMUNICATION_EFFICIENCY;
+AdamW's update, OPTIMIZER_BYTES_PER_PARAMETER of the parameters the rank steps (ZeRO: its 1/d) at the memory's
+bandwidth.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_
 COMPUTE_EFFICIENCY = 0.4  # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%)
 SELECTIVE_RECOMPUTE = 0.03  # selective AC recomputes the cheap ops (norms, activations): a few % of the compute
 COMMUNICATION_EFFICIENCY = 0.7  # of a link's bandwidth a ring collective reaches
-TIE = 0.05  # within this of the fastest, the simplest layout wins
+OPTIMIZER_BYTES_PER_PARAMETER = 32  # AdamW's step: reads weight, gradient, two moments; writes three; the norm
+# Within this of the fastest, the simplest layout wins: how far apart two layouts' predicted steps must be for the
+# ranking to be trusted over simplicity. bench/planner.py measured the time model's relative errors between layouts
+# at 10-30% on CPU; a choice within 10% of the fastest is the planner's own target.
+TIE = 0.10
 MEMORY_BAND = 0.15  # the memory model's error, held by tests/trainer/test_memory_model.py
 TIME_BAND = 0.5  # the time model's: uncalibrated until a GPU run measures it
 AC_MODES = ("none", "selective", "full")
@@ -96,6 +102,7 @@ class Plan:
     rejected: dict[str, Rejection] = field(default_factory=dict)
     own: Candidate | None = None  # the job's own layout, where legal and within the budget
     own_problem: str = ""  # else why not
+    oversubscription: float = 1.0  # step_time's
 
     @property
     def chosen(self) -> Candidate | None:
@@ -107,8 +114,11 @@ class Plan:
         entry.example = entry.example or example
 
 
-def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int) -> dict[str, float]:
-    """Seconds per step, by part, for the spec's layout (see the module docstring)."""
+def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
+              oversubscription: float = 1.0) -> dict[str, float]:
+    """Seconds per step, by part, for the spec's layout (see the module docstring). `oversubscription`: the threads
+    the ranks run per core they share, where over 1 (more local ranks than cores): the ranks then compute in turn,
+    their busy time stretched by it, and a rank idle in a pipeline bubble lends its core to the others."""
     p, t, m = spec.parallelism, spec.training, spec.model
     world, tokens = spec.world_size, t.batch_size * m.block_size
     act = 2 if spec.precision in ("bf16", "fp16") else 4
@@ -121,6 +131,9 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int)
         flops *= 1 + SELECTIVE_RECOMPUTE
     compute = flops / (world * gpu.flops(spec.precision, spec.tf32) * COMPUTE_EFFICIENCY)
     bubble = compute * (p.pipeline - 1) / p.microbatches if p.pipeline > 1 else 0.0
+    if oversubscription > 1:
+        busy = compute * oversubscription
+        compute, bubble = busy, max(0.0, compute + bubble - busy)
 
     def link(span: int) -> float:  # a group of `span` consecutive ranks: within a node, or across
         bw = gpu.node_bytes_per_second if span <= gpus_per_node else gpu.network_bytes_per_second
@@ -140,9 +153,15 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int)
         volume = 4 * shard * 2 * (p.data - 1) / p.data * (1.5 if p.zero_stage == 3 else 1.0)
         reduce = volume / link(p.data * p.tensor)
         data = max(0.2 * reduce, reduce - compute * 2 / 3)  # overlapped with backward, all but its last bucket
-    total = compute + bubble + tensor + pipeline + data
+    # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
+    # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.
+    updated = parameter_count(m, vocab_size) / (p.tensor * p.pipeline) / (p.data if p.zero_stage else 1)
+    optimizer = updated * OPTIMIZER_BYTES_PER_PARAMETER / gpu.memory_bytes_per_second
+    if oversubscription > 1:  # gloo's copies and reductions and the update are the shared cores' work too
+        tensor, pipeline, data, optimizer = (x * oversubscription for x in (tensor, pipeline, data, optimizer))
+    total = compute + bubble + tensor + pipeline + data + optimizer
     return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipeline, "data": data,
-            "total": total}
+            "optimizer": optimizer, "total": total}
 
 
 def _divisors(n: int) -> list[int]:
@@ -151,14 +170,14 @@ def _divisors(n: int) -> list[int]:
 
 def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | None, device: str,
          node_counts: list[int], objective: str = "throughput", allow: tuple[str, ...] = MODES,
-         pin: tuple[str, ...] = ()) -> Plan:
+         pin: tuple[str, ...] = (), oversubscription: float = 1.0) -> Plan:
     """Every layout of `spec`'s model and batch over `node_counts` nodes of spec.procsPerNode ranks each,
     judged by the spec's own rules (cross_field_problems, as `validate` and the CRD's CEL judge a job) and by
     `memory_budget`, ranked by `objective`: throughput (the shortest step) or minGPUs (the fewest nodes that fit,
     then the shortest step: node counts are searched from the fewest up, and the search ends at the first that has
     a feasible layout). `allow`: the modes it may use (MODES); `pin`: the fields it keeps as the spec has them
     (PINNABLE)."""
-    result = Plan(gpu, memory_budget, objective, tuple(node_counts))
+    result = Plan(gpu, memory_budget, objective, tuple(node_counts), oversubscription=oversubscription)
     par, train = spec.parallelism, spec.training
     procs, layers = spec.procs_per_node, spec.model.layers
     kept = {name: getattr(par, _attr(name), None) if name not in ("activationCheckpointing", "gradientAccumulation")
@@ -207,6 +226,7 @@ class Target:
     accelerator: Accelerator
     source: str
     memory_bytes: int | None = None
+    oversubscription: float = 1.0  # step_time's: a local run of more ranks' threads than the machine has cores
 
     @property
     def device(self) -> str:
@@ -246,7 +266,7 @@ def plan_job(spec: Spec, vocab_size: int, target: Target, nodes: int | None = No
     most = nodes or spec.nodes
     counts = list(range(1, most + 1)) if objective == "minGPUs" else [most]
     return plan(spec, vocab_size, target.accelerator, memory_budget(spec, target, headroom), target.device, counts,
-                objective, allow, pin)
+                objective, allow, pin, target.oversubscription)
 
 
 def planned(spec: Spec, vocab_size: int, target: Target) -> tuple[Spec, Plan]:
@@ -318,7 +338,8 @@ def _fit_accumulation(spec, vocab_size, gpu, device, result: Plan, nodes, dp, tp
             result.reject("memory: the predicted peak exceeds the budget",
                           f"{Candidate(candidate, peak, {}).describe()} needs {peak / 2**30:.1f} GiB")
             continue
-        result.feasible.append(Candidate(candidate, peak, step_time(candidate, vocab_size, gpu, spec.procs_per_node)))
+        result.feasible.append(Candidate(candidate, peak, step_time(candidate, vocab_size, gpu, spec.procs_per_node,
+                                                                    result.oversubscription)))
         return
 
 
@@ -353,7 +374,8 @@ def _judge_own(spec: Spec, vocab_size: int, gpu: Accelerator, device: str, resul
     if result.memory_budget is not None and peak > result.memory_budget:
         result.own_problem = f"its predicted peak, {peak / 2**30:.1f} GiB, exceeds the budget"
         return
-    result.own = Candidate(spec, peak, step_time(spec, vocab_size, gpu, spec.procs_per_node))
+    result.own = Candidate(spec, peak, step_time(spec, vocab_size, gpu, spec.procs_per_node,
+                                                 result.oversubscription))
 
 
 def _seconds(s: float) -> str:
@@ -402,7 +424,7 @@ def _own_line(result: Plan) -> str:
 
 def _predicted(c: Candidate, tokens_per_step: int) -> list[str]:
     parts = ", ".join(f"{name} {_seconds(c.time[name])}" for name in ("compute", "bubble", "tensor", "pipeline",
-                                                                         "data") if c.time[name])
+                                                                         "data", "optimizer") if c.time[name])
     return [f"    peak memory {c.peak_bytes / 2**30:.2f} GiB a rank (±{MEMORY_BAND:.0%}, the memory model's tested "
             "error)",
             f"    step {_seconds(c.step_seconds)} (±{TIME_BAND:.0%}: the time model is not calibrated on a GPU yet), "
@@ -419,7 +441,8 @@ def _loses(alt: Candidate, chosen: Candidate, objective: str) -> str:
     if longer <= TIE:
         return (f"step {_seconds(alt.step_seconds)} ({longer:+.1%}), within {TIE:.0%} of the chosen one, which is "
                 "simpler")
-    part = max(("compute", "bubble", "tensor", "pipeline", "data"), key=lambda k: alt.time[k] - chosen.time[k])
+    part = max(("compute", "bubble", "tensor", "pipeline", "data", "optimizer"),
+               key=lambda k: alt.time[k] - chosen.time[k])
     return (f"step {_seconds(alt.step_seconds)} ({longer:+.1%}), {_seconds(alt.time[part] - chosen.time[part])} more "
             f"in {part}")
 
