@@ -293,7 +293,8 @@ async def _planned(job: ParallelTrainJob, prev: Mapping[str, Any], views: Sequen
         return planning.recorded(job, kept), kept
     labels = await observe.gpu_node_labels(planning.GFD_PRODUCT) if job.spec.resources.gpus_per_node else None
     try:
-        planned, plan = planning.plan_now(job, labels, PLATFORM, state.attempt)
+        # Off the event loop, as the gang's build: a search over thousands of layouts takes a fraction of a second.
+        planned, plan = await asyncio.to_thread(planning.plan_now, job, labels, PLATFORM, state.attempt)
     except planner.NoPlan as exc:
         raise SpecError([Problem("spec.parallelism", str(exc))]) from None
     if kept and kept.get("layout") == plan["layout"] and kept.get("source") == plan["source"]:

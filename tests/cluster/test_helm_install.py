@@ -33,7 +33,7 @@ VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletec
 # Powers outside the operator's rules ("group/plural[/subresource]"): secrets, other workloads, its own RBAC.
 FORBIDDEN = (
     ("get", "/secrets"), ("list", "/secrets"), ("create", "/secrets"), ("patch", "/pods"), ("update", "/pods"),
-    ("create", "/pods/exec"), ("create", "/serviceaccounts/token"), ("list", "/nodes"), ("patch", "/nodes"),
+    ("create", "/pods/exec"), ("create", "/serviceaccounts/token"), ("watch", "/nodes"), ("patch", "/nodes"),
     ("get", "/nodes/proxy"), ("update", "/namespaces"),
     ("create", "apps/deployments"), ("create", "apps/statefulsets"), ("create", "batch/jobs"),
     ("create", "apiextensions.k8s.io/customresourcedefinitions"),

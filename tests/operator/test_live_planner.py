@@ -48,7 +48,8 @@ def test_a_mode_auto_job_runs_the_plan_it_shows_with_the_measurements_beside_the
     assert plan["accelerator"] == "cpu" and plan["source"] == "CPU pods (resources.gpusPerNode 0)"
     layout = plan["layout"]
     assert layout["nodes"] == 2 and layout["data"] * layout["tensor"] * layout["pipeline"] == 2
-    words = f"data {layout['data']} × tensor {layout['tensor']} × pipeline {layout['pipeline']}"
+    zero = f", ZeRO-{layout['zeroStage']}" if layout["zeroStage"] else ""
+    words = f"data {layout['data']} × tensor {layout['tensor']} × pipeline {layout['pipeline']}{zero}"
     assert st["layout"] == f"{words}, fp32 (planned)"
     # The pods ran that layout: the spec every pod reads is the planned one, as a manual spec.
     config = cluster.kubectl("get", "configmap", "-n", ns, "-l", "paratrain.dev/job-name=auto", "-o", "yaml")
@@ -87,8 +88,8 @@ def test_a_gpu_job_is_planned_for_the_gpu_its_nodes_labels_name_before_any_pod_e
         assert plan["memoryBudgetBytes"] < 81559 * 2**20 and plan["predictedPeakBytes"] <= plan["memoryBudgetBytes"]
         assert plan["considered"] > plan["feasible"] > 1 and len(plan["alternatives"]) == 3
         # The gang it creates runs the plan (it waits for GPUs this test node does not have).
-        pods = wait_for(lambda: cluster.api.objects("v1/pods", ns) or None, 60, "the gang's pods")
-        assert len(pods) == plan["layout"]["nodes"]
+        wait_for(lambda: len(cluster.api.objects("v1/pods", ns)) == plan["layout"]["nodes"], 60,
+                 "the gang's pods, as many as the plan's nodes")
     finally:
         cluster.kubectl("label", "node", node, "nvidia.com/gpu.product-", "nvidia.com/gpu.memory-",
                         "nvidia.com/gpu.count-", "planner-test-")
