@@ -27,7 +27,7 @@ from itertools import product
 from .hardware import CPU, Accelerator
 from .memory import Headroom, human, largest_peak, parse_bytes
 from .shapes import parameter_count
-from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems
+from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems, stated_vocab_size
 
 COMPUTE_EFFICIENCY = 0.4  # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%)
 SELECTIVE_RECOMPUTE = 0.03  # selective AC recomputes the cheap ops (norms, activations): a few % of the compute
@@ -281,7 +281,7 @@ def planned(spec: Spec, vocab_size: int, target: Target) -> tuple[Spec, Plan]:
 def stated_vocab(spec: Spec) -> int:
     """The vocabulary a plan sizes the embedding by, where the data is not read (the operator, `paratrain
     render`): spec.data.vocabSize, or a synthetic source's model.vocabSize; NoPlan where neither says it."""
-    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
+    vocab = stated_vocab_size(spec)
     if vocab is None:
         raise NoPlan(f"mode auto sizes the model's embedding by its vocabulary, which is read from the "
                      f"{spec.data.source} data only by the ranks: give spec.data.vocabSize")

@@ -26,7 +26,7 @@ from .load import Problem, SpecError, parse_job
 from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
 from .spec import (
     BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
-    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model, cluster_problems,
+    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model, cluster_problems, stated_vocab_size,
 )
 
 # The operator's pods as the Helm chart labels them (release `paratrain`, chart name `paratrain`).
@@ -277,7 +277,7 @@ def grace_problem(spec: Spec, platform: Platform) -> str | None:
     if not spec.checkpoint.path:  # nothing is saved (a program of its own has no checkpoint section either)
         return None
     # Without a stated vocabulary (text or token data) the embedding is left out: the estimate is then a floor.
-    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else 0)
+    vocab = stated_vocab_size(spec) or 0
     bandwidth = parse_bytes(platform.checkpoint_bandwidth)
     seconds, per_node = stop_save_seconds(spec, vocab, bandwidth)
     budget = spec.pod.termination_grace_period_seconds - contract.STOP_MARGIN_SECONDS

@@ -640,6 +640,12 @@ def fixes(spec: Spec) -> dict[str, str]:
     return out
 
 
+def stated_vocab_size(spec: Spec) -> int | None:
+    """The vocabulary the spec itself states (data.vocabSize, or a synthetic source's model.vocabSize); None where
+    only the data knows it."""
+    return spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
+
+
 def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
     """What only matters in pods (a local run accepts it): checked by the operator and `paratrain render`. The
     memory check is here too: a laptop's CPU run is not held to the GPU memory the job states."""
@@ -650,7 +656,7 @@ def cluster_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append((field, f"{path!r} is relative: in a cluster it must be an absolute path on a volume every pod "
                         f"mounts (spec.pod.volumes), or the {what} are lost with the pod; relative paths are for "
                         "local runs"))
-    vocab = spec.data.vocab_size or (spec.model.vocab_size if spec.data.source == "synthetic" else None)
+    vocab = stated_vocab_size(spec)
     if vocab is None and spec.parallelism.mode == "auto":
         out.append(("spec.data.vocabSize", f"mode auto sizes the model's embedding by its vocabulary, and the "
                     f"operator plans before any rank has read the {spec.data.source} data: give it here (65 for "
