@@ -88,6 +88,8 @@ def describe_exit(code: int) -> str:
         return "stopped by SIGTERM after checkpointing its last step"
     if code == contract.EXIT_OUT_OF_MEMORY:
         return "out of device memory: the layout does not fit at this batch"
+    if code == contract.EXIT_HUNG:
+        return "made no progress for spec.restartPolicy.hangSeconds while alive"
     if code in (126, 127):
         return "the image cannot run the command"
     if code > 128 and code - 128 in _SIGNALS:
@@ -566,7 +568,10 @@ def restarted_in_place(policy: Policy, state: GangState, progress: Mapping[str, 
         msg = f"pod {replaced} was replaced; every rank restarted in place, {resumed} ({rounds})"
         return Decision(new, events=(Event("Normal", "RestartedInPlace", msg),))
     pod = contract.pod_name(policy.name, state.attempt, node_rank) if isinstance(node_rank, int) else None
-    what = (f"rank {rank} in pod {pod} exited with code {code} ({describe_exit(code)})"
+    what = ("a rank hung: the gang made no progress for spec.restartPolicy.hangSeconds, seen first by the agent "
+            f"of rank {rank} in pod {pod} (exit code 79; each pod's log holds its ranks' stacks)"
+            if pod and code == contract.EXIT_HUNG else
+            f"rank {rank} in pod {pod} exited with code {code} ({describe_exit(code)})"
             if pod and isinstance(code, int) else "a rank failed")
     failure = Failure(reason="Error", pod=pod, exit_code=code if isinstance(code, int) else None, message=(
         f"{what}; every rank restarted in place, {resumed}, no pod replaced ({rounds})"))

@@ -105,6 +105,8 @@ def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> 
             contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG_PATH,
             **contract.layout_env(spec.parallelism, spec.precision),
             contract.ENV_STOP_GRACE: str(spec.pod.termination_grace_period_seconds - contract.STOP_MARGIN_SECONDS)}
+    if spec.restart_policy.hang_seconds:
+        env[contract.ENV_HANG_SECONDS] = str(spec.restart_policy.hang_seconds)
     if spec.restart_policy.in_place_limit:
         rules = [r.dump() for r in spec.failure_policy.rules if r.exit_codes]
         env[contract.ENV_EXIT_CODE_RULES] = json.dumps(rules, separators=(",", ":"))

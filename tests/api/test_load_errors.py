@@ -28,6 +28,8 @@ CASES = [
     ({"spec": {"training": {"zzzz": 1}}}, "spec.training.zzzz", "unknown field (misspelt?)"),
     ({"spec": {"nodes": 0}}, "spec.nodes", "greater than or equal to 1"),
     ({"spec": {"nodes": "two"}}, "spec.nodes", "integer"),
+    ({"spec": {"restartPolicy": {"hangSeconds": 5}}}, "spec.restartPolicy.hangSeconds",
+     "greater than or equal to 10"),
     ({"spec": {"precision": "fp8"}}, "spec.precision", "'fp32', 'bf16' or 'fp16'"),
     ({"spec": {"parallelism": {"zeroStage": 4}}}, "spec.parallelism.zeroStage", "0, 1, 2 or 3"),
     ({"spec": {"model": {"dropout": 1.0}}}, "spec.model.dropout", "less than 1"),

@@ -11,7 +11,9 @@ import yaml
 
 from paratrain.api import API_GROUP_VERSION, PLURAL, load_job
 from paratrain.api.spec import Spec
+from paratrain.api.platform import Platform
 from paratrain_operator.apply import PLURALS
+from paratrain_operator.planning import plan_now
 from paratrain_operator.render import render_job
 
 from ..api.crdsim import server_defaults, without_empty
@@ -62,11 +64,13 @@ def test_the_examples_cluster_objects_pass_a_server_side_dry_run(crd_installed, 
 def test_every_cluster_examples_gang_passes_a_server_side_dry_run(crd_installed):
     """What the operator would create for each example (paratrain render), sent to the real API server: resource
     claims, extended resources, identities, env from Secrets and spread constraints included. The ServiceAccount,
-    PriorityClass and RuntimeClass the GPU examples name exist first, as admission requires."""
+    PriorityClass and RuntimeClass the GPU examples name exist first, as admission requires. A mode auto example is
+    planned first, as the operator plans it (these nodes carry no GPU labels: its pods are CPU pods)."""
     api, namespace = crd_installed.api, "example-gangs"
     if not api.get(f"/api/v1/namespaces/{namespace}").ok:
         crd_installed.create_namespace(namespace)
     jobs = [load_job(str(path)) for path in MANIFEST_EXAMPLES]
+    jobs = [plan_now(j, [], Platform(), attempt=1)[0] if j.spec.parallelism.mode == "auto" else j for j in jobs]
     for account in {j.spec.pod.service_account_name for j in jobs} - {None}:
         api.create(collection_path("v1", "serviceaccounts", namespace),
                    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}})

@@ -12,7 +12,7 @@ from paratrain import contract
 from paratrain.api.spec import FailurePolicyRule
 from paratrain_operator import gang, observe
 from paratrain_operator.clock import from_iso, to_iso
-from paratrain_operator.gang import Failure, GangState, Policy
+from paratrain_operator.gang import Failure, GangState, Policy, describe_exit
 from paratrain_operator.observe import PodView
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
@@ -331,6 +331,20 @@ def test_in_place_restarts_rank_0_reports_are_counted_once_with_the_failed_rank_
                   progress={"step": 60, "startStep": 50, "restartsInPlace": 1,
                             "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": 1}}).state
     assert (done.phase, done.in_place_restarts) == ("Succeeded", 4) and "1 restarts, 4 in place" in done.message
+
+
+def test_a_hung_round_is_said_as_the_gangs_stall_not_as_one_ranks_exit():
+    """Every rank blocked on a hung one stops beating too: the rank named is the one whose agent looked first."""
+    policy = replace(POLICY, in_place_limit=2)
+    report = {"step": 30, "startStep": 20, "restartsInPlace": 1,
+              "lastFailure": {"rank": 0, "nodeRank": 0, "exitCode": contract.EXIT_HUNG}}
+    s = decide(gang_of("Running", "Running", "Running"), RUNNING, policy, progress=report).state
+    assert s.failure.exit_code == contract.EXIT_HUNG and s.failure.pod == "job-0-0"
+    assert s.failure.message.startswith(
+        "a rank hung: the gang made no progress for spec.restartPolicy.hangSeconds, seen first by the agent of rank 0 "
+        "in pod job-0-0 (exit code 79; each pod's log holds its ranks' stacks); every rank restarted in place, from "
+        "step 20"), s.failure.message
+    assert describe_exit(contract.EXIT_HUNG) == "made no progress for spec.restartPolicy.hangSeconds while alive"
 
 
 def test_a_restarted_gang_says_the_step_it_resumed_from_once_its_rank_0_does():

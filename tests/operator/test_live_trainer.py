@@ -242,6 +242,46 @@ def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_
         cluster.close()
 
 
+def test_a_rank_hung_alive_is_restarted_in_place_within_hang_seconds_and_a_few_more(control_plane, tmp_path: Path):
+    """spec.restartPolicy.hangSeconds: rank 1 stops making progress after step 25 but lives, holding the gang
+    (rank 0 blocks in an all-reduce whose timeout, 120 s, never comes). An agent sees its rank's heartbeat go stale,
+    ends the round in node 0's store, the other agent stops its worker through the store, and the gang resumes
+    from step 20 in place within hangSeconds and a few seconds; the operator says so; the curve is exact."""
+    hang, events, faults = 10, tmp_path / "events.jsonl", tmp_path / "faults.log"
+    env = {"PARATRAIN_TEST_FAULT": "hang_at:1:25", "PYTHONPATH": str(FAULTS), "PARATRAIN_TEST_FAULT_LOG": str(faults),
+           "PARATRAIN_EVENTS_FILE": str(events)}  # rank 0's events (only it reports)
+    cluster = RealCluster(control_plane, tmp_path, node="hang-node", extra_env=env)
+    try:
+        ns = cluster.namespace("hang")
+        checkpoints = tmp_path / "ckpt"
+        spec = tiny_job("hang", ns, checkpoints, steps=40)["spec"]
+        spec["runPolicy"]["collectiveTimeoutSeconds"] = 120
+        spec["restartPolicy"] = {"inPlaceLimit": 2, "hangSeconds": hang}
+        cluster.submit(ns, "hang", spec)
+        status = cluster.wait_phase(ns, "hang", "Succeeded", 240)
+        assert (status["restarts"], status.get("inPlaceRestarts")) == (0, 1), cluster.diagnostics(ns, "hang")
+        assert cluster.pod_creations(ns) == ["hang-0-0", "hang-0-1"]
+        assert status["failure"]["exitCode"] == 79 and status["failure"]["message"].startswith(
+            "a rank hung: the gang made no progress for spec.restartPolicy.hangSeconds"), status["failure"]
+        records = [json.loads(line) for line in events.read_text().splitlines()]
+        resumed = next(r for r in records if r["event"] == "start" and r["startStep"] == 20)
+        waited = resumed["time"] - float(faults.read_text().split()[0])
+        assert hang < waited < hang + 20, waited
+        logs = {p: cluster.kubectl("logs", "-n", ns, p).stdout for p in ("hang-0-0", "hang-0-1")}
+        saw = [("made no progress for" in text, "ended by another pod" in text) for text in logs.values()]
+        # one agent saw the stall and the other stopped its worker through the store; or, a few milliseconds
+        # apart, both saw it
+        assert sorted(saw) in ([(False, True), (True, False)], [(True, False), (True, False)]), logs
+        assert all("the stacks of this pod's workers follow" in text for text in logs.values()), logs
+        final = json.loads((checkpoints / "step-00000040" / "manifest.json").read_text())
+        _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
+                                                           "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
+                                                           "spec": {**spec, "checkpoint": {}}})
+        assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+    finally:
+        cluster.close()
+
+
 def test_in_place_restarts_past_the_limit_fall_back_to_a_whole_gang_restart(control_plane, tmp_path: Path):
     """inPlaceLimit 1, and rank 1 fails again in the restarted round (5 steps into each, before any checkpoint):
     its agent's budget is spent, so its pod fails with the code and the operator restarts the whole gang

@@ -94,6 +94,12 @@ def test_in_place_restarts_give_torchrun_its_budget_and_the_exit_code_rules() ->
                                                            "podConditions": []}]
 
 
+def test_hang_seconds_reach_every_pods_agent_only_where_asked() -> None:
+    assert contract.ENV_HANG_SECONDS not in env(pods(render(job_doc()))[0])
+    doc = job_doc(restartPolicy={"inPlaceLimit": 2, "hangSeconds": 300})
+    assert {env(p)[contract.ENV_HANG_SECONDS] for p in pods(render(doc))} == {"300"}
+
+
 def test_user_env_comes_last_and_replaces_only_overridable_defaults() -> None:
     doc = job_doc(pod={"env": [{"name": "HOME", "value": "/data/home"}, {"name": "WANDB_MODE", "value": "off"}]})
     names = [e["name"] for e in container(pods(render(doc))[0])["env"]]

@@ -38,10 +38,11 @@ def job(checkpoints: Path, interval: int) -> dict:
     return {**TINY_JOB, "metadata": {"name": "replaced"}, "spec": spec}
 
 
-def start_node(spec: Path, rank: int, port: int, log: Path, fault: str | None = None) -> subprocess.Popen:
+def start_node(spec: Path, rank: int, port: int, log: Path, fault: str | None = None,
+               extra: dict[str, str] | None = None) -> subprocess.Popen:
     """`paratrain node` as pod `rank` runs it, in a session of its own (the pod's process tree)."""
     faults = {"PARATRAIN_TEST_FAULT": fault, "PYTHONPATH": str(FAULTS)} if fault else {}
-    env = {**job_env(faults), "OMP_NUM_THREADS": "1",
+    env = {**job_env(faults), "OMP_NUM_THREADS": "1", **(extra or {}),
            **contract.node_env(nnodes=2, nproc_per_node=1, node_rank=rank, master_addr="127.0.0.1",
                                master_port=port, in_place_limit=2)}
     with open(log, "ab") as out:
@@ -86,6 +87,51 @@ def test_a_lost_node_replaced_alone_rejoins_and_the_curve_goes_on_exactly(tmp_pa
     saved = re.search(r"preempted step=(\d+) saved=True", said)
     resumed = 20 if loss == "killed" else int(saved[1]) if saved else -1
     assert resumed >= 20 and f"start step={resumed} " in said, said[-3000:]
+    final = json.loads((checkpoints / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    _, straight = run_job(tmp_path / "straight", job={**doc, "spec": {**doc["spec"], "checkpoint": {}}})
+    assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+
+
+HANG_SECONDS = 5
+
+
+def test_a_rank_hung_alive_is_restarted_in_place_in_seconds_its_peers_stopped_through_the_store(tmp_path: Path):
+    """Rank 1 stops making progress after step 25 but stays alive (holding its process group, as a deadlock
+    does); rank 0 blocks in its next all-reduce, which would wait the collective timeout (120 s). Node 1's agent
+    sees rank 1's heartbeat go stale after restartPolicy.hangSeconds and ends the round in node 0's store; node 0's
+    agent, which has no hang detection of its own here, stops its worker because the round ended. The next round
+    resumes from step 20's checkpoint within seconds of the hang's detection, and the curve is the uninterrupted
+    run's, exactly."""
+    checkpoints, events, faults = tmp_path / "ckpt", tmp_path / "events.jsonl", tmp_path / "faults.log"
+    doc = job(checkpoints, interval=10)
+    doc["spec"]["runPolicy"]["collectiveTimeoutSeconds"] = 120
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    port = free_port()
+    logs = [tmp_path / "node-0.log", tmp_path / "node-1.log"]
+    fault, said = "hang_at:1:25", {"PARATRAIN_TEST_FAULT_LOG": str(faults)}
+    node0 = start_node(spec, 0, port, logs[0], fault, {**said, contract.ENV_EVENTS_FILE: str(events)})
+    node1 = start_node(spec, 1, port, logs[1], fault, {**said, contract.ENV_HANG_SECONDS: str(HANG_SECONDS)})
+    try:
+        assert node1.wait(240) == 0, logs[1].read_text()[-3000:]
+        assert node0.wait(60) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for node in (node0, node1):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    own, peer = logs[1].read_text(), logs[0].read_text()
+    assert "rank 1 made no progress for" in own and "(restartPolicy.hangSeconds 5)" in own, own[-3000:]
+    assert "time.sleep(60)" in own or "in optimizer_step" in own, "the hung worker's stacks are in its pod's log"
+    assert "round 0 ended by another pod" in peer, peer[-3000:]
+    assert "in all_reduce" in peer or "in mean_over_reporters" in peer, "the peer's stacks show where it waited"
+    hung_at = float(faults.read_text().split()[0])
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    restart = next(r for r in records if r["event"] == "restart")
+    assert restart["lastFailure"] == {"rank": 1, "nodeRank": 1, "exitCode": contract.EXIT_HUNG, "step": 24}
+    resumed = next(r for r in records if r["event"] == "start" and r["startStep"] == 20)
+    # hangSeconds, the agents' one-second look, the stacks' second, a 3 s stop at most, the new round's start
+    waited = resumed["time"] - hung_at
+    assert HANG_SECONDS < waited < HANG_SECONDS + 25, waited
     final = json.loads((checkpoints / f"step-{STEPS:08d}" / "manifest.json").read_text())
     _, straight = run_job(tmp_path / "straight", job={**doc, "spec": {**doc["spec"], "checkpoint": {}}})
     assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"

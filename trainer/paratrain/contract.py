@@ -42,6 +42,10 @@ ENV_EXIT_CODE_RULES = "PARATRAIN_EXIT_CODE_RULES"
 # Set by `paratrain node` for the workers of an in-place restart: why this node's last round ended, as JSON
 # {"rank", "nodeRank", "exitCode"}; rank 0 reports the gang's root cause to the operator.
 ENV_LAST_FAILURE = "PARATRAIN_LAST_FAILURE"
+# restartPolicy.hangSeconds, for `paratrain node`'s agent; and the directory where its workers write their
+# heartbeats (paratrain.rounds), which the agent makes: a program of its own may beat there too.
+ENV_HANG_SECONDS = "PARATRAIN_HANG_SECONDS"
+ENV_HEARTBEAT_DIR = "PARATRAIN_HEARTBEAT_DIR"
 
 # The job's layout, in every process's env: what a program of its own (spec.entrypoint) reads to build its mesh.
 ENV_LAYOUT_DATA = "PARATRAIN_DATA"
@@ -69,6 +73,9 @@ EXIT_PREEMPTED = 76
 # the device at this batch, and a restart would only meet the same error (EX_CONFIG, a configuration error).
 # Permanent unless a spec.failurePolicy rule says otherwise (a memory leak a restart clears, fragmentation).
 EXIT_OUT_OF_MEMORY = 78
+# A rank that made no progress for restartPolicy.hangSeconds while alive, stopped by its agent (paratrain.rounds):
+# restarted like any failure; its peers' 75s are the consequence.
+EXIT_HUNG = 79
 # 126/127: the image cannot run the command.
 PERMANENT_EXIT_CODES = frozenset({EXIT_INVALID_SPEC, EXIT_OUT_OF_MEMORY, 126, 127})
 # The permanent codes whose pod's termination message carries the trainer's own words ({"error": ...}).

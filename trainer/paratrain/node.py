@@ -13,13 +13,18 @@ operator (75: a peer failed, restart the gang; 2: the job can never run, fail it
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
 import signal
+import tempfile
+import time
 
-from . import contract
+from . import contract, rounds
 from .api.spec import FailurePolicyRule, first_rule
+
+log = logging.getLogger("paratrain.node")
 
 
 def shell_code(code: int) -> int:
@@ -49,32 +54,108 @@ def restarts_in_place(code: int, rules: list[FailurePolicyRule]) -> bool:
     return code not in contract.PERMANENT_EXIT_CODES
 
 
-def guard_in_place_restarts(rules: list[FailurePolicyRule]) -> None:
-    """torchrun's agent restarts its workers (PET_MAX_RESTARTS, from spec.restartPolicy.inPlaceLimit) after any
-    failure; this makes it do so only for failures the job's policy restarts in place (else its budget is spent
-    at once, it stops, and the pod fails with the code), and tells the next round's workers why the last one ended
-    (ENV_LAST_FAILURE; a program inherits it from the agent's environment, the built-in trainer gets it as its
-    worker's argument: a fork server's environment is its own), so that rank 0 can report it to the operator."""
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+STACKS_SECONDS = 1.0  # for hung workers to write their stacks to the pod's log
+IN_PLACE_STOP_SECONDS = 3  # a failed round's other workers: SIGTERM, then SIGKILL (one blocked in NCCL ignores
+# SIGTERM, and a broken gang has nothing to save: the next round resumes from the newest checkpoint)
 
-    monitor = LocalElasticAgent._monitor_workers
+
+def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = None,
+                 heartbeats: str | None = None) -> None:
+    """torchrun's agent, made to keep the gang's rounds (paratrain.rounds):
+    - it restarts its workers (PET_MAX_RESTARTS, from spec.restartPolicy.inPlaceLimit) only after failures the
+      job's policy restarts in place (else its budget is spent at once, it stops, and the pod fails with the
+      code), and tells the next round's workers why the last one ended (ENV_LAST_FAILURE; a program inherits it
+      from the agent's environment, the built-in trainer gets it as its worker's argument: a fork server's
+      environment is its own), so that rank 0 can report it to the operator;
+    - a failure of its workers ends their round in node 0's store at once, and a round ended by another pod's
+      agent stops its workers within about a second (CHECK_EVERY_SECONDS), failed as a peer's failure (75):
+      no worker waits for a collective to time out;
+    - a worker whose heartbeat is older than `hang_seconds` is failed as hung (EXIT_HUNG);
+    - a failed round's workers are stopped within IN_PLACE_STOP_SECONDS, not the pod's grace period."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    monitor, start = LocalElasticAgent._monitor_workers, LocalElasticAgent._start_workers
+
+    def _start_workers(self, worker_group):
+        if heartbeats:
+            rounds.clear(heartbeats)
+        self.paratrain_round = rounds.join_round(worker_group.store, worker_group.group_rank)
+        self.paratrain_checked = time.monotonic()
+        return start(self, worker_group)
+
+    def _stop_workers(self, worker_group):
+        self._shutdown(signal.SIGTERM, IN_PLACE_STOP_SECONDS)
+
+    def failed(worker_group, code: int, ranks) -> RunResult:
+        return RunResult(state=WorkerState.FAILED, failures={
+            w.global_rank: ProcessFailure(w.local_rank, w.id or -1, code, "")
+            for w in worker_group.workers if w.global_rank in ranks})
+
+    def looked_around(self, worker_group) -> RunResult | None:
+        """A failed result where another agent ended this round or a worker of this node hangs."""
+        if time.monotonic() - self.paratrain_checked < rounds.CHECK_EVERY_SECONDS:
+            return None
+        self.paratrain_checked = time.monotonic()
+        try:
+            ended = rounds.current_round(worker_group.store) > self.paratrain_round
+        except (RuntimeError, ValueError):  # node 0's store is gone: its pod's loss fails the gang anyway
+            ended = False
+        if ended:
+            cause = rounds.cause_of(worker_group.store, self.paratrain_round)
+            log.warning("paratrain node: round %d ended by another pod (%s): stopping this pod's workers",
+                        self.paratrain_round, json.dumps(cause))
+            if (cause or {}).get("exitCode") == contract.EXIT_HUNG:
+                dump_stacks(worker_group)  # where this pod's ranks waited on the hung one
+            self.paratrain_cause = cause
+            return failed(worker_group, contract.EXIT_RETRYABLE, {w.global_rank for w in worker_group.workers})
+        stall = rounds.stalled(heartbeats, hang_seconds) if hang_seconds and heartbeats else None
+        if stall:
+            log.error("paratrain node: %s (restartPolicy.hangSeconds %g): ending this round",
+                      rounds.describe_stall(stall), hang_seconds)
+            self.paratrain_cause = {"rank": stall.rank, "nodeRank": worker_group.group_rank,
+                                    "exitCode": contract.EXIT_HUNG, "step": stall.step}
+            # First, so that the other pods stop theirs (and dump their stacks) rather than time out on their own.
+            rounds.end_round(worker_group.store, self.paratrain_round, self.paratrain_cause)
+            dump_stacks(worker_group)
+            return failed(worker_group, contract.EXIT_HUNG, {stall.rank})
+        return None
+
+    def dump_stacks(worker_group) -> None:
+        """The built-in trainer's workers write every thread's stack to the pod's log (train_worker's SIGUSR1)."""
+        if callable(worker_group.spec.entrypoint):
+            log.warning("paratrain node: the stacks of this pod's workers follow")
+            for worker in worker_group.workers:
+                os.kill(worker.id, signal.SIGUSR1)
+            time.sleep(STACKS_SECONDS)
 
     def _monitor_workers(self, worker_group):
         result = monitor(self, worker_group)
-        if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
-            codes = {rank: shell_code(failure.exitcode) for rank, failure in result.failures.items()}
-            code = node_exit_code(list(codes.values()))
-            if restarts_in_place(code, rules):
-                rank = min(r for r, c in codes.items() if c == code)
-                said = json.dumps({"rank": rank, "nodeRank": worker_group.group_rank, "exitCode": code})
-                os.environ[contract.ENV_LAST_FAILURE] = said
-                if callable(worker_group.spec.entrypoint):
-                    worker_group.spec.args = (*worker_group.spec.args[:1], said)
-            else:
-                self._remaining_restarts = 0
+        self.paratrain_cause = None
+        if result.state == WorkerState.HEALTHY:
+            result = looked_around(self, worker_group) or result
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
+            return result
+        codes = {rank: shell_code(failure.exitcode) for rank, failure in result.failures.items()}
+        code = node_exit_code(list(codes.values()))
+        rank = min(r for r, c in codes.items() if c == code)
+        cause = self.paratrain_cause or {"rank": rank, "nodeRank": worker_group.group_rank, "exitCode": code}
+        try:
+            rounds.end_round(worker_group.store, self.paratrain_round, cause)
+        except (RuntimeError, ValueError):
+            pass  # node 0's store is gone: there is no round left to end
+        if self._remaining_restarts > 0 and restarts_in_place(code, rules):
+            said = json.dumps(cause)
+            os.environ[contract.ENV_LAST_FAILURE] = said
+            if callable(worker_group.spec.entrypoint):
+                worker_group.spec.args = (*worker_group.spec.args[:1], said)
+        else:
+            self._remaining_restarts = 0
         return result
 
+    LocalElasticAgent._start_workers = _start_workers
+    LocalElasticAgent._stop_workers = _stop_workers
     LocalElasticAgent._monitor_workers = _monitor_workers
 
 
@@ -86,6 +167,7 @@ def train_worker(spec_path: str, last_failure: str = "") -> int:
     from .train.entrypoint import exit_now, train_main
 
     name_process(f"paratrain-r{os.environ.get('RANK', '')}")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the agent asks a hung round for its stacks
     if last_failure:
         os.environ[contract.ENV_LAST_FAILURE] = last_failure
     use_own_threads()
@@ -141,6 +223,8 @@ def node_main(program: list[str], spec_path: str | None = None) -> int:
     checkpoint at their next step boundary and exit; torchrun waits for them $PARATRAIN_STOP_GRACE_SECONDS (the
     pod's grace period less a margin) instead of its fixed 30 s before it kills them, and the pod exits
     EXIT_PREEMPTED."""
+    # Made before the fork server starts: the workers' heartbeats (paratrain.rounds), in the pod's own /tmp.
+    os.environ.setdefault(contract.ENV_HEARTBEAT_DIR, tempfile.mkdtemp(prefix="paratrain-heartbeats-"))
     if spec_path:
         # The fork server imports the trainer while this process imports torch and meets its peers: its own
         # preload, set before torch elastic would first start it.
@@ -150,18 +234,17 @@ def node_main(program: list[str], spec_path: str | None = None) -> int:
 
         fork_context()
         multiprocessing.forkserver.ensure_running()
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     grace = os.environ.get(contract.ENV_STOP_GRACE)
-    if grace:  # torchrun's shutdown takes its wait as a default argument, with no flag or env of its own
-        death_sig, _ = LocalElasticAgent._shutdown.__defaults__
-        LocalElasticAgent._shutdown.__defaults__ = (death_sig, max(1, int(float(grace))))
+    if grace:  # how long torchrun's agent waits for its workers after a SIGTERM before it kills them
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, int(float(grace))))
     said = json.loads(os.environ.get(contract.ENV_EXIT_CODE_RULES) or "[]")
     rules = [FailurePolicyRule.model_validate(rule) for rule in said]
-    guard_in_place_restarts(rules)
+    hang = float(os.environ.get(contract.ENV_HANG_SECONDS) or 0) or None
+    guard_rounds(rules, hang, os.environ[contract.ENV_HEARTBEAT_DIR])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(QuietWorkerExits())
     try:
         if spec_path:

@@ -15,6 +15,9 @@
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
     step_oom:<rank>:<step>             <rank> runs out of device memory in the forward/backward of its <step>th step
+    hang_at:<rank>:<step>              <rank> sleeps forever, alive, after <step> optimizer steps of its process in the
+                                       first round of in-place restarts (a deadlock, a read that never returns);
+                                       the time it began appended to $PARATRAIN_TEST_FAULT_LOG, where set
     exit_at:<rank>:<step>:<code>:<rounds>
                                        <rank> exits with <code> after <step> optimizer steps of its process (a
                                        resumed round counts from its checkpoint's step) in each of the first
@@ -123,6 +126,28 @@ if FAULT:
                     with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
                         log.write(f"{time.time()}\n")
                 os._exit(exit_code)
+            return outcome
+
+        engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "hang_at":
+        import time
+
+        from paratrain.train import engine
+
+        hang_rank, hang_step = int(args[0]), int(args[1])
+        original_step = engine.TorchEngine.optimizer_step
+        steps = {"done": 0}
+
+        def optimizer_step(self, lr):
+            outcome = original_step(self, lr)
+            steps["done"] += 1
+            first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if _rank() == hang_rank and steps["done"] == hang_step and first_round:
+                if os.environ.get("PARATRAIN_TEST_FAULT_LOG"):
+                    with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
+                        log.write(f"{time.time()}\n")
+                while True:  # alive, holding its process group: its peers block in their next collective
+                    time.sleep(60)
             return outcome
 
         engine.TorchEngine.optimizer_step = optimizer_step

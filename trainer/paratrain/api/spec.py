@@ -371,6 +371,14 @@ class RestartPolicy(_Model):
         "or scheduled), up to this many times; after that the pod fails and the whole gang restarts. A pod lost "
         "(deleted, evicted, its node gone), other than pod 0, is then recreated alone while the others' ranks wait "
         "for it in such a round. 0: every failure restarts the whole gang."))
+    hang_seconds: int | None = Field(None, ge=10, le=86400, description=(
+        "A rank that makes no progress for this many seconds while alive (no step, evaluation batch or checkpoint "
+        "save finished: a deadlock, a stuck read, a collective that never returns) is stopped by its pod's agent "
+        "and its round fails with exit 79, restarted in place within inPlaceLimit, else as a gang. Counted from "
+        "the first step of each round (building and resuming are the start timeout's); larger than the longest "
+        "step, evaluation batch and checkpoint save. Unset: no hang detection (a hung collective still ends at "
+        "runPolicy.collectiveTimeoutSeconds). A program of its own (spec.entrypoint) beats by writing "
+        "$PARATRAIN_HEARTBEAT_DIR/rank-$RANK."))
 
 
 class Toleration(_Model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch.distributed as dist
 
 from ..api import Spec
 from ..api.spec import TrainingSpec
-from ..contract import MEASURE_AFTER_STEPS
+from ..contract import ENV_HEARTBEAT_DIR, MEASURE_AFTER_STEPS
+from ..rounds import beat, heartbeat_file
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .host_memory import HostPhases
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
@@ -71,6 +73,13 @@ class Trainer:
         self.host = host or HostPhases()
         self.result = RunResult()
         self.step_in_flight = 0  # the step being trained or evaluated after (from 1), for an error to name
+        # Under `paratrain node`: this rank's heartbeat, by which its agent sees it hang (paratrain.rounds).
+        beats = os.environ.get(ENV_HEARTBEAT_DIR)
+        self.heartbeat = heartbeat_file(beats, dist.get_rank()) if beats and dist.is_initialized() else None
+
+    def _beat(self, step: int) -> None:
+        if self.heartbeat:
+            beat(self.heartbeat, step)
 
     @functools.cached_property
     def _rows(self) -> slice:
@@ -144,10 +153,12 @@ class Trainer:
                                                                    y.chunk(t.gradient_accumulation), strict=True)]
             computed = [loss for loss in parts if loss is not None]  # pipeline stages other than the last: none
             total += mean_over_reporters(sum(computed) / len(computed) if computed else None, self.device)[0]
+            self._beat(self.step_in_flight)
         return total / t.eval_steps
 
     def save(self, step: int) -> None:
         r = self.result
+        self._beat(step)
         with self.host.phase("save"):  # an async save's: the copy to host memory, before the writer takes it
             state = {"engine": self.engine.state_dict(),
                      "rank": {rank_key(self.checkpointer.rank): self._rank_state()}}
@@ -156,6 +167,7 @@ class Trainer:
                     "skippedSteps": r.skipped_steps, "engine": self.engine.extra_state()}
             committed = self.checkpointer.save(step, state, meta)
         self._committed(committed)
+        self._beat(step)
 
     def _stop(self, step: int) -> None:
         """Save `step` (unless there is no checkpoint path) and leave the loop: the job was asked to stop. How long
@@ -191,6 +203,13 @@ class Trainer:
         return {"peakMemoryBytes": int(peak.item())}
 
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:  # a rank that returned (or left) no longer beats: its agent must not take it for hung
+            if self.heartbeat:
+                self.heartbeat.unlink(missing_ok=True)
+
+    def _run(self) -> RunResult:
         t, r = self.spec.training, self.result
         self._saved_at = 0.0  # training seconds at the last save
         self.resume()
@@ -230,6 +249,7 @@ class Trainer:
             self._emit("step", step=done, totalSteps=t.steps, loss=loss, lr=lr_at(step, t),
                        gradNorm=outcome.grad_norm, applied=outcome.applied, tokensPerSecond=tps, etaSeconds=eta,
                        log=log_now, **measured)
+            self._beat(done)
             if stop and done < t.steps:  # every rank saw it in the same all-reduce: all stop at this step
                 self._stop(done)
             if done % t.eval_interval == 0 and done < t.steps:
