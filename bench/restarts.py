@@ -1,7 +1,9 @@
 """Time from a rank's crash to the first training step after it: an in-place restart (spec.restartPolicy.inPlaceLimit:
 every pod's agent restarts its workers in the same pods) against a whole-gang restart (every pod deleted and
 created again); and from a pod's deletion to the first step after it, where only that pod is replaced (its peers'
-ranks wait in place); measured side by side in one run.
+ranks wait in place); and from a rank that hangs while alive (spec.restartPolicy.hangSeconds: its agent sees
+its heartbeat go stale and ends the round in node 0's store) to the first step after it, in place; measured side
+by side in one run.
 
     .venv/bin/python bench/restarts.py [--nodes 2] [--repeats 3]
 
@@ -11,7 +13,9 @@ checkpoint every 10 steps, whose rank 1 exits 1 after step 25 (the reliability f
 time of its exit). Rank 0's progress endpoint is polled every 50 ms; the restart's time runs from the crash to the
 first report of a step past the step resumed from. The single-pod kind deletes pod 1 (as a drain or `kubectl delete
 pod` does: its ranks and their peers save the step in flight) once rank 0 reports step 25, and its time runs
-from that delete. Also counted: the pods created for the job.
+from that delete. The hang kind's rank 1 sleeps, alive, after step 25 (the faults' `hang_at`, which logs when),
+under hangSeconds 10 and a 120 s collective timeout; its time runs from the hang, so it includes hangSeconds.
+Also counted: the pods created for the job.
 
 Then what each kind costs the API server, on a `--api-pods`-pod gang of hollow pods (support/hollow.py: the real
 kube-scheduler binds them, nothing runs; 0 skips it): the operator's requests through a counting proxy from the
@@ -46,18 +50,19 @@ from tests.operator.support.scale import ScaleRig  # noqa: E402
 from tests.reliability.gang import FAULTS  # noqa: E402
 from tests.support.control_plane import ControlPlane, wait_for  # noqa: E402
 
-CRASH_STEP, STEPS, INTERVAL = 25, 60, 10
-KINDS = {"in place": 2, "single pod": 2, "whole gang": 0}  # → spec.restartPolicy.inPlaceLimit
+CRASH_STEP, STEPS, INTERVAL, HANG_SECONDS = 25, 60, 10, 10
+KINDS = {"in place": 2, "single pod": 2, "whole gang": 0, "a rank hangs": 2}  # → spec.restartPolicy.inPlaceLimit
 
 
-def job_spec(nodes: int, checkpoints: Path, in_place_limit: int) -> dict[str, Any]:
+def job_spec(nodes: int, checkpoints: Path, in_place_limit: int, hang: bool) -> dict[str, Any]:
     return {"nodes": nodes, "parallelism": {"data": nodes},
             "model": {"layers": 1, "heads": 2, "embedDim": 32, "blockSize": 16, "vocabSize": 64},
             "training": {"steps": STEPS, "batchSize": 2 * nodes, "warmupSteps": 1, "evalInterval": STEPS,
                          "evalSteps": 1},
             "checkpoint": {"path": str(checkpoints), "interval": INTERVAL},
-            "runPolicy": {"backoffLimit": 2, "collectiveTimeoutSeconds": 30},
-            "restartPolicy": {"inPlaceLimit": in_place_limit}}
+            # a hung rank is found by its heartbeat, not by its peers' collective timing out
+            "runPolicy": {"backoffLimit": 2, "collectiveTimeoutSeconds": 120 if hang else 30},
+            "restartPolicy": {"inPlaceLimit": in_place_limit, **({"hangSeconds": HANG_SECONDS} if hang else {})}}
 
 
 def rank0_report(cluster: RealCluster, namespace: str) -> tuple[int, dict[str, Any]] | None:
@@ -78,12 +83,14 @@ def rank0_report(cluster: RealCluster, namespace: str) -> tuple[int, dict[str, A
 def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: int) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     crash_log = workdir / "crashes.txt"
-    fault = {} if kind == "single pod" else {"PARATRAIN_TEST_FAULT": f"exit_at:1:{CRASH_STEP}:1:1",
-                                             "PYTHONPATH": str(FAULTS), "PARATRAIN_TEST_FAULT_LOG": str(crash_log)}
+    hang = kind == "a rank hangs"
+    fault = {} if kind == "single pod" else {
+        "PARATRAIN_TEST_FAULT": f"hang_at:1:{CRASH_STEP}" if hang else f"exit_at:1:{CRASH_STEP}:1:1",
+        "PYTHONPATH": str(FAULTS), "PARATRAIN_TEST_FAULT_LOG": str(crash_log)}
     cluster = RealCluster(plane, workdir, node=f"bench-{run}", extra_env=fault)
     try:
         namespace = cluster.namespace(f"restarts-{run}")
-        cluster.submit(namespace, "bench", job_spec(nodes, workdir / "ckpt", KINDS[kind]))
+        cluster.submit(namespace, "bench", job_spec(nodes, workdir / "ckpt", KINDS[kind], hang))
         resumed_at = None
         deadline = time.monotonic() + 300
         while resumed_at is None and time.monotonic() < deadline:
@@ -113,14 +120,16 @@ def api_costs(plane: ControlPlane, workdir: Path, pods: int) -> dict[str, Any]:
     rig = ScaleRig(plane, workdir, nodes=-(-3 * pods // 128) + 1, progress=True)
     costs: dict[str, Any] = {}
     try:
-        for kind, limit in KINDS.items():
+        for kind in ("in place", "single pod", "whole gang"):  # a hang costs what an in-place round does
+            limit = KINDS[kind]
             namespace = "api-" + kind.replace(" ", "-")
             rig.start(namespace, pods, restartPolicy={"inPlaceLimit": limit})
             mark, began = len(rig.proxy.log), time.monotonic()
             if kind == "in place":
                 rank0 = next(p for p in rig.pods(namespace) if p["metadata"]["name"] == "gang-0-0")
-                rig.hollow.progress.said[rank0["status"]["podIP"]] = {
-                    "restartsInPlace": 1, "lastFailure": {"rank": pods // 2, "nodeRank": pods // 2, "exitCode": 1}}
+                rig.hollow.progress.said[rank0["status"]["podIP"]] = {  # the new round's rank 0, resumed
+                    "restartsInPlace": 1, "startStep": 0,
+                    "lastFailure": {"rank": pods // 2, "nodeRank": pods // 2, "exitCode": 1}}
                 done = lambda s: s.get("inPlaceRestarts") == 1  # noqa: E731
             elif kind == "single pod":
                 rig.api.must(rig.api.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/gang-0-{pods // 2}"))
@@ -157,6 +166,11 @@ def table(results: dict[str, Any]) -> list[str]:
                      f"{row['pods_created']} | {row['gang_restarts']} |")
     lines += ["", f"In place is {gang / in_place:.1f}x faster than a whole-gang restart here, and creates no pod; a "
               f"single-pod replacement {gang / single:.1f}x, creating one pod."]
+    if hung := rows.get("a rank hangs"):
+        lines += ["", f"A rank hung while alive is restarted in place {hung['median_seconds'] - HANG_SECONDS:.2f} s "
+                  f"after restartPolicy.hangSeconds ({HANG_SECONDS} s) ran out (the agent's one-second look, the "
+                  "stacks' second, the new round's start); without hangSeconds it "
+                  "would wait for the collective timeout (120 s here, 600 s by default) and restart the whole gang."]
     if costs := results.get("api_costs"):
         lines += ["", f"The operator's API requests for one restart of a {results['api_pods']}-pod gang of hollow pods "
                   "(from the cause until the job is Running again and the operator quiet; the real kube-scheduler "

@@ -55,8 +55,8 @@ def restarts_in_place(code: int, rules: list[FailurePolicyRule]) -> bool:
 
 
 STACKS_SECONDS = 1.0  # for hung workers to write their stacks to the pod's log
-IN_PLACE_STOP_SECONDS = 3  # a failed round's other workers: SIGTERM, then SIGKILL (one blocked in NCCL ignores
-# SIGTERM, and a broken gang has nothing to save: the next round resumes from the newest checkpoint)
+IN_PLACE_STOP_SECONDS = 3  # a failed round's workers of a program of its own: SIGTERM, then SIGKILL (the built-in
+# trainer's are killed at once: a broken gang has nothing to save, the next round resumes from the newest checkpoint)
 
 
 def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = None,
@@ -71,7 +71,8 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
       agent stops its workers within about a second (CHECK_EVERY_SECONDS), failed as a peer's failure (75):
       no worker waits for a collective to time out;
     - a worker whose heartbeat is older than `hang_seconds` is failed as hung (EXIT_HUNG);
-    - a failed round's workers are stopped within IN_PLACE_STOP_SECONDS, not the pod's grace period."""
+    - a failed round's workers are stopped at once (a program's within IN_PLACE_STOP_SECONDS), not after the
+      pod's grace period, which only the pod's own stop (SIGTERM) waits."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -86,7 +87,10 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
         return start(self, worker_group)
 
     def _stop_workers(self, worker_group):
-        self._shutdown(signal.SIGTERM, IN_PLACE_STOP_SECONDS)
+        # The built-in trainer's workers at once: a failed round has nothing to save (a checkpoint is written
+        # atomically, so one cut short is not there) and one blocked in a collective would ignore SIGTERM.
+        builtin = callable(worker_group.spec.entrypoint)
+        self._shutdown(signal.SIGKILL if builtin else signal.SIGTERM, IN_PLACE_STOP_SECONDS)
 
     def failed(worker_group, code: int, ranks) -> RunResult:
         return RunResult(state=WorkerState.FAILED, failures={

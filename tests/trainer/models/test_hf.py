@@ -330,3 +330,37 @@ def test_export_replaces_a_link_in_its_output_never_writes_or_chmods_through_it(
     export_hf(job("llama"), paratrain_model(job("llama")).state_dict(), out)
     assert victim.read_text() == "theirs" and victim.stat().st_mode & 0o777 == 0o600
     assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text())
+
+
+def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """Issue 44: the earlier export's weights were deleted before the new ones were written, so a failure midway
+    (a full disk, a kill) left a directory of missing or mixed weights. Now the files are written aside and
+    renamed in at the end; a killed export's leftovers are cleared by the next."""
+    import safetensors.torch
+
+    j = job("llama")
+    out = tmp_path / "out"
+    export_hf(j, paratrain_model(j, seed=1).state_dict(), out, max_shard_bytes=20_000)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len([n for n in before if n.startswith("model-")]) > 2
+    (out / "README.md").write_text("mine")
+    written = []
+    save_file = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(j, paratrain_model(j, seed=2).state_dict(), out, max_shard_bytes=20_000)  # its second shard
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "README.md"} == before
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    (out / ".paratrain-export-killed").mkdir()  # a killed export's staging directory
+    export_hf(j, paratrain_model(j, seed=2).state_dict(), out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "mine"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert len(list(f.keys())) > 0

@@ -150,7 +150,7 @@ class DeepSpeedEngine:
             return list(self.zero.fp32_groups_flat_partition)
         return list(self.zero.single_partition_of_fp32_groups)
 
-    def forward_backward(self, micro_batches: list[Batch]) -> float:
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """DeepSpeed's own accumulation: backward scales each loss by 1/gradient_accumulation_steps (and the loss
         scale); step() after every micro-step but the last only counts it (optimizer_step takes the real one)."""
         self.ds.train()
@@ -158,10 +158,10 @@ class DeepSpeedEngine:
         for i, (x, y) in enumerate(micro_batches):
             loss = cross_entropy(self.ds(x), y)
             self.ds.backward(loss)  # reduces gradients into their owners' partitions (ZeRO-1: at the boundary)
-            losses.append(loss.item())
+            losses.append(loss.detach())
             if i < len(micro_batches) - 1:
                 self.ds.step()
-        return sum(losses) / len(losses)
+        return torch.stack(losses).double().mean()
 
     def optimizer_step(self, lr: float) -> StepResult:
         self.last_grad_bytes = self._grad_bytes()

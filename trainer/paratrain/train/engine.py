@@ -9,7 +9,6 @@ not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from .parallel.data_parallel import OverlappedGradReducer
 from .parallel.dims import ParallelDims
 from .parallel.precision import LossScaler, autocast
 from .parallel.tensor_parallel import RNGStream
-from .parallel.tensors import local, local_bytes
+from .parallel.tensors import host_norm, local, local_bytes
 from .parallel.zero1 import ZeroOneOptimizer, optimizer_state_bytes
 
 
@@ -65,7 +64,7 @@ def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
         total_sq += square
     if dims.pp_enabled:
         dist.all_reduce(total_sq, group=dims.group("pp"))
-    return math.sqrt(total_sq.item()) if torch.isfinite(total_sq) else math.inf
+    return host_norm(total_sq)
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
@@ -119,9 +118,10 @@ class TorchEngine:
     def scaled_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda logits, targets: cross_entropy(logits, targets) * self.loss_multiplier
 
-    def forward_backward(self, micro_batches: list[Batch]) -> float | None:
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor | None:
         """Accumulate this rank's gradients over one optimizer step's micro-batches, reducing them over dp once,
-        in the last micro-step; return their mean loss where this rank computes it."""
+        in the last micro-step; return their mean loss where this rank computes it, on the device (read once per
+        step with the other ranks', loop.mean_over_reporters)."""
         if not self.model.training:  # train() walks every module: only after an evaluation
             self.model.train()
         losses = []
@@ -130,15 +130,15 @@ class TorchEngine:
                 losses.append(self._micro_step(x, y))
         if self.dp_reducer:
             self.dp_reducer.finish()
-        return sum(losses) / len(losses) if losses[0] is not None else None
+        return torch.stack(losses).double().mean() if losses[0] is not None else None
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         with autocast(self.precision, x.device.type):
             if self.schedule is not None:
                 return self._run_schedule(self.schedule.step, x, y)
             loss = cross_entropy(self.model(x), y)
         (loss * self.loss_multiplier).backward()
-        return loss.item()
+        return loss.detach()
 
     @contextmanager
     def _dp_gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -152,7 +152,7 @@ class TorchEngine:
         with self.model.no_sync() if isinstance(self.model, DDP) and not enabled else nullcontext():
             yield
 
-    def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Call a schedule's step/eval with what this stage feeds it (inputs on the first, targets on the last);
         return the mean microbatch loss on the last stage. The loss_fn multiplied by loss_multiplier; undo it.
         The last stage's outputs are not kept for a merged return (torch's default): that would hold every
@@ -161,7 +161,7 @@ class TorchEngine:
         first, last = self.dims.pp_rank == 0, self.dims.is_last_stage
         args = (x,) if first else ()
         run(*args, return_outputs=False, **({"target": y, "losses": losses} if last else {}))
-        return torch.stack([loss.detach() for loss in losses]).mean().item() / self.loss_multiplier if last else None
+        return torch.stack([loss.detach() for loss in losses]).mean() / self.loss_multiplier if last else None
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> StepResult:
@@ -197,7 +197,8 @@ class TorchEngine:
         with autocast(self.precision, device_type):
             if self.schedule is None:
                 return cross_entropy(self.model(x), y).item()
-            return self._run_schedule(self.schedule.eval, x, y)
+            loss = self._run_schedule(self.schedule.eval, x, y)
+            return None if loss is None else loss.item()
 
     def state_dict(self) -> dict:
         """Keyed by the full model's parameter names; tensors plain (replicated) or DTensors (this rank's shard):

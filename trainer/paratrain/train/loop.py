@@ -35,16 +35,22 @@ def lr_at(step: int, t: TrainingSpec) -> float:
     return t.min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_learning_rate)
 
 
-def mean_over_reporters(value: float | None, device: torch.device,
+def mean_over_reporters(value: torch.Tensor | float | None, device: torch.device,
                         flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
-    """Average a loss over the ranks that computed one (pipeline last stages), so every rank gets the same value;
-    and for each of `flags`, whether any rank raised it (rank 0's "a timed checkpoint is due", a rank's SIGTERM),
-    in the same all-reduce."""
-    if dist.get_world_size() == 1:  # nothing to agree on: a collective (and a host sync) per step for nothing
+    """Average a loss (a device tensor, or a number) over the ranks that computed one (pipeline last stages), so
+    every rank gets the same value; and for each of `flags`, whether any rank raised it (rank 0's "a timed
+    checkpoint is due", a rank's SIGTERM), in the same all-reduce. The step's one read of its loss: the tensor is
+    filled on the device (no host-to-device copy, which waits for the stream too) and read once."""
+    if dist.get_world_size() == 1:  # nothing to agree on: a collective per step for nothing
         assert value is not None, "a single process computes every loss"
-        return value, tuple(flags)
-    t = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0, *map(float, flags)], dtype=torch.float64,
-                     device=device)
+        return float(value), tuple(flags)
+    t = torch.zeros(2 + len(flags), dtype=torch.float64, device=device)
+    if value is not None:
+        t[0] = value
+        t[1] = 1.0
+    for i, flag in enumerate(flags):
+        if flag:
+            t[2 + i] = 1.0
     dist.all_reduce(t)
     mean, count, *raised = t.tolist()
     return mean / count, tuple(r > 0 for r in raised)

@@ -98,8 +98,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             end = min(start + CE_CHUNK_TOKENS, count)
             loss, probs, columns = _piece_loss(logits[start:end], targets[start:end], shard)
             total += loss
-            rows = torch.arange(end - start, device=probs.device)[columns >= 0]
-            probs[rows, columns[rows]] -= 1.0
+            # less the one-hot target where this rank holds its column: index arithmetic, no host sync (a boolean
+            # mask would wait for the device to count its rows); adding -0.0 elsewhere changes nothing
+            probs.scatter_add_(1, columns.clamp(min=0)[:, None], -(columns >= 0).to(probs.dtype)[:, None])
             grad[start:end] = probs.div_(count)
             del probs  # before the next piece's copy: one fp32 piece at a time
         ctx.save_for_backward(grad)

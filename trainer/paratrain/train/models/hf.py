@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -164,6 +165,7 @@ def load_hf_into(model: nn.Module, directory: str | Path) -> None:
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (max_shard_size="5GB")
+STAGING_PREFIX = ".paratrain-export-"
 
 
 def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], out_dir: str | Path,
@@ -172,14 +174,14 @@ def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], ou
     """Write a full (unsharded) paratrain model state as a Hugging Face model directory: config.json, the weights
     in `dtype` (fp32 or bf16) as model.safetensors, or where they pass `max_shard_bytes` as shards
     model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout: each shard filled in
-    order up to the limit, a tensor larger than it alone in its own), and, if given, tokenizer.json. Weight files
-    of an earlier export there are replaced. Returns the directory.
+    order up to the limit, a tensor larger than it alone in its own), and, if given, tokenizer.json. Every file is
+    written first into a directory of its own inside `out_dir`, then renamed into place, and only then are an
+    earlier export's weight files that this one does not have removed: an export that fails midway leaves the
+    earlier one whole. Other files there are left alone. Returns the directory.
 
     `model_state` is read one tensor at a time, in order, and a shard is written as soon as its tensors are there:
     with a mapping that reads each tensor when asked (checkpoint.CheckpointModel, whose `shapes` give the shapes
     without reading) the export holds one shard and one parameter, not the model (32 GB in fp32 at 8B)."""
-    from safetensors.torch import save_file
-
     spec = job.spec
     shapes = getattr(model_state, "shapes", None) or {k: v.shape for k, v in model_state.items()}
     vocab_size = shapes["tok_emb.weight"][0]
@@ -193,12 +195,30 @@ def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], ou
                          f"(differs at {', '.join(wrong[:5])}): export needs every parameter, unsharded")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_FILE, TOKENIZER_FILE):  # replace a link, never write through one
-        if (out / name).is_symlink():
-            (out / name).unlink()
+    for stale in out.glob(f"{STAGING_PREFIX}*"):  # a killed export's
+        shutil.rmtree(stale, ignore_errors=True)
+    # Written into a directory of its own inside `out`, then moved in: a failure midway (a full disk, a kill)
+    # leaves the earlier export whole, never a directory of mixed or missing weights.
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+    try:
+        written = _write_hf(spec, cfg, got, model_state, staging, tokenizer_json, max_shard_bytes, dtype)
+        _usual_modes(staging)
+        for name in written:  # each rename replaces a file (or a planted link) whole
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     for old in [out / WEIGHTS_FILE, out / WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:
-        if old.is_symlink() or old.exists():  # an earlier export's weights: one set of weights in a directory
+        if old.name not in written and (old.is_symlink() or old.exists()):  # an earlier export's: one set of weights
             old.unlink()
+    return out
+
+
+def _write_hf(spec, cfg, got: dict[str, torch.Size], model_state: Mapping[str, torch.Tensor], out: Path,
+              tokenizer_json: str | Path | None, max_shard_bytes: int, dtype: str) -> list[str]:
+    """export_hf's files, written into the empty directory `out`; their names."""
+    from safetensors.torch import save_file
+
+    vocab_size = got["tok_emb.weight"][0]
     config = config_json(spec.model, vocab_size) | {"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     with torch.device("meta"):  # the HF tensors' names, order and sizes, for the shard plan, without the data
@@ -206,7 +226,7 @@ def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], ou
     shards = shard_names(planned, max_shard_bytes, DTYPES[dtype].itemsize)
     remaining = {file: {name for name, f in shards.items() if f == file} for file in set(shards.values())}
     pending: dict[str, torch.Tensor] = {}
-    for name in shapes:
+    for name in got:
         pending.update((hf, t.detach().to("cpu", DTYPES[dtype])) for hf, t in
                        to_hf_tensors(cfg, name, model_state[name]).items())
         for file, names in remaining.items():
@@ -221,8 +241,7 @@ def export_hf(job: ParallelTrainJob, model_state: Mapping[str, torch.Tensor], ou
                                                     indent=2) + "\n")
     if tokenizer_json:
         shutil.copyfile(tokenizer_json, out / TOKENIZER_FILE)
-    _usual_modes(out)
-    return out
+    return sorted(p.name for p in out.iterdir())
 
 
 def shard_names(tensors: dict[str, torch.Tensor], max_shard_bytes: int, itemsize: int) -> dict[str, str]:

@@ -3,6 +3,8 @@ partitions, seen through one set of helpers; and how the ranks split a save or a
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -68,3 +70,10 @@ def in_batches(sizes: list[int], budget: int) -> list[range]:
     if start < len(sizes):
         ranges.append(range(start, len(sizes)))
     return ranges
+
+
+def host_norm(square_sum: torch.Tensor) -> float:
+    """The norm of a summed square, read to the host once (the step's skip and clip need it there: the step's
+    second host sync, beside its loss's); inf where not finite."""
+    value = square_sum.item()
+    return math.sqrt(value) if math.isfinite(value) else math.inf

@@ -6,7 +6,6 @@ step the shard, all-gather). Stages 2 and 3 are FSDP2 (fsdp.py); data-parallel-o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -16,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .data_parallel import OverlappedGradReducer
-from .tensors import local, local_bytes, save_owners
+from .tensors import host_norm, local, local_bytes, save_owners
 
 
 class ZeroOneOptimizer:
@@ -75,7 +74,7 @@ class ZeroOneOptimizer:
         for grad, (p, *_) in zip(self.grads(), (piece for pieces in self.pieces for piece in pieces), strict=True):
             total += grad.float().square().sum() / (1 if tp_sharded(p) else tp)
         dist.all_reduce(total)
-        return math.sqrt(total.item()) if torch.isfinite(total) else math.inf
+        return host_norm(total)
 
     @torch.no_grad()
     def step(self) -> None:
