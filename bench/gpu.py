@@ -24,6 +24,9 @@ each result carries `predicted_peak_bytes` and their ratio, measured less predic
 (`measured_minus_predicted`: params, grads, optimizer, the rest of the peak; the memory model's CUDA terms, which
 only a GPU can check), and the allocator's reserved peak beside it.
 
+Also, for each precision and head layout, the attention kernel paratrain aims at beside torch's own verdicts
+(`can_use_flash_attention` etc., debug on) and its reasons for each kernel it rules out (`attention_verdicts`).
+
 Writes bench/results/gpu.json (dry run: bench/results/gpu-dry-run.json, or --out).
 """
 
@@ -176,6 +179,63 @@ def by_term(ranks: list, metrics: dict) -> dict[str, int]:
     return out
 
 
+# Asked in a child process: torch says why a kernel is ruled out only as C++ warnings on stderr (debug=True).
+VERDICTS = """
+import json, sys
+import torch
+from torch.backends.cuda import (SDPAParams, can_use_cudnn_attention, can_use_efficient_attention,
+                                 can_use_flash_attention)
+from paratrain.train.models.gpt import attention_kernel, fuses_grouped_heads
+device, heads, kv_heads, head_dim, seq = sys.argv[1], *map(int, sys.argv[2:6])
+out = {}
+for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    for grouped in (False, True):
+        q = torch.empty(1, heads, seq, head_dim, device=device, dtype=dtype)
+        k = torch.empty(1, kv_heads if grouped else heads, seq, head_dim, device=device, dtype=dtype)
+        if grouped and not fuses_grouped_heads(device, dtype):
+            k = k.repeat_interleave(heads // kv_heads, dim=1)  # as models.gpt.attend passes them
+        params = SDPAParams(q, k, k, None, 0.0, True, k.shape[1] != heads)
+        case = f"{precision}/{'gqa' if grouped else 'mha'}"
+        usable = {}
+        for name, check in (("flash", can_use_flash_attention), ("memory-efficient", can_use_efficient_attention),
+                            ("cudnn", can_use_cudnn_attention)):
+            print(f"@@ {case} {name}", file=sys.stderr, flush=True)
+            try:
+                usable[name] = bool(check(params, True))
+            except Exception as exc:  # cuDNN's check needs a working CUDA runtime
+                usable[name] = False
+                print(f"Warning: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        out[case] = {"aimed": attention_kernel(device, dtype, grouped), "usable": usable}
+print(json.dumps(out))
+"""
+
+
+def attention_verdicts(dry_run: bool) -> dict:
+    """For each precision and head layout (llama3-1b's: 32 query heads, 8 key/value heads, 64 wide, 2,048 tokens),
+    the kernel paratrain aims at (models.gpt.attention_kernel) beside torch's own verdicts on the inputs `attend`
+    passes (can_use_flash_attention, can_use_efficient_attention, can_use_cudnn_attention), with torch's reasons
+    for each kernel it rules out; `aimed_usable` false where paratrain aims at a kernel torch will not run. The dry
+    run asks about CPU tensors: every CUDA kernel is ruled out, and the code path is what is checked."""
+    shape = ["cpu", "4", "2", "16", "64"] if dry_run else ["cuda", "32", "8", "64", "2048"]
+    proc = subprocess.run([sys.executable, "-c", VERDICTS, *shape], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    verdicts = json.loads(proc.stdout.strip().splitlines()[-1])
+    reasons: dict[tuple[str, str], list[str]] = {}
+    current = None
+    for line in proc.stderr.splitlines():
+        if line.startswith("@@ "):
+            current = tuple(line[3:].split(" ", 1))
+            reasons[current] = []
+        elif current and "Warning: " in line:
+            reasons[current].append(line.split("Warning: ", 1)[1].split(" (function ")[0].strip())
+    for case, verdict in verdicts.items():
+        verdict["why_not"] = {name: reasons.get((case, name), []) for name, ok in verdict["usable"].items() if not ok}
+        aimed = verdict["aimed"].split(",")[0]
+        verdict["aimed_usable"] = verdict["usable"].get(aimed, False)
+    return verdicts
+
+
 def device_memory() -> int:
     import torch
 
@@ -219,6 +279,7 @@ def main() -> int:
         return 2
     steps = args.steps or (3 if args.dry_run else 20)
     chosen = variants(2 if args.dry_run else gpus)
+    attention = attention_verdicts(args.dry_run)  # first: seconds, where the variants take minutes
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in chosen.items():
@@ -246,6 +307,12 @@ def main() -> int:
             print(f"{ac} AC / none at their own batches: tokens/s "
                   f"{checkpointed['tokens_per_second'] / plain['tokens_per_second']:.2f}x, peak "
                   f"{checkpointed['peak_tensor_bytes'] / plain['peak_tensor_bytes']:.2f}x")
+    for case, verdict in attention.items() if "error" not in attention else ():
+        usable = ", ".join(name for name, can in verdict["usable"].items() if can) or "none (math)"
+        flag = "" if verdict["aimed_usable"] or args.dry_run else "   <- paratrain aims at a kernel torch rules out"
+        print(f"attention {case:9} aimed: {verdict['aimed']:60} torch can use: {usable}{flag}")
+    if "error" in attention:
+        print(f"attention verdicts: FAILED\n{attention['error']}", file=sys.stderr)
     flops_note = ("FLOPs per token: 6N + 12·L·H·Q·T (perf.model_flops_per_token); MFU against the device's dense "
                   "bf16 peak (perf.PEAK_FLOPS), the same peak for fp32 (TF32) runs; tokens/s over the steps after "
                   "each run's first (perf.SteadyRate)")
@@ -254,9 +321,9 @@ def main() -> int:
                                                                          else "gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dry_run": args.dry_run, "gpus": gpus, "steps": steps, "machine": platform.node(),
-                               "flops": flops_note, "results": results}, indent=1) + "\n")
+                               "flops": flops_note, "attention": attention, "results": results}, indent=1) + "\n")
     print(f"wrote {out}")
-    return 1 if len(ok) < len(results) else 0
+    return 1 if len(ok) < len(results) or "error" in attention else 0
 
 
 if __name__ == "__main__":

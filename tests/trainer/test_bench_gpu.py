@@ -30,6 +30,15 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
             assert sum(terms.values()) == result["peak_tensor_bytes"] - result["predicted_peak_bytes"], (name, terms)
         assert result["peak_reserved_bytes"] is None, name  # no allocator reserves on the CPU
     assert "6N + 12·L·H·Q·T" in proc.stdout and f"wrote {out}" in proc.stdout
+    # The attention verdicts: every precision x head layout, paratrain's aim beside torch's checks and its reasons
+    # (on CPU tensors every CUDA kernel is ruled out, each with torch's words for why).
+    attention = report["attention"]
+    assert set(attention) == {f"{p}/{h}" for p in ("fp32", "bf16", "fp16") for h in ("mha", "gqa")}, attention
+    for case, verdict in attention.items():
+        assert verdict["aimed"] == "cpu flash" and set(verdict["usable"]) == {"flash", "memory-efficient", "cudnn"}
+        assert not any(verdict["usable"].values()) and all(verdict["why_not"].values()), (case, verdict)
+    assert "cuda device" in " ".join(attention["bf16/gqa"]["why_not"]["flash"])
+    assert "attention bf16/gqa" in proc.stdout
 
 
 def test_the_batch_is_the_largest_the_memory_model_fits_in_85_percent_of_usable_memory():

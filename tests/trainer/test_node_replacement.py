@@ -39,12 +39,12 @@ def job(checkpoints: Path, interval: int) -> dict:
 
 
 def start_node(spec: Path, rank: int, port: int, log: Path, fault: str | None = None,
-               extra: dict[str, str] | None = None) -> subprocess.Popen:
+               extra: dict[str, str] | None = None, in_place_limit: int = 2) -> subprocess.Popen:
     """`paratrain node` as pod `rank` runs it, in a session of its own (the pod's process tree)."""
     faults = {"PARATRAIN_TEST_FAULT": fault, "PYTHONPATH": str(FAULTS)} if fault else {}
     env = {**job_env(faults), "OMP_NUM_THREADS": "1", **(extra or {}),
            **contract.node_env(nnodes=2, nproc_per_node=1, node_rank=rank, master_addr="127.0.0.1",
-                               master_port=port, in_place_limit=2)}
+                               master_port=port, in_place_limit=in_place_limit)}
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "paratrain.cli", "node", "--spec", str(spec)], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, cwd=spec.parent, start_new_session=True)
@@ -135,3 +135,48 @@ def test_a_rank_hung_alive_is_restarted_in_place_in_seconds_its_peers_stopped_th
     final = json.loads((checkpoints / f"step-{STEPS:08d}" / "manifest.json").read_text())
     _, straight = run_job(tmp_path / "straight", job={**doc, "spec": {**doc["spec"], "checkpoint": {}}})
     assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+
+
+def two_nodes(tmp_path: Path, doc: dict, fault: str, faults: Path) -> tuple[subprocess.Popen, ...]:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    port, said = free_port(), {"PARATRAIN_TEST_FAULT_LOG": str(faults)}
+    limit = doc["spec"]["restartPolicy"]["inPlaceLimit"]
+    return tuple(start_node(spec, rank, port, tmp_path / f"node-{rank}.log", fault, said, limit) for rank in (0, 1))
+
+
+def test_rounds_failing_at_once_back_off_and_two_before_a_first_step_give_in_place_up(tmp_path: Path):
+    """Rank 1 exits 1 two steps into each of its first three rounds: its agent restarts the first at once, waits
+    2 s before the third round and 4 s before the fourth, which trains to the end. Then a rank that exits while
+    building, every round: its agent gives in-place rounds up after the second (its pod fails, so the operator
+    restarts the gang, maybe elsewhere) instead of spending all of inPlaceLimit's 3."""
+    doc = job(tmp_path / "ckpt", interval=0)
+    doc["spec"]["training"]["steps"] = 20
+    doc["spec"]["restartPolicy"]["inPlaceLimit"] = 3
+    faults = tmp_path / "exits.log"
+    nodes = two_nodes(tmp_path, doc, "exit_at:1:2:1:3", faults)
+    try:
+        assert [node.wait(240) for node in nodes] == [0, 0], (tmp_path / "node-1.log").read_text()[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    exits = [float(t) for t in faults.read_text().split()]
+    assert len(exits) == 3
+    first, second = exits[1] - exits[0], exits[2] - exits[1]
+    assert 1.5 < second - first < 3.5, (first, second)  # the 2 s wait, beside the round's own time
+    said = (tmp_path / "node-1.log").read_text()
+    assert "waiting 2 s before the next" in said and "waiting 4 s before the next" in said, said[-3000:]
+
+    early = tmp_path / "early"
+    early.mkdir()
+    nodes = two_nodes(early, {**doc, "spec": {**doc["spec"], "checkpoint": {}}}, "fail_build:1:1", early / "exits.log")
+    try:
+        assert nodes[1].wait(240) == 1, (early / "node-1.log").read_text()[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert len((early / "exits.log").read_text().split()) == 2  # two rounds, not inPlaceLimit + 1
+    said = (early / "node-1.log").read_text()
+    assert "failed before their first step 2 times in a row: no more in-place rounds" in said, said[-3000:]

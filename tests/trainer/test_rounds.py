@@ -69,3 +69,20 @@ def test_a_stall_is_the_oldest_beat_past_the_limit(tmp_path):
     assert rounds.describe_stall(stall) == "rank 5 made no progress for 12 s since step 16"
     rounds.clear(str(tmp_path))
     assert rounds.stalled(str(tmp_path), 0, now) is None
+
+
+def test_a_streak_of_quick_failures_backs_off_and_two_before_a_first_step_give_in_place_up():
+    streak = rounds.Streak()
+    waits = []
+    for _ in range(7):  # a fault that recurs a few seconds into every round, after its first step
+        streak.failed(seconds=5.0, stepped=True)
+        waits.append(streak.backoff_seconds())
+    assert waits == [0.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0] and not streak.gives_up()
+    streak.failed(seconds=3600.0, stepped=True)  # an hour of training between: a fault of its own
+    assert streak.backoff_seconds() == 0.0
+    streak.failed(seconds=20.0, stepped=False)  # a round that never stepped here
+    assert not streak.gives_up()
+    streak.failed(seconds=20.0, stepped=False)
+    assert streak.gives_up() and streak.backoff_seconds() == 2.0
+    streak.failed(seconds=20.0, stepped=True)
+    assert not streak.gives_up()

@@ -20,6 +20,7 @@ import os
 import signal
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 from . import contract, rounds
 from .api.spec import FailurePolicyRule, first_rule
@@ -54,9 +55,25 @@ def restarts_in_place(code: int, rules: list[FailurePolicyRule]) -> bool:
     return code not in contract.PERMANENT_EXIT_CODES
 
 
+# A worker's exit that says another's failure ended its round, not its own (75: a peer failed; 134: NCCL's watchdog
+# aborted it; 76: stopped with the gang's step saved).
+NOT_ITS_OWN = frozenset({contract.EXIT_RETRYABLE, contract.EXIT_ABORTED, contract.EXIT_PREEMPTED})
 STACKS_SECONDS = 1.0  # for hung workers to write their stacks to the pod's log
 IN_PLACE_STOP_SECONDS = 3  # a failed round's workers of a program of its own: SIGTERM, then SIGKILL (the built-in
 # trainer's are killed at once: a broken gang has nothing to save, the next round resumes from the newest checkpoint)
+
+
+@dataclass
+class AgentRound:
+    """What `paratrain node`'s agent knows of its workers' round (guard_rounds)."""
+
+    number: int = -1  # the round in node 0's store (paratrain.rounds)
+    started: float = 0.0  # time.monotonic() at the workers' start
+    checked: float = 0.0  # when the store and the heartbeats were last looked at
+    cause: dict | None = None  # why the round ended, where it was not this node's worker exit
+    ended_elsewhere: bool = False  # another pod's agent ended it
+    backoff: float = 0.0  # to wait before the next round's workers start
+    streak: rounds.Streak = field(default_factory=rounds.Streak)
 
 
 def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = None,
@@ -71,6 +88,8 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
       agent stops its workers within about a second (CHECK_EVERY_SECONDS), failed as a peer's failure (75):
       no worker waits for a collective to time out;
     - a worker whose heartbeat is older than `hang_seconds` is failed as hung (EXIT_HUNG);
+    - a node whose own rounds fail at once waits longer before each next one, and after two in a row that fail
+      before their first step gives its in-place rounds up (rounds.Streak);
     - a failed round's workers are stopped at once (a program's within IN_PLACE_STOP_SECONDS), not after the
       pod's grace period, which only the pod's own stop (SIGTERM) waits."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -79,11 +98,19 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
 
     monitor, start = LocalElasticAgent._monitor_workers, LocalElasticAgent._start_workers
 
+    def state(agent) -> AgentRound:
+        return agent.__dict__.setdefault("_paratrain_round", AgentRound())
+
     def _start_workers(self, worker_group):
+        now = state(self)
+        if now.backoff:
+            log.warning("paratrain node: this pod's rounds fail at once: waiting %.0f s before the next", now.backoff)
+            time.sleep(now.backoff)
         if heartbeats:
             rounds.clear(heartbeats)
-        self.paratrain_round = rounds.join_round(worker_group.store, worker_group.group_rank)
-        self.paratrain_checked = time.monotonic()
+        now.number = rounds.join_round(worker_group.store, worker_group.group_rank)
+        now.started = now.checked = time.monotonic()
+        now.backoff, now.cause, now.ended_elsewhere = 0.0, None, False
         return start(self, worker_group)
 
     def _stop_workers(self, worker_group):
@@ -97,31 +124,30 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
             w.global_rank: ProcessFailure(w.local_rank, w.id or -1, code, "")
             for w in worker_group.workers if w.global_rank in ranks})
 
-    def looked_around(self, worker_group) -> RunResult | None:
+    def looked_around(now: AgentRound, worker_group) -> RunResult | None:
         """A failed result where another agent ended this round or a worker of this node hangs."""
-        if time.monotonic() - self.paratrain_checked < rounds.CHECK_EVERY_SECONDS:
+        if time.monotonic() - now.checked < rounds.CHECK_EVERY_SECONDS:
             return None
-        self.paratrain_checked = time.monotonic()
+        now.checked = time.monotonic()
         try:
-            ended = rounds.current_round(worker_group.store) > self.paratrain_round
+            ended = rounds.current_round(worker_group.store) > now.number
         except (RuntimeError, ValueError):  # node 0's store is gone: its pod's loss fails the gang anyway
             ended = False
         if ended:
-            cause = rounds.cause_of(worker_group.store, self.paratrain_round)
+            now.cause, now.ended_elsewhere = rounds.cause_of(worker_group.store, now.number), True
             log.warning("paratrain node: round %d ended by another pod (%s): stopping this pod's workers",
-                        self.paratrain_round, json.dumps(cause))
-            if (cause or {}).get("exitCode") == contract.EXIT_HUNG:
+                        now.number, json.dumps(now.cause))
+            if (now.cause or {}).get("exitCode") == contract.EXIT_HUNG:
                 dump_stacks(worker_group)  # where this pod's ranks waited on the hung one
-            self.paratrain_cause = cause
             return failed(worker_group, contract.EXIT_RETRYABLE, {w.global_rank for w in worker_group.workers})
         stall = rounds.stalled(heartbeats, hang_seconds) if hang_seconds and heartbeats else None
         if stall:
             log.error("paratrain node: %s (restartPolicy.hangSeconds %g): ending this round",
                       rounds.describe_stall(stall), hang_seconds)
-            self.paratrain_cause = {"rank": stall.rank, "nodeRank": worker_group.group_rank,
-                                    "exitCode": contract.EXIT_HUNG, "step": stall.step}
+            now.cause = {"rank": stall.rank, "nodeRank": worker_group.group_rank, "exitCode": contract.EXIT_HUNG,
+                         "step": stall.step}
             # First, so that the other pods stop theirs (and dump their stacks) rather than time out on their own.
-            rounds.end_round(worker_group.store, self.paratrain_round, self.paratrain_cause)
+            rounds.end_round(worker_group.store, now.number, now.cause)
             dump_stacks(worker_group)
             return failed(worker_group, contract.EXIT_HUNG, {stall.rank})
         return None
@@ -135,24 +161,34 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
             time.sleep(STACKS_SECONDS)
 
     def _monitor_workers(self, worker_group):
-        result = monitor(self, worker_group)
-        self.paratrain_cause = None
+        result, now = monitor(self, worker_group), state(self)
         if result.state == WorkerState.HEALTHY:
-            result = looked_around(self, worker_group) or result
+            result = looked_around(now, worker_group) or result
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
             return result
         codes = {rank: shell_code(failure.exitcode) for rank, failure in result.failures.items()}
         code = node_exit_code(list(codes.values()))
         rank = min(r for r, c in codes.items() if c == code)
-        cause = self.paratrain_cause or {"rank": rank, "nodeRank": worker_group.group_rank, "exitCode": code}
+        cause = now.cause or {"rank": rank, "nodeRank": worker_group.group_rank, "exitCode": code}
         try:
-            rounds.end_round(worker_group.store, self.paratrain_round, cause)
+            rounds.end_round(worker_group.store, now.number, cause)
         except (RuntimeError, ValueError):
             pass  # node 0's store is gone: there is no round left to end
-        if self._remaining_restarts > 0 and restarts_in_place(code, rules):
+        builtin = callable(worker_group.spec.entrypoint)
+        if not now.ended_elsewhere and code not in NOT_ITS_OWN:
+            # Only the built-in trainer's rounds are known to have stepped (its heartbeats); a program's always count.
+            now.streak.failed(time.monotonic() - now.started, not builtin or bool(heartbeats)
+                              and rounds.stepped(heartbeats))
+            now.backoff = now.streak.backoff_seconds()
+        if self._remaining_restarts > 0 and restarts_in_place(code, rules) and now.streak.gives_up():
+            log.error("paratrain node: this pod's rounds failed before their first step %d times in a row: no more "
+                      "in-place rounds; the pod fails and the gang restarts (its pods may land elsewhere)",
+                      now.streak.unstepped)
+            self._remaining_restarts = 0
+        elif self._remaining_restarts > 0 and restarts_in_place(code, rules):
             said = json.dumps(cause)
             os.environ[contract.ENV_LAST_FAILURE] = said
-            if callable(worker_group.spec.entrypoint):
+            if builtin:
                 worker_group.spec.args = (*worker_group.spec.args[:1], said)
         else:
             self._remaining_restarts = 0

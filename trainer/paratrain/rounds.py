@@ -27,6 +27,9 @@ from .contract import EXIT_RETRYABLE
 
 ROUND = "paratrain/agents/round"
 CHECK_EVERY_SECONDS = 1.0  # how often an agent reads ROUND (every agent of a 4,096-pod gang asks node 0's store)
+QUICK_ROUND_SECONDS = 60.0  # a round of this node's that failed sooner failed "at once"
+BACKOFF_MAX_SECONDS = 30.0
+EARLY_ROUNDS_TO_GANG = 2  # rounds in a row failed here before their first step: give in-place rounds up
 
 
 def _node_round(node_rank: int) -> str:
@@ -69,6 +72,28 @@ def cause_of(store, round_: int) -> dict | None:
     return json.loads(store.get(_cause(round_)))
 
 
+@dataclass
+class Streak:
+    """This node's own failed rounds in a row (not those a peer's failure ended). Each that failed within
+    QUICK_ROUND_SECONDS of its start, after the first, waits longer before the next (2, 4, ... 30 s): a fault
+    that recurs at once is not retried in a tight loop. EARLY_ROUNDS_TO_GANG in a row failed before their first
+    step: the node gives its in-place rounds up, its pod fails, and the operator restarts the gang, whose pods
+    may land on other nodes (a bad GPU, a full disk)."""
+
+    quick: int = 0
+    unstepped: int = 0
+
+    def failed(self, seconds: float, stepped: bool) -> None:
+        self.quick = self.quick + 1 if seconds < QUICK_ROUND_SECONDS else 0
+        self.unstepped = 0 if stepped else self.unstepped + 1
+
+    def backoff_seconds(self) -> float:
+        return 0.0 if self.quick <= 1 else min(2.0 ** (self.quick - 1), BACKOFF_MAX_SECONDS)
+
+    def gives_up(self) -> bool:
+        return self.unstepped >= EARLY_ROUNDS_TO_GANG
+
+
 @dataclass(frozen=True)
 class Stall:
     rank: int
@@ -99,6 +124,11 @@ def stalled(directory: str, hang_seconds: float, now: float | None = None) -> St
         if age > hang_seconds and (oldest is None or age > oldest.seconds):
             oldest = Stall(int(path.name.split("-")[1]), int(text) if text.isdigit() else None, age)
     return oldest
+
+
+def stepped(directory: str) -> bool:
+    """Whether a worker of this round has beaten: its first step is done (a failed worker leaves its file)."""
+    return any(Path(directory).glob("rank-*"))
 
 
 def clear(directory: str) -> None:

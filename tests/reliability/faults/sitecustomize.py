@@ -12,6 +12,9 @@
                                        after <step> optimizer steps of its process, <rank> signals its node's agent
                                        (`paratrain node`): KILL kills the agent and the rank at once (a
                                        pod whose node is gone), TERM stops it as the kubelet stops a deleted pod
+    fail_build:<rank>:<code>           <rank> exits with <code> while building its model, in every round of the first
+                                       gang attempt (a bad GPU, a full disk); each exit's time appended to
+                                       $PARATRAIN_TEST_FAULT_LOG, where set
     build_oom:<rank>                   <rank> runs out of device memory while building its model (torch's
                                        OutOfMemoryError, as a GPU raises it)
     step_oom:<rank>:<step>             <rank> runs out of device memory in the forward/backward of its <step>th step
@@ -173,6 +176,22 @@ if FAULT:
             return outcome
 
         engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "fail_build":
+        import time
+
+        from paratrain.train import build
+
+        fail_rank, fail_code, original_build = int(args[0]), int(args[1]), build.build_engine
+
+        def build_engine(*args, **kwargs):
+            if _rank() == fail_rank and os.environ.get("PARATRAIN_RESTART_ATTEMPT", "0") == "0":
+                if os.environ.get("PARATRAIN_TEST_FAULT_LOG"):
+                    with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
+                        log.write(f"{time.time()}\n")
+                os._exit(fail_code)
+            return original_build(*args, **kwargs)
+
+        build.build_engine = build_engine
     elif kind == "build_oom":
         import torch
 

@@ -47,10 +47,12 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hs) rotated by position; computed in fp32 and returned in x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """x (B, nh, T, hs) rotated by position; computed in fp32 (one copy of x, not two) and returned in x's
+    dtype."""
+    wide = x.float()
+    x1, x2 = wide.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (wide * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
