@@ -18,6 +18,8 @@ from paratrain import contract
 from paratrain.api import API_GROUP, API_GROUP_VERSION, KIND, ParallelTrainJob, kueue, layout_label
 from paratrain.api.spec import EnvVar
 
+from . import topology
+
 ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
 ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
 ANNOTATION_LAYOUT = f"{API_GROUP}/layout"
@@ -62,6 +64,7 @@ class NodePlan:
     labels: dict[str, str]
     annotations: dict[str, str]
     env: tuple[dict[str, Any], ...]  # the container's env, in order: Kubernetes EnvVars
+    affinity: dict[str, Any] | None = None  # spec.scheduling.affinity with the topology's pod affinity (topology.py)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class GangPlan:
     pod_group: str | None
     owner: dict[str, Any] | None  # the ownerReference to the job, when it exists on a cluster (has a uid)
     nodes: tuple[NodePlan, ...]
+    group_topology: str | None = None  # the native PodGroup's topology level (topology.group_constraint)
 
 
 def gang_labels(job_name: str) -> dict[str, str]:
@@ -126,7 +130,7 @@ def container_env(env: Sequence[EnvVar]) -> tuple[dict[str, Any], ...]:
 def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int, rank: int,
                pod_group: str | None) -> dict[str, str]:
     own = plan_labels | {contract.LABEL_ATTEMPT: str(attempt), contract.LABEL_NODE_RANK: str(rank)}
-    own |= kueue.pod_labels(job, attempt)
+    own |= kueue.pod_labels(job, attempt) | topology.group_labels(job, rank)
     if job.spec.scheduling.gang == "coscheduling" and pod_group:
         own[COSCHEDULING_GROUP_LABEL] = pod_group
     return dict(job.spec.pod.labels) | own
@@ -158,8 +162,9 @@ def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0,
                  hostname=contract.pod_hostname(name, rank),
                  labels=pod_labels(job, labels, attempt, rank, pod_group),
                  annotations=pod_annotations(job, attempt, rank, pod_group),
-                 env=node_env(job, namespace, attempt, rank))
+                 env=node_env(job, namespace, attempt, rank), affinity=topology.affinity(job, attempt, rank))
         for rank in wanted if 0 <= rank < job.spec.nodes)
     return GangPlan(job_name=name, namespace=namespace, attempt=attempt, service=contract.service_name(name),
                     config_map=f"{name}-spec", labels=labels, gang=gang, scheduler_name=SCHEDULER_NAMES.get(gang),
-                    pod_group=pod_group, owner=owner_reference(job), nodes=nodes)
+                    pod_group=pod_group, owner=owner_reference(job), nodes=nodes,
+                    group_topology=topology.group_constraint(job))

@@ -116,13 +116,13 @@ def pod_group(plan: GangPlan, spec: Spec) -> dict[str, Any]:
     assert plan.pod_group
     return _render(f"podgroup-{plan.gang}.yaml.j2", metadata=metadata(plan, plan.pod_group, plan.labels),
                    min_member=spec.nodes, scheduling=spec.scheduling, workload=plan.job_name,
-                   group_template=WORKLOAD_TEMPLATE)
+                   group_template=WORKLOAD_TEMPLATE, group_topology=plan.group_topology)
 
 
 def workload(plan: GangPlan, spec: Spec) -> dict[str, Any]:
     """The native gang's Workload: the job's one pod-group template, all `nodes` pods or none."""
     return _render("workload.yaml.j2", metadata=metadata(plan, plan.job_name, plan.labels), min_member=spec.nodes,
-                   group_template=WORKLOAD_TEMPLATE, scheduling=spec.scheduling)
+                   group_template=WORKLOAD_TEMPLATE, scheduling=spec.scheduling, group_topology=plan.group_topology)
 
 
 def network_policy(plan: GangPlan, settings: GangNetworkPolicy) -> dict[str, Any]:

@@ -142,3 +142,18 @@ def test_the_platform_caps_a_jobs_pods_and_the_weight_of_its_gang():
                                         r"maxSpecBytes \(64\.00 KiB\)"):
         require_cluster_ready(parse_job(huge), Platform())
     require_cluster_ready(parse_job(huge), Platform.model_validate({"maxSpecBytes": "1Mi"}))
+
+def test_the_platforms_topology_places_jobs_that_give_none_and_a_job_that_breaks_with_it_is_named():
+    platform = Platform.model_validate({"jobDefaults": {"scheduling": {
+        "topology": {"level": "network.example.com/rack", "mode": "preferred"}}}})
+    merged_job, filled = with_job_defaults(parse_job(job(nodes=2, parallelism={"data": 2})), platform)
+    t = merged_job.spec.scheduling.topology
+    assert (t.level, t.mode, t.ranks_per_domain) == ("network.example.com/rack", "preferred", None)
+    assert filled == ["spec.scheduling.topology"]
+    own = parse_job(job(nodes=2, parallelism={"data": 2}, scheduling={"topology": {"level": "x.io/block"}}))
+    assert with_job_defaults(own, platform)[0].spec.scheduling.topology.level == "x.io/block"
+    grouped = Platform.model_validate({"jobDefaults": {"scheduling": {
+        "topology": {"level": "x.io/rack", "ranksPerDomain": 4}}}})
+    with pytest.raises(SpecError) as refused:
+        with_job_defaults(parse_job(job(nodes=2, parallelism={"data": 2})), grouped)
+    assert "ranksPerDomain(4) must divide" in str(refused.value) and "jobDefaults filled" in str(refused.value)

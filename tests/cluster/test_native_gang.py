@@ -99,13 +99,13 @@ def test_a_gang_binds_all_or_nothing_and_a_restart_gets_a_fresh_group(control_pl
 
 
 def test_a_topology_key_keeps_the_whole_gang_in_one_domain(control_plane, pool):
-    """scheduling.topologyKey: the gang fits the pool only across two zones, so it waits; once one zone can hold it
+    """scheduling.topology (required, the whole gang): the gang fits the pool only across two zones, so it waits; once one zone can hold it
     all, it binds there as a whole."""
     api = control_plane.api
     namespace, add_node = pool
     for zone in ("zone-a", "zone-a", "zone-b", "zone-b"):
         add_node(zone)  # four nodes of one pod each: room for three, but not in one zone
-    pods = create_attempt(api, namespace, attempt=0, topologyKey=ZONE_LABEL)
+    pods = create_attempt(api, namespace, attempt=0, topology={"level": ZONE_LABEL})
     time.sleep(8)
     assert bound(api, namespace, pods) == dict.fromkeys(pods), "a gang was spread over zones"
 

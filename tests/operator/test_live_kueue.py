@@ -178,3 +178,72 @@ def test_the_kueue_examples_pass_a_server_side_dry_run_and_kueue_gates_the_examp
         if obj["kind"] == "Pod":
             admitted = plane.api.must(plane.api.create(f"/api/v1/namespaces/{ns}/pods", obj, dry_run=True))
             assert {"name": kueue.ADMISSION_GATE} in admitted["spec"]["schedulingGates"], admitted["spec"]
+
+
+def test_kueue_topology_aware_scheduling_keeps_each_group_of_ranks_in_one_rack_in_rank_order(kueue_plane):
+    """spec.scheduling.topology under Kueue's TAS (beta, on by default): five one-pod nodes in racks a (2), b (2)
+    and c (1), a Topology of rack then hostname, a flavor on it. A 4-pod gang with ranksPerDomain 2 (one rank a
+    pod) is admitted whole and placed as two slices of two pods, each slice within one rack (c, with one node,
+    holds none), node ranks 0-1 in one rack and 2-3 in the other: the pods' node-rank label is Kueue's pod
+    index. The real Kueue, kube-scheduler and API server; nothing runs in the pods."""
+    from paratrain import contract
+    from paratrain_operator.apply import PLURALS
+
+    from ..support.control_plane import collection_path, register_node
+
+    plane, _ = kueue_plane
+    api, rack, pool = plane.api, "tas.paratrain.test/rack", "tas.paratrain.test/pool"
+    ns = plane.create_namespace("kueue-tas")
+    taint = {"key": pool, "value": "tas", "effect": "NoSchedule"}
+    nodes = {f"tas-{r}{i}": r for r, count in (("a", 2), ("b", 2), ("c", 1)) for i in range(count)}
+    for node, name in nodes.items():
+        register_node(api, node, {"kubernetes.io/hostname": node, rack: f"rack-{name}", pool: "tas"},
+                      {"cpu": "8", "memory": "32Gi", "pods": "1"}, [taint])
+    def create_on_plane(path: str, body: dict[str, Any]) -> None:
+        api.must(api.create(path, body))
+
+    create_on_plane(f"/apis/{KUEUE}/topologies", {
+        "apiVersion": KUEUE, "kind": "Topology", "metadata": {"name": "racks"},
+        "spec": {"levels": [{"nodeLabel": rack}, {"nodeLabel": "kubernetes.io/hostname"}]}})
+    create_on_plane(f"/apis/{KUEUE}/resourceflavors", {
+        "apiVersion": KUEUE, "kind": "ResourceFlavor", "metadata": {"name": "tas-racks"},
+        "spec": {"nodeLabels": {pool: "tas"}, "topologyName": "racks", "tolerations": [
+            {"key": pool, "operator": "Equal", "value": "tas", "effect": "NoSchedule"}]}})
+    create_on_plane(f"/apis/{KUEUE}/clusterqueues", {
+        "apiVersion": KUEUE, "kind": "ClusterQueue", "metadata": {"name": "cq-tas"},
+        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                 "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{"name": "tas-racks",
+                                     "resources": [{"name": "cpu", "nominalQuota": "40"},
+                                                   {"name": "memory", "nominalQuota": "160Gi"}]}]}]}})
+    create_on_plane(f"/apis/{KUEUE}/namespaces/{ns}/localqueues", {
+        "apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
+        "spec": {"clusterQueue": "cq-tas"}})
+    job = tiny_job("tas", ns, Path("/checkpoints/tas"), steps=10)
+    job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+    job["spec"].update(nodes=4, parallelism={"data": 4}, resources={"cpu": "1", "memory": "1Gi"})
+    job["spec"]["training"]["batchSize"] = 8
+    job["spec"]["scheduling"] = {"topology": {"level": rack, "ranksPerDomain": 2},
+                                 "tolerations": [{"key": pool, "operator": "Equal", "value": "tas",
+                                                  "effect": "NoSchedule"}]}
+    pods = []
+    for obj in render_job(parse_job(job), ns, 0):
+        api.must(api.create(collection_path(obj["apiVersion"], PLURALS[obj["kind"]], ns), obj))
+        if obj["kind"] == "Pod":
+            pods.append(obj["metadata"]["name"])
+
+    def placed() -> dict[int, str] | None:
+        bound = {}
+        for name in pods:
+            body = api.must(api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))
+            if not body["spec"].get("nodeName"):
+                return None
+            bound[int(body["metadata"]["labels"][contract.LABEL_NODE_RANK])] = nodes[body["spec"]["nodeName"]]
+        return bound
+
+    wait_for(placed, 120, "Kueue to admit the gang and TAS to place it")
+    where = placed()
+    assert where[0] == where[1] and where[2] == where[3] and where[0] != where[2], where
+    assert "c" not in where.values(), where
+    for name in pods:  # TAS's own placement (its ungater writes the assigned domain), not the scheduler's luck
+        selector = api.must(api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["spec"].get("nodeSelector", {})
+        assert "kubernetes.io/hostname" in selector or rack in selector, (name, selector)

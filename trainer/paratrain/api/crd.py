@@ -339,9 +339,22 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),
         _rule(f"!{_given(f'{S}.queue')} || {S}.gang == 'volcano'",
               "queue is a Volcano setting and needs scheduling.gang 'volcano'", ".scheduling.queue"),
-        _rule(f"!{_given(f'{S}.topologyKey')} || {S}.gang == 'kubernetes'",
-              "topologyKey is a constraint of Kubernetes' own gang scheduling and needs scheduling.gang 'kubernetes'",
-              ".scheduling.topologyKey"),
+        _rule(f"!{_given(f'{S}.topologyKey')} || !{_present(f'{S}.topology')}",
+              "topologyKey is the deprecated form of topology.level: give topology only", ".scheduling"),
+        _rule(f"!{_present(f'{S}.topology')} || !{_given(f'{S}.topology.ranksPerDomain', 'int')} || "
+              f"{S}.topology.ranksPerDomain % self.procsPerNode == 0",
+              f"ranksPerDomain({{{S}.topology.ranksPerDomain}}) must be a multiple of "
+              "procsPerNode({self.procsPerNode}): a domain holds whole pods", ".scheduling.topology.ranksPerDomain"),
+        _rule(f"!{_present(f'{S}.topology')} || !{_given(f'{S}.topology.ranksPerDomain', 'int')} || "
+              f"self.nodes * self.procsPerNode % {S}.topology.ranksPerDomain == 0",
+              f"ranksPerDomain({{{S}.topology.ranksPerDomain}}) must divide the gang's nodes({{self.nodes}}) x "
+              "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode} ranks",
+              ".scheduling.topology.ranksPerDomain"),
+        _manual_layout(_rule(f"!{_present(f'{S}.topology')} || !{_given(f'{S}.topology.ranksPerDomain', 'int')} || "
+              f"{S}.topology.ranksPerDomain % ({P}.tensor * {P}.pipeline) == 0",
+              f"ranksPerDomain({{{S}.topology.ranksPerDomain}}) must be a multiple of tensor({{{P}.tensor}}) x "
+              f"pipeline({{{P}.pipeline}}) = {{{P}.tensor * {P}.pipeline}}: a domain holds whole model replicas, so "
+              "only data-parallel traffic crosses domains", ".scheduling.topology.ranksPerDomain")),
         *(_rule(f"!{_ENTRYPOINT} || ({_at_defaults(section)})",
                 f"{section} is read only by the built-in trainer: with spec.entrypoint your program trains (it gets "
                 "the layout as PARATRAIN_* env); leave it out", f".{section}") for section in TRAINER_SECTIONS),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..contract import LABEL_NODE_RANK
 from .spec import DNS_SUBDOMAIN, KUEUE_KEY_PREFIX, ParallelTrainJob
 
 QUEUE_LABEL = f"{KUEUE_KEY_PREFIX}queue-name"
@@ -20,6 +21,14 @@ POD_GROUP_TOTAL_COUNT = f"{KUEUE_KEY_PREFIX}pod-group-total-count"
 # "false": a group whose pods have all ended is finished. The operator never re-creates a pod inside a group (a
 # restart is a new attempt, a new group), so Kueue can release the quota and the pods' finalizers at once.
 RETRIABLE_IN_GROUP = f"{KUEUE_KEY_PREFIX}retriable-in-group"
+# Topology-aware scheduling (TAS, beta and on by default since v0.14), read from the group's pods: the whole group
+# within one domain of a level (required or preferred), or slices of a size each within one; the pod's index
+# (its label named here) orders the pods into the domains, so consecutive node ranks share one.
+REQUIRED_TOPOLOGY = f"{KUEUE_KEY_PREFIX}podset-required-topology"
+PREFERRED_TOPOLOGY = f"{KUEUE_KEY_PREFIX}podset-preferred-topology"
+SLICE_REQUIRED_TOPOLOGY = f"{KUEUE_KEY_PREFIX}podset-slice-required-topology"
+SLICE_SIZE = f"{KUEUE_KEY_PREFIX}podset-slice-size"
+POD_INDEX_LABEL = f"{KUEUE_KEY_PREFIX}pod-group-pod-index-label"
 ADMISSION_GATE = f"{KUEUE_KEY_PREFIX}admission"  # the scheduling gate Kueue holds a pod with until admission
 # The job labels carried to every pod (Kueue reads them there).
 CARRIED_LABELS = (QUEUE_LABEL, PRIORITY_CLASS_LABEL)
@@ -50,7 +59,19 @@ def pod_labels(job: ParallelTrainJob, attempt: int) -> dict[str, str]:
 def pod_annotations(job: ParallelTrainJob) -> dict[str, str]:
     if not queue_name(job):
         return {}
-    return {POD_GROUP_TOTAL_COUNT: str(job.spec.nodes), RETRIABLE_IN_GROUP: "false"}
+    return {POD_GROUP_TOTAL_COUNT: str(job.spec.nodes), RETRIABLE_IN_GROUP: "false", **topology_annotations(job)}
+
+
+def topology_annotations(job: ParallelTrainJob) -> dict[str, str]:
+    """spec.scheduling.topology as Kueue's TAS reads it from the group's pods."""
+    t = job.spec.scheduling.topology
+    if not t:
+        return {}
+    if t.ranks_per_domain:  # Kueue's slices are required only (kueue_problems refuses preferred)
+        placed = {SLICE_REQUIRED_TOPOLOGY: t.level, SLICE_SIZE: str(t.ranks_per_domain // job.spec.procs_per_node)}
+    else:
+        placed = {REQUIRED_TOPOLOGY if t.mode == "required" else PREFERRED_TOPOLOGY: t.level}
+    return placed | {POD_INDEX_LABEL: LABEL_NODE_RANK}
 
 
 def kueue_problems(job: ParallelTrainJob) -> list[tuple[str, str]]:
@@ -61,6 +82,11 @@ def kueue_problems(job: ParallelTrainJob) -> list[tuple[str, str]]:
         if value is not None and not (isinstance(value, str) and len(value) <= 63 and re.match(DNS_SUBDOMAIN, value)):
             out.append((f"metadata.labels[{key}]", f"must name a Kueue {kind} (a lowercase DNS name of at most 63 "
                         f"characters), got {value!r}"))
+    t = job.spec.scheduling.topology
+    if queue_name(job) and t and t.ranks_per_domain and t.mode == "preferred":
+        out.append(("spec.scheduling.topology.mode", "Kueue keeps groups of ranksPerDomain ranks in a domain only "
+                    "as required (its slices): use mode required, or leave ranksPerDomain out to prefer one domain "
+                    "for the whole gang"))
     if queue_name(job) and job.spec.scheduling.gang == "volcano":
         out.append(("spec.scheduling.gang", f"Kueue admits this job (label {QUEUE_LABEL}) and Volcano would queue "
                     "it again: use one of them (Kueue composes with gang 'kubernetes', 'coscheduling' or 'none')"))

@@ -26,7 +26,7 @@ from .load import Problem, SpecError, parse_job
 from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
 from .spec import (
     BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
-    ParallelTrainJob, SchedulingSpec, Spec, Toleration, _Model, cluster_problems, stated_vocab_size,
+    ParallelTrainJob, SchedulingSpec, Spec, Toleration, TopologySpec, _Model, cluster_problems, stated_vocab_size,
 )
 
 # The operator's pods as the Helm chart labels them (release `paratrain`, chart name `paratrain`).
@@ -59,6 +59,8 @@ class DefaultScheduling(_Model):
     gang: Literal["kubernetes", "volcano", "coscheduling"] | None = None
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    topology: TopologySpec | None = Field(None, description=(
+        "The cluster's placement for jobs that give none, e.g. {level: <the rack label>, mode: preferred}."))
 
 
 class JobDefaults(_Model):
@@ -192,6 +194,8 @@ def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], lis
         take("spec.scheduling.queue", sched, "queue", None, defaults.scheduling.queue)
     take("spec.scheduling.priorityClassName", sched, "priorityClassName", None,
          defaults.scheduling.priority_class_name)
+    take("spec.scheduling.topology", sched, "topology", None,
+         defaults.scheduling.topology.dump() if defaults.scheduling.topology else None)
     for path, mine, theirs in (("spec.resources.extra", res.setdefault("extra", {}), defaults.resources.extra),
                                ("spec.scheduling.nodeSelector", sched.setdefault("nodeSelector", {}),
                                 defaults.node_selector)):

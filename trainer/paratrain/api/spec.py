@@ -401,15 +401,33 @@ class Toleration(_Model):
         return self
 
 
+class TopologySpec(_Model):
+    level: str = Field(pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
+        "A node label whose values are the domains (a rack, a network block, an NVLink domain label such as "
+        "Topograph's): the gang, or each group of ranksPerDomain ranks, is placed within one domain of it."))
+    mode: Literal["required", "preferred"] = Field("required", description=(
+        "required: a gang (or group) that fits no single domain waits; preferred: it spreads over domains "
+        "instead."))
+    ranks_per_domain: int | None = Field(None, ge=1, le=1_048_576, description=(
+        "Ranks kept in one domain: a multiple of procsPerNode (a domain holds whole pods) and of tensor x "
+        "pipeline (whole model replicas, so only data-parallel traffic crosses domains), dividing the gang's "
+        "ranks; consecutive node ranks share a domain. Unset: the whole gang in one domain."))
+
+
 class SchedulingSpec(_Model):
     gang: Literal["none", "kubernetes", "volcano", "coscheduling"] = Field("none", description=(
         "All-or-nothing scheduling of the gang: kubernetes (the native Workload and PodGroup APIs, 1.37 with the "
         "GenericWorkload gate), volcano, coscheduling (scheduler-plugins), or none."))
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description=(
         "Volcano queue (gang 'volcano'). For Kueue, label the job kueue.x-k8s.io/queue-name instead."))
+    topology: TopologySpec | None = Field(None, description=(
+        "Where the gang is placed by the nodes' topology labels, for every gang scheduler: under Kueue its "
+        "topology-aware scheduling (the pod group's podset-*-topology annotations, ranks filling domains in "
+        "order); under gang 'kubernetes' the PodGroup's topology constraint (required, whole gang: Kubernetes "
+        "1.37 with TopologyAwareWorkloadScheduling); otherwise, and for what those cannot say, pod affinity by "
+        "domain among each group's pods."))
     topology_key: str | None = Field(None, pattern=LABEL_KEY, max_length=LABEL_KEY_MAX_LENGTH, description=(
-        "Keep the whole gang in one domain of this node label (e.g. topology.kubernetes.io/zone, or a rack or "
-        "network-block label): gang 'kubernetes' only, Kubernetes 1.37 with TopologyAwareWorkloadScheduling."))
+        "Deprecated: topology.level (mode required, the whole gang). Read as that; not both."))
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
         "The pods' PriorityClass (and the native PodGroup's)."))
     node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64, description=(
@@ -420,6 +438,22 @@ class SchedulingSpec(_Model):
     # validated by the API server's pod schema.
     affinity: dict[str, Any] | None = Field(None, description=(
         "A Kubernetes Affinity, passed to every pod as it is (checked by the API server)."))
+    @model_validator(mode="before")
+    @classmethod
+    def _topology_key_is_topology(cls, data: Any) -> Any:
+        # The field before scheduling.topology: the same request, kept readable for jobs written with it.
+        if not isinstance(data, dict):
+            return data
+        given = [k for k in ("topologyKey", "topology_key") if data.get(k) is not None]
+        if given and data.get("topology") is not None:
+            raise ValueError("topologyKey is the deprecated form of topology.level: give topology only")
+        level = data[given[0]] if given else None
+        # A bad value stays where it was given, for its own field's error to name it.
+        if isinstance(level, str) and len(level) <= LABEL_KEY_MAX_LENGTH and re.fullmatch(LABEL_KEY, level):
+            data = {k: v for k, v in data.items() if k not in ("topologyKey", "topology_key")}
+            data["topology"] = {"level": level}
+        return data
+
     start_timeout_seconds: int = Field(1200, ge=30, le=7 * 86400, description=(
         "How long an attempt's whole gang may take to be running, from the first create of its pods (under Kueue, "
         "from admission): past it, the attempt ends with the waiting pods' reason (Unschedulable, an image pull, a "
@@ -758,9 +792,18 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
     if spec.scheduling.queue and spec.scheduling.gang != "volcano":
         out.append(("spec.scheduling.queue", "queue is a Volcano setting and needs scheduling.gang 'volcano'"))
-    if spec.scheduling.topology_key and spec.scheduling.gang != "kubernetes":
-        out.append(("spec.scheduling.topologyKey", "topologyKey is a constraint of Kubernetes' own gang scheduling "
-                    "and needs scheduling.gang 'kubernetes'"))
+    if (topology := spec.scheduling.topology) and (per := topology.ranks_per_domain):
+        path = "spec.scheduling.topology.ranksPerDomain"
+        if per % spec.procs_per_node:
+            out.append((path, f"ranksPerDomain({per}) must be a multiple of procsPerNode({spec.procs_per_node}): "
+                        "a domain holds whole pods"))
+        if spec.world_size % per:
+            out.append((path, f"ranksPerDomain({per}) must divide the gang's nodes({spec.nodes}) x "
+                        f"procsPerNode({spec.procs_per_node}) = {spec.world_size} ranks"))
+        if manual and per % (p.tensor * p.pipeline):
+            out.append((path, f"ranksPerDomain({per}) must be a multiple of tensor({p.tensor}) x "
+                        f"pipeline({p.pipeline}) = {p.tensor * p.pipeline}: a domain holds whole model replicas, "
+                        "so only data-parallel traffic crosses domains"))
     for dup in _repeated(v.name for v in spec.pod.volumes):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
     mounts = [v.mount_path for v in spec.pod.volumes]

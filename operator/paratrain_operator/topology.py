@@ -1,0 +1,64 @@
+"""spec.scheduling.topology rendered for the gang's scheduler: what each one can say, and pod affinity by domain
+for the rest.
+
+- Kueue (the job carries a queue label): its topology-aware scheduling reads the pod group's annotations
+  (paratrain.api.kueue.topology_annotations) and fills domains in node-rank order.
+- gang 'kubernetes': the PodGroup's (and Workload template's) topology constraint keeps the whole gang in one
+  domain; it is required only and has no groups, so `preferred` and `ranksPerDomain` fall back to affinity.
+- every other gang (none, volcano, coscheduling): pod affinity. Each pod is labelled with its group (node rank //
+  nodes per domain; one group without ranksPerDomain) and asks to share a domain of `level` with the pods of its
+  group in its attempt, required or preferred. The first pod of a group matches itself, so it may go anywhere;
+  the rest follow it. Volcano's own network topology needs HyperNode objects an admin defines, not node labels.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from paratrain import contract
+from paratrain.api import ParallelTrainJob, kueue
+
+GROUP_LABEL = "paratrain.dev/topology-group"
+
+
+def group_constraint(job: ParallelTrainJob) -> str | None:
+    """The level a native PodGroup keeps the whole gang within; None where it cannot say the job's request."""
+    t, gang = job.spec.scheduling.topology, job.spec.scheduling.gang
+    if t and gang == "kubernetes" and t.mode == "required" and not t.ranks_per_domain and not kueue.queue_name(job):
+        return t.level
+    return None
+
+
+def nodes_per_group(job: ParallelTrainJob) -> int | None:
+    """Pods per affinity group where pod affinity places the job; None where its scheduler does (or no topology)."""
+    t = job.spec.scheduling.topology
+    if not t or kueue.queue_name(job) or group_constraint(job):
+        return None
+    return t.ranks_per_domain // job.spec.procs_per_node if t.ranks_per_domain else job.spec.nodes
+
+
+def group_labels(job: ParallelTrainJob, rank: int) -> dict[str, str]:
+    per = nodes_per_group(job)
+    return {GROUP_LABEL: str(rank // per)} if per else {}
+
+
+def affinity(job: ParallelTrainJob, attempt: int, rank: int) -> dict[str, Any] | None:
+    """The pod's affinity: the spec's (scheduling.affinity, copied), with its group's pod affinity added."""
+    spec = job.spec
+    own = copy.deepcopy(spec.scheduling.affinity) if spec.scheduling.affinity else None
+    per = nodes_per_group(job)
+    if not per:
+        return own
+    t = spec.scheduling.topology
+    term = {"labelSelector": {"matchLabels": {contract.LABEL_JOB: job.metadata.name,
+                                              contract.LABEL_ATTEMPT: str(attempt), GROUP_LABEL: str(rank // per)}},
+            "topologyKey": t.level}
+    own = own or {}
+    pod_affinity = own.setdefault("podAffinity", {})
+    if t.mode == "required":
+        pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    else:
+        pod_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"weight": 100, "podAffinityTerm": term})
+    return own

@@ -1,0 +1,86 @@
+"""spec.scheduling.topology rendered for each gang scheduler (paratrain_operator.topology, api.kueue): Kueue's
+topology-aware scheduling annotations with ranks in order, the native PodGroup's constraint, and pod affinity by
+domain group where neither can say it; the deprecated topologyKey read as topology.level."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from paratrain import contract
+from paratrain.api import kueue, parse_job
+from paratrain_operator.topology import GROUP_LABEL
+
+from .test_render import job_doc, pods, render
+
+RACK = "network.example.com/rack"
+
+
+def gang(nodes: int = 4, procs: int = 2, queue: str | None = None, **scheduling: Any) -> dict[str, Any]:
+    doc = job_doc(nodes=nodes, procsPerNode=procs, parallelism={"data": nodes * procs},
+                  training={"batchSize": 8 * nodes * procs}, scheduling=scheduling)
+    if queue:
+        doc["metadata"]["labels"] = {kueue.QUEUE_LABEL: queue}
+    return doc
+
+
+def kind(objects: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == name]
+
+
+def test_kueue_places_the_whole_gang_or_slices_of_it_with_ranks_in_order() -> None:
+    whole = pods(render(gang(queue="q", topology={"level": RACK, "mode": "preferred"})))
+    for pod in whole:
+        notes = pod["metadata"]["annotations"]
+        assert notes[kueue.PREFERRED_TOPOLOGY] == RACK and kueue.REQUIRED_TOPOLOGY not in notes
+        # Kueue copies the node rank into its pod index: domains fill in rank order
+        assert notes[kueue.POD_INDEX_LABEL] == contract.LABEL_NODE_RANK
+        assert pod["metadata"]["labels"][contract.LABEL_NODE_RANK] == notes["paratrain.dev/node-rank"]
+        assert "affinity" not in pod["spec"] and GROUP_LABEL not in pod["metadata"]["labels"]
+    sliced = pods(render(gang(queue="q", topology={"level": RACK, "ranksPerDomain": 4})))
+    assert {(p["metadata"]["annotations"][kueue.SLICE_REQUIRED_TOPOLOGY],
+             p["metadata"]["annotations"][kueue.SLICE_SIZE]) for p in sliced} == {(RACK, "2")}  # 4 ranks: 2 pods
+    assert not any(kueue.REQUIRED_TOPOLOGY in p["metadata"]["annotations"] for p in sliced)
+    refused = parse_job(gang(queue="q", topology={"level": RACK, "mode": "preferred", "ranksPerDomain": 4}))
+    assert [path for path, _ in kueue.kueue_problems(refused)] == ["spec.scheduling.topology.mode"]
+
+
+def test_the_native_podgroup_keeps_a_required_whole_gang_in_one_domain() -> None:
+    objects = render(gang(gang="kubernetes", topology={"level": RACK}))
+    (group,), (workload,) = kind(objects, "PodGroup"), kind(objects, "Workload")
+    assert group["spec"]["schedulingConstraints"] == {"topology": [{"key": RACK}]}
+    assert workload["spec"]["podGroupTemplates"][0]["schedulingConstraints"] == {"topology": [{"key": RACK}]}
+    assert not any("affinity" in p["spec"] for p in pods(objects))
+    # the field it replaces renders the same
+    old = render(gang(gang="kubernetes", topologyKey=RACK))
+    assert kind(old, "PodGroup") == [group] and pods(old) == pods(objects)
+
+
+@pytest.mark.parametrize("gang_kind", ["kubernetes", "none", "volcano", "coscheduling"])
+def test_groups_of_ranks_per_domain_share_a_domain_by_pod_affinity(gang_kind: str) -> None:
+    objects = render(gang(gang=gang_kind, topology={"level": RACK, "ranksPerDomain": 4}), attempt=2)
+    assert not any("schedulingConstraints" in o.get("spec", {}) for o in kind(objects, "PodGroup"))
+    for rank, pod in enumerate(pods(objects)):
+        group = str(rank // 2)  # 4 ranks a domain, 2 per pod: node ranks 0-1, 2-3
+        assert pod["metadata"]["labels"][GROUP_LABEL] == group
+        (term,) = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term == {"topologyKey": RACK, "labelSelector": {"matchLabels": {
+            contract.LABEL_JOB: "j", contract.LABEL_ATTEMPT: "2", GROUP_LABEL: group}}}
+
+
+def test_a_preferred_domain_is_a_weighted_preference_beside_the_users_own_affinity() -> None:
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}]}},
+        "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 5, "podAffinityTerm": {"topologyKey": "zone", "labelSelector": {"matchLabels": {"x": "y"}}}}]}}
+    doc = gang(topology={"level": RACK, "mode": "preferred"}, affinity=own)
+    for pod in pods(render(doc)):
+        affinity = pod["spec"]["affinity"]
+        assert affinity["nodeAffinity"] == own["nodeAffinity"]
+        mine, theirs = (affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][i]
+                        for i in (1, 0))
+        assert theirs == own["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert mine["weight"] == 100 and mine["podAffinityTerm"]["topologyKey"] == RACK
+        assert pod["metadata"]["labels"][GROUP_LABEL] == "0"  # one group: the whole gang
+    assert len(own["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]) == 1  # the spec's untouched
