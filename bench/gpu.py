@@ -24,7 +24,8 @@ each result carries `predicted_peak_bytes` and their ratio, measured less predic
 (`measured_minus_predicted`: params, grads, optimizer, the rest of the peak; the memory model's CUDA terms, which
 only a GPU can check), and the allocator's reserved peak beside it.
 
-Also, for each precision and head layout, the attention kernel paratrain aims at beside torch's own verdicts
+Also the host syncs of one training step (`step_syncs`: HostReads' count, and on a GPU torch's sync debug
+mode's), and for each precision and head layout, the attention kernel paratrain aims at beside torch's own verdicts
 (`can_use_flash_attention` etc., debug on) and its reasons for each kernel it rules out (`attention_verdicts`).
 
 Writes bench/results/gpu.json (dry run: bench/results/gpu-dry-run.json, or --out).
@@ -210,6 +211,65 @@ print(json.dumps(out))
 """
 
 
+# A child process too: the sync debug mode is process-wide, and its warnings are counted per step.
+SYNCS = """
+import json, sys, warnings
+import torch
+import torch.distributed as dist
+from paratrain.api import parse_job
+from paratrain.train.engine import TorchEngine
+from paratrain.train.loop import mean_over_reporters
+from paratrain.train.models.registry import build_model, model_config
+from paratrain.train.parallel.dims import ParallelDims
+from paratrain.train.parallel.precision import LossScaler
+from paratrain.train.perf import HostReads
+device, precision = torch.device(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no collective runs
+spec = parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "s"},
+                  "spec": {"model": {"preset": "debug", "blockSize": 64}, "precision": precision,
+                           "training": {"batchSize": 8, "gradientAccumulation": 2}}}).spec
+torch.manual_seed(0)
+with torch.device(device):
+    model = build_model(model_config(spec, 256))
+# On CPU, AdamW reads its CPU step counters with .item() (no device sync, but HostReads cannot tell): SGD there.
+optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if device.type == "cuda"
+             else torch.optim.SGD(model.parameters(), lr=1e-4))
+engine = TorchEngine(model=model, module=model, optimizer=optimizer,
+                     dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision=precision, grad_clip=1.0,
+                     dp_reducer=None, scaler=LossScaler(enabled=precision == "fp16"), accumulation=2)
+tokens = torch.randint(256, (8, 65), device=device)
+micro = list(zip(tokens[:, :-1].chunk(2), tokens[:, 1:].chunk(2)))
+reads, syncs = [], []
+for step in range(4):
+    if device.type == "cuda" and step:  # the first step's warm-up (lazy inits) is not the loop's
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as said, HostReads() as counted:
+        warnings.simplefilter("always")
+        loss = engine.forward_backward(micro)
+        engine.optimizer_step(1e-4)
+        mean_over_reporters(loss, device, flags=(False, False))
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode(0)
+    if step:
+        reads.append(len(counted.reads))
+        syncs.append(sum("synchroniz" in str(w.message) for w in said) if device.type == "cuda" else None)
+print(json.dumps({"host_reads_per_step": reads, "cuda_syncs_per_step": syncs}))
+"""
+
+
+def step_syncs(dry_run: bool) -> dict:
+    """How many times one training step (2 micro-steps, the optimizer, the loss report) makes the host wait for
+    the device: the reads paratrain.train.perf.HostReads counts, and on a GPU the synchronizing CUDA calls torch's
+    sync debug mode warns of (torch.cuda.set_sync_debug_mode), per step after the first. Two are expected (the
+    gradient norm, the loss with the ranks' flags; tests/trainer/test_engine.py counts them on CPU). On a GPU the
+    CUDA count is the one to read: HostReads also counts AdamW's .item() of its CPU step counters, no sync."""
+    args = ["cpu", "fp32"] if dry_run else ["cuda", "bf16"]
+    proc = subprocess.run([sys.executable, "-c", SYNCS, *args], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def attention_verdicts(dry_run: bool) -> dict:
     """For each precision and head layout (llama3-1b's: 32 query heads, 8 key/value heads, 64 wide, 2,048 tokens),
     the kernel paratrain aims at (models.gpt.attention_kernel) beside torch's own verdicts on the inputs `attend`
@@ -280,6 +340,7 @@ def main() -> int:
     steps = args.steps or (3 if args.dry_run else 20)
     chosen = variants(2 if args.dry_run else gpus)
     attention = attention_verdicts(args.dry_run)  # first: seconds, where the variants take minutes
+    syncs = step_syncs(args.dry_run)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in chosen.items():
@@ -313,6 +374,11 @@ def main() -> int:
         print(f"attention {case:9} aimed: {verdict['aimed']:60} torch can use: {usable}{flag}")
     if "error" in attention:
         print(f"attention verdicts: FAILED\n{attention['error']}", file=sys.stderr)
+    if "error" in syncs:
+        print(f"host syncs per step: FAILED\n{syncs['error']}", file=sys.stderr)
+    else:
+        print(f"host syncs per step (after the first): reads {syncs['host_reads_per_step']}, CUDA's own count "
+              f"{syncs['cuda_syncs_per_step']}")
     flops_note = ("FLOPs per token: 6N + 12·L·H·Q·T (perf.model_flops_per_token); MFU against the device's dense "
                   "bf16 peak (perf.PEAK_FLOPS), the same peak for fp32 (TF32) runs; tokens/s over the steps after "
                   "each run's first (perf.SteadyRate)")
@@ -321,9 +387,10 @@ def main() -> int:
                                                                          else "gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dry_run": args.dry_run, "gpus": gpus, "steps": steps, "machine": platform.node(),
-                               "flops": flops_note, "attention": attention, "results": results}, indent=1) + "\n")
+                               "flops": flops_note, "attention": attention, "step_syncs": syncs,
+                               "results": results}, indent=1) + "\n")
     print(f"wrote {out}")
-    return 1 if len(ok) < len(results) or "error" in attention else 0
+    return 1 if len(ok) < len(results) or "error" in attention or "error" in syncs else 0
 
 
 if __name__ == "__main__":

@@ -208,6 +208,14 @@ def test_a_deleted_pod_is_replaced_alone_while_its_peers_wait_in_place_and_the_c
     assert final["losses"] == straight["losses"], "the curve goes on from the saved step exactly"
 
 
+def assert_the_curve_went_on_exactly(final_checkpoint: Path, spec: dict[str, Any], workdir: Path) -> None:
+    """The restarted run's whole loss curve (its final checkpoint's) is the uninterrupted run's, exactly."""
+    final = json.loads((final_checkpoint / "manifest.json").read_text())
+    _, straight = run_job(workdir, job={"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
+                                        "metadata": {"name": "straight"}, "spec": {**spec, "checkpoint": {}}})
+    assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+
+
 def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_on_exactly(control_plane,
                                                                                             tmp_path: Path):
     """spec.restartPolicy.inPlaceLimit: rank 1 exits 1 after step 25 (in the first round only). Its pod's agent
@@ -233,11 +241,7 @@ def test_a_failed_rank_is_restarted_in_place_no_pod_replaced_and_the_curve_goes_
             "CreatingGang", "GangRunning", "RestartedInPlace", "Succeeded"]
         logs = cluster.kubectl("logs", "-n", ns, "inplace-0-0").stdout  # rank 0, both rounds
         assert "resume step=20" in logs, logs[-3000:]
-        final = json.loads((checkpoints / "step-00000040" / "manifest.json").read_text())
-        _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
-                                                           "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
-                                                           "spec": {**spec, "checkpoint": {}}})
-        assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+        assert_the_curve_went_on_exactly(checkpoints / "step-00000040", spec, tmp_path / "straight")
     finally:
         cluster.close()
 
@@ -273,11 +277,7 @@ def test_a_rank_hung_alive_is_restarted_in_place_within_hang_seconds_and_a_few_m
         # apart, both saw it
         assert sorted(saw) in ([(False, True), (True, False)], [(True, False), (True, False)]), logs
         assert all("the stacks of this pod's workers follow" in text for text in logs.values()), logs
-        final = json.loads((checkpoints / "step-00000040" / "manifest.json").read_text())
-        _, straight = run_job(tmp_path / "straight", job={"apiVersion": "paratrain.dev/v1alpha1",
-                                                           "kind": "ParallelTrainJob", "metadata": {"name": "straight"},
-                                                           "spec": {**spec, "checkpoint": {}}})
-        assert final["losses"] == straight["losses"], "the curve goes on from the checkpoint exactly"
+        assert_the_curve_went_on_exactly(checkpoints / "step-00000040", spec, tmp_path / "straight")
     finally:
         cluster.close()
 

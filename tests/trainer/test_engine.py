@@ -129,28 +129,6 @@ def test_a_single_process_agrees_on_its_loss_and_flags_without_a_collective(one_
     assert mean_over_reporters(2.5, torch.device("cpu"), flags=(False, True)) == (2.5, (False, True))
 
 
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts what makes the host wait for the device: reading a value (item, tolist, bool, float, int) and what
-    must count rows first (nonzero, masked_select, indexing by a boolean mask). On a GPU each is a sync; on CPU
-    this mode sees the same calls (autograd's backward runs in C++ and another thread: not seen, nor synced)."""
-
-    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "masked_select",
-             "argwhere"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        masked = name in ("__getitem__", "__setitem__") and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool
-            for a in (args[1] if isinstance(args[1], tuple) else (args[1],)))
-        if name in self.READS or masked:
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_step_reads_the_device_twice_whatever_its_micro_steps_and_loss_pieces(precision, one_rank_group,
                                                                               monkeypatch):
@@ -160,6 +138,7 @@ def test_a_step_reads_the_device_twice_whatever_its_micro_steps_and_loss_pieces(
     gradient accumulation and however many pieces the loss takes."""
     from paratrain.train import loss as loss_module
     from paratrain.train.loop import mean_over_reporters
+    from paratrain.train.perf import HostReads
 
     monkeypatch.setattr(loss_module, "CE_CHUNK_TOKENS", 8)  # 32 tokens a micro-step: 4 pieces each
     engine, _ = torch_engine(precision)

@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,11 @@ def start_node(spec: Path, rank: int, port: int, log: Path, fault: str | None = 
                                 stdout=out, stderr=subprocess.STDOUT, cwd=spec.parent, start_new_session=True)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+def stop_all(nodes) -> None:
+    """Whatever of the nodes' process trees still runs."""
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("loss", ["killed", "stopped"])
@@ -77,9 +76,7 @@ def test_a_lost_node_replaced_alone_rejoins_and_the_curve_goes_on_exactly(tmp_pa
         assert node1.wait(240) == 0, logs[1].read_text()[-3000:]
         assert node0.wait(60) == 0, logs[0].read_text()[-3000:]
     finally:
-        for node in (node0, node1):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        stop_all((node0, node1))
     said = logs[0].read_text()
     # Rank 0 tells the operator of the in-place round; the kill left step 20's checkpoint, the stop saved the step
     # at whose boundary the ranks agreed on it.
@@ -116,9 +113,7 @@ def test_a_rank_hung_alive_is_restarted_in_place_in_seconds_its_peers_stopped_th
         assert node1.wait(240) == 0, logs[1].read_text()[-3000:]
         assert node0.wait(60) == 0, logs[0].read_text()[-3000:]
     finally:
-        for node in (node0, node1):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        stop_all((node0, node1))
     own, peer = logs[1].read_text(), logs[0].read_text()
     assert "rank 1 made no progress for" in own and "(restartPolicy.hangSeconds 5)" in own, own[-3000:]
     assert "time.sleep(60)" in own or "in optimizer_step" in own, "the hung worker's stacks are in its pod's log"
@@ -158,9 +153,7 @@ def test_rounds_failing_at_once_back_off_and_two_before_a_first_step_give_in_pla
     try:
         assert [node.wait(240) for node in nodes] == [0, 0], (tmp_path / "node-1.log").read_text()[-3000:]
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        stop_all(nodes)
     exits = [float(t) for t in faults.read_text().split()]
     assert len(exits) == 3
     first, second = exits[1] - exits[0], exits[2] - exits[1]
@@ -174,9 +167,7 @@ def test_rounds_failing_at_once_back_off_and_two_before_a_first_step_give_in_pla
     try:
         assert nodes[1].wait(240) == 1, (early / "node-1.log").read_text()[-3000:]
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        stop_all(nodes)
     assert len((early / "exits.log").read_text().split()) == 2  # two rounds, not inPlaceLimit + 1
     said = (early / "node-1.log").read_text()
     assert "failed before their first step 2 times in a row: no more in-place rounds" in said, said[-3000:]

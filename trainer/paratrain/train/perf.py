@@ -164,3 +164,26 @@ def mfu(flops_per_token: int, tokens_per_second: float, peak_flops: float | None
     if not peak_flops:
         return None
     return flops_per_token * tokens_per_second / (peak_flops * devices)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads that make the host wait for the device: a value read (item, tolist, bool, float, int) and
+    what must count rows first (nonzero, masked_select, indexing by a boolean mask). On a GPU each is a sync
+    (torch.cuda.set_sync_debug_mode sees them there); on CPU this mode sees the same calls in the Python that runs
+    under it (autograd's backward runs in C++ and another thread: not seen). For the tests and bench/gpu.sh."""
+
+    READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "masked_select",
+                       "argwhere"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        masked = name in ("__getitem__", "__setitem__") and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if name in self.READS or masked:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
