@@ -32,6 +32,7 @@ from .api import ParallelTrainJob, Problem, SpecError, describe_checkpoints, des
 from .api.memory import human
 from .token_shards import TokenDirError, open_token_dir
 
+CAUSE_WAIT_SECONDS = 3.0  # how long a rank's exit 75 (a peer failed) waits for the peer's own exit to name it
 STOP_GRACE_SECONDS = 5.0  # ranks left after another one failed: their gang is broken, nothing to save
 SAVE_GRACE_SECONDS = 30.0  # Ctrl-C: the ranks save the step in flight first (train.preemption)
 
@@ -279,12 +280,19 @@ def watch_gang(procs: list[RankProcess | subprocess.Popen], view: ProgressView,
     """Follow the gang until a rank fails (its rank and exit code), all succeed (None) or Ctrl-C ((-1, 130)); what
     is still running is stopped either way. Ctrl-C gives the ranks SAVE_GRACE_SECONDS to save the step in flight,
     a second one kills them at once."""
-    failed = None
+    failed, consequence_seen = None, None
     try:
         while not ctrl_c.count:
             view.poll()
             codes = [p.poll() for p in procs]
-            if (failed := root_failure(codes)) or all(c == 0 for c in codes):
+            failed = root_failure(codes)
+            if failed and failed[1] == contract.EXIT_RETRYABLE and None in codes:
+                # A peer's exit 75 can come before its cause's own exit (which logs its error first): wait a little.
+                consequence_seen = consequence_seen or time.monotonic()
+                if time.monotonic() - consequence_seen < CAUSE_WAIT_SECONDS:
+                    time.sleep(0.2)
+                    continue
+            if failed or all(c == 0 for c in codes):
                 break
             time.sleep(0.2)
     finally:
