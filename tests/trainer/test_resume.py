@@ -1,6 +1,7 @@
 """Resume is exact: a run killed after a checkpoint and started again reproduces the uninterrupted run's curve."""
 
 import json
+import resource
 import shutil
 import signal
 import subprocess
@@ -59,7 +60,11 @@ def assert_host_phases_measured(metrics: dict, checkpoint_bytes: int) -> None:
     for rank, phases in enumerate(metrics["host_phases"]):
         assert set(phases) == {"build", "resume", "save"}, phases
         for name, f in phases.items():
-            assert 0 < f["startRssBytes"] <= f["peakRssBytes"] <= metrics["peak_memory_bytes"][rank], (rank, name, f)
+            # The run's peak and a phase's are read at different moments and by different counters: a page apart
+            # at most (a CI run under load once saw 4,096 bytes).
+            page = resource.getpagesize()
+            assert 0 < f["startRssBytes"] <= f["peakRssBytes"] <= metrics["peak_memory_bytes"][rank] + page, (
+                rank, name, f)
         assert phases["resume"]["bytesRead"] >= checkpoint_bytes / world, (rank, phases["resume"], checkpoint_bytes)
 
 
