@@ -49,7 +49,7 @@ STUCK_AFTER_SECONDS = float(os.environ.get("PARATRAIN_STUCK_POD_SECONDS", "60"))
 # exit to be seen: the peer's pod often shows Failed a moment later (its agent, then its kubelet's status write).
 CAUSE_WAIT_SECONDS = 15.0
 # Exits a rank makes because another failed: it saw its peer vanish (75), or NCCL's watchdog aborted it (134).
-CONSEQUENCE_EXITS = frozenset({contract.EXIT_RETRYABLE, contract.EXIT_ABORTED})
+CONSEQUENCE_EXITS = contract.CONSEQUENCE_EXITS
 
 
 class Failure(status_model.Failure):

@@ -66,6 +66,8 @@ EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a g
 # SIGABRT's exit (128 + 6): NCCL's watchdog aborts a rank whose collective failed or timed out, most often because a
 # peer died (TORCH_NCCL_ASYNC_ERROR_HANDLING): like 75, a consequence where another pod's failure is known.
 EXIT_ABORTED = 134
+# Exits that say another rank's failure ended this one (a peer died; the watchdog aborted a rank whose peer died).
+CONSEQUENCE_EXITS = frozenset({EXIT_RETRYABLE, EXIT_ABORTED})
 # Stopped on request (SIGTERM: a drain, a preemption, a suspend), a checkpoint of the last whole step written: the
 # operator restarts the gang without counting it against backoffLimit.
 EXIT_PREEMPTED = 76

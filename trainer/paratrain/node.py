@@ -57,7 +57,7 @@ def restarts_in_place(code: int, rules: list[FailurePolicyRule]) -> bool:
 
 # A worker's exit that says another's failure ended its round, not its own (75: a peer failed; 134: NCCL's watchdog
 # aborted it; 76: stopped with the gang's step saved).
-NOT_ITS_OWN = frozenset({contract.EXIT_RETRYABLE, contract.EXIT_ABORTED, contract.EXIT_PREEMPTED})
+NOT_ITS_OWN = contract.CONSEQUENCE_EXITS | {contract.EXIT_PREEMPTED}
 STACKS_SECONDS = 1.0  # for hung workers to write their stacks to the pod's log
 IN_PLACE_STOP_SECONDS = 3  # a failed round's workers of a program of its own: SIGTERM, then SIGKILL (the built-in
 # trainer's are killed at once: a broken gang has nothing to save, the next round resumes from the newest checkpoint)
@@ -180,12 +180,13 @@ def guard_rounds(rules: list[FailurePolicyRule], hang_seconds: float | None = No
             now.streak.failed(time.monotonic() - now.started, not builtin or bool(heartbeats)
                               and rounds.stepped(heartbeats))
             now.backoff = now.streak.backoff_seconds()
-        if self._remaining_restarts > 0 and restarts_in_place(code, rules) and now.streak.gives_up():
+        in_place = self._remaining_restarts > 0 and restarts_in_place(code, rules)
+        if in_place and now.streak.gives_up():
             log.error("paratrain node: this pod's rounds failed before their first step %d times in a row: no more "
                       "in-place rounds; the pod fails and the gang restarts (its pods may land elsewhere)",
                       now.streak.unstepped)
             self._remaining_restarts = 0
-        elif self._remaining_restarts > 0 and restarts_in_place(code, rules):
+        elif in_place:
             said = json.dumps(cause)
             os.environ[contract.ENV_LAST_FAILURE] = said
             if builtin:
