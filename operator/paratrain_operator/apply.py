@@ -60,6 +60,10 @@ class Refused(ApiError):
         return f"{self.object}: {self.message or self.reason}"
 
 
+# The gang schedulers whose PodGroup is one per job, not per attempt (plan.plan_gang).
+REUSED_POD_GROUPS = frozenset({"scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"})
+
+
 class Conflict(Exception):
     """A write conditional on a job's resourceVersion found a newer job: the pass must read it again."""
 
@@ -73,7 +77,8 @@ async def ensure(obj: Mapping[str, Any]) -> str | None:
     """Create `obj`; the uid of the object this call created, or None when it existed already.
 
     One that exists already (409) is fine if this job owns it (an earlier pass, or an operator killed midway,
-    created it); a ConfigMap that exists is brought up to date (a new attempt may follow a spec change). A name
+    created it); a ConfigMap, or a Volcano or scheduler-plugins PodGroup (reused by every attempt), that exists is
+    brought up to date (a new attempt may follow a spec change or an elastic resize). A name
     held by an object this job does not own, typically one of a same-named job deleted moments ago that the
     garbage collector or its kubelet has not removed yet, is an error until it goes: taken as ours, it would
     vanish under the gang."""
@@ -99,6 +104,10 @@ async def ensure(obj: Mapping[str, Any]) -> str | None:
                        f"{held}: retrying until the name is free")
     if obj["kind"] == "ConfigMap":
         await client().request("PATCH", _path(obj, named=True), body={"data": obj.get("data") or {}},
+                               content_type=MERGE_PATCH, params=STRICT)
+    elif obj["kind"] == "PodGroup" and obj["apiVersion"] in REUSED_POD_GROUPS:
+        # Reused by every attempt: an elastic gang's new size (minMember) must reach it.
+        await client().request("PATCH", _path(obj, named=True), body={"spec": obj.get("spec") or {}},
                                content_type=MERGE_PATCH, params=STRICT)
     return None
 

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from paratrain import contract
 from paratrain.api import kueue
 from paratrain.api import status as status_model
-from paratrain.api.spec import FailurePolicyRule, first_rule
+from paratrain.api.spec import FailurePolicyRule, Spec, first_rule
 from paratrain.api.status import FAILED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED, clip
 
 from . import decode
@@ -258,6 +258,9 @@ class GangState:
     last_stop: Failure | None = None  # a stop the gang restarted from (not counted, not a failure)
     reason: str = ""
     message: str = ""
+    nodes: int = 0  # an elastic gang's size, as last resized (0: spec.nodes)
+    resizes: tuple[status_model.Resize, ...] = ()  # an elastic gang's resizes, oldest first (resize.py)
+    last_step: int | None = None  # the step rank 0 last reported (status.progress; read, never written from here)
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any] | None) -> GangState:
@@ -277,7 +280,8 @@ class GangState:
                    resumed_from=s.get("resumedFromStep") if isinstance(s.get("resumedFromStep"), int) else None,
                    completion_time=s.get("completionTime"), failure=Failure.from_status(s.get("failure")),
                    last_stop=Failure.from_status(s.get("lastStop")), reason=s.get("reason") or "",
-                   message=s.get("message") or "")
+                   message=s.get("message") or "", nodes=as_int(s.get("nodes"), 0), resizes=_resizes(s.get("resizes")),
+                   last_step=_step(s.get("progress")))
 
     def new_attempt(self, **changes: Any) -> GangState:
         """This state for the next attempt: its gang, clock and refusals start afresh."""
@@ -308,6 +312,22 @@ def _replacing(said: Any) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _resizes(said: Any) -> tuple[status_model.Resize, ...]:
+    """status.resizes as models; an entry that is not one is dropped."""
+    out = []
+    for entry in said if isinstance(said, list) else []:
+        try:
+            out.append(status_model.Resize.model_validate(entry))
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def _step(progress: Any) -> int | None:
+    step = progress.get("step") if isinstance(progress, Mapping) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _refusal(conditions: Any) -> str:
     found = next((c for c in conditions or [] if isinstance(c, Mapping) and c.get("type") == CREATE_REFUSED), None)
     return str(found.get("message") or "") if found and found.get("status") == "True" else ""
@@ -329,6 +349,7 @@ class Policy:
     max_uncounted_restarts: int = 100
     failure_rules: tuple[FailurePolicyRule, ...] = ()
     in_place_limit: int = 0
+    elastic: Spec | None = None  # the job's spec when it has spec.elastic (resize.py reads its sizes), else None
 
     @classmethod
     def from_job(cls, job: Any) -> Policy:
@@ -339,7 +360,8 @@ class Policy:
                    under_kueue=bool(kueue.queue_name(job)),
                    start_timeout_seconds=spec.scheduling.start_timeout_seconds,
                    start_attempts=spec.scheduling.start_attempts, max_uncounted_restarts=rp.max_uncounted_restarts,
-                   failure_rules=tuple(spec.failure_policy.rules), in_place_limit=spec.restart_policy.in_place_limit)
+                   failure_rules=tuple(spec.failure_policy.rules), in_place_limit=spec.restart_policy.in_place_limit,
+                   elastic=spec if spec.elastic else None)
 
 
 @dataclass(frozen=True)
@@ -360,6 +382,7 @@ class Decision:
     delete_job: bool = False
     events: tuple[Event, ...] = field(default_factory=tuple)
     pass_after: float | None = None  # seconds until a pass must look again (nothing else may bring one sooner)
+    create_probes: tuple[int, ...] = ()  # an elastic gang's placeholder pods to create, by the rank each probes for
 
 
 def _active(pods: Sequence[PodView]) -> tuple[str, ...]:
@@ -449,7 +472,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
             said = f"{len(stuck)} pod(s) stuck terminating: {said}"
             msg = f"{msg}; {said}"
         return Decision(replace(state, phase=phase, message=msg, stuck=said),
-                        delete_pods=(*gone, *_undeleted(lost_pods)), stuck_pods=tuple(p.name for p in stuck),
+                        delete_pods=(*gone, *undeleted(lost_pods)), stuck_pods=tuple(p.name for p in stuck),
                         events=tuple(events))
 
     # A lost pod still there holds its name: its replacement is created once it is gone.
@@ -490,7 +513,7 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     # A lost pod stuck terminating on a node that is gone is force-deleted like an earlier attempt's (its node's
     # kubelet will never confirm the deletion), so that its replacement can have its name.
     return Decision(replace(state, phase=phase, reason=reason, message=msg), create_ranks=missing,
-                    delete_pods=_undeleted(lost_pods), stuck_pods=tuple(p.name for p in lost_pods if _stuck(p, now)),
+                    delete_pods=undeleted(lost_pods), stuck_pods=tuple(p.name for p in lost_pods if _stuck(p, now)),
                     events=tuple(events))
 
 
@@ -542,7 +565,7 @@ def _replace(state: GangState, failed: Sequence[tuple[int, PodView | None, Failu
                   replacing=(*state.replacing, *((rank, pod.uid if pod else "") for rank, pod, _ in failed)),
                   attempt_start_time=to_iso(now), last_restart_reason=f"{root.reason}: pod replaced",
                   last_restart_time=to_iso(now))
-    doomed = _undeleted([pod for _, pod, _ in failed if pod])  # an evicted pod holds its name
+    doomed = undeleted([pod for _, pod, _ in failed if pod])  # an evicted pod holds its name
     gone = tuple(rank for rank, pod, _ in failed if pod is None)
     return Decision(new, create_ranks=gone, delete_pods=doomed, events=(*events, Event("Normal", "ReplacingPod", msg)))
 
@@ -669,7 +692,7 @@ def _start_timed_out(policy: Policy, state: GangState, pods: Sequence[PodView], 
         new = state.new_attempt(phase=RESTARTING, reason="StartTimeout", message=msg, last_stop=stop,
                                 start_timeouts=state.start_timeouts + 1, last_restart_reason="StartTimeout",
                                 last_restart_time=to_iso(now))
-        return Decision(new, delete_pods=_undeleted(current), events=(*events, Event("Warning", "StartTimeout", msg)))
+        return Decision(new, delete_pods=undeleted(current), events=(*events, Event("Warning", "StartTimeout", msg)))
     if policy.start_attempts > 1:
         message = f"{message}; startAttempts ({policy.start_attempts}) spent"
     failure = Failure(reason=reason, message=message, retryable=False)
@@ -706,7 +729,7 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
         msg = (f"{root.message}; restarting the whole gang from its newest checkpoint{_after(new, now)} ({what} "
                "against backoffLimit)")
         event = Event("Normal", _stop_event_reason(root), msg)
-        return Decision(replace(new, message=msg), delete_pods=_undeleted(current), events=(*events, event))
+        return Decision(replace(new, message=msg), delete_pods=undeleted(current), events=(*events, event))
     if state.restarts >= policy.backoff_limit:
         msg = f"{root.message}; backoffLimit ({policy.backoff_limit} gang restarts) reached"
         decision = fail(state, pods, root, now, reason="BackoffLimitExceeded", message=msg)
@@ -714,7 +737,7 @@ def _on_failure(policy: Policy, state: GangState, pods: Sequence[PodView], curre
     restarts = state.restarts + 1
     new = state.restarted(now, phase=RESTARTING, restarts=restarts, failure=root, reason=root.reason)
     msg = f"{root.message}; restarting the whole gang{_after(new, now)} (restart {restarts} of {policy.backoff_limit})"
-    return Decision(replace(new, message=msg), delete_pods=_undeleted(current),
+    return Decision(replace(new, message=msg), delete_pods=undeleted(current),
                     events=(*events, Event("Warning", "RestartingGang", msg)))
 
 
@@ -735,7 +758,7 @@ def _after(state: GangState, now: datetime) -> str:
             "last trained: each waits twice as long)")
 
 
-def _undeleted(pods: Sequence[PodView]) -> tuple[str, ...]:
+def undeleted(pods: Sequence[PodView]) -> tuple[str, ...]:
     """The pods not yet deleted, finished ones too: a whole gang goes so that the next attempt can reuse its
     hostnames (and rendezvous address); a lost pod so that its replacement can have its name."""
     return tuple(p.name for p in pods if not p.terminating)

@@ -125,6 +125,14 @@ class PodView:
     uid: str = ""
     finalizers: tuple[str, ...] = ()  # what must let a deleted pod go before the API server removes it
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
+    created_at: str | None = None  # creationTimestamp: how long an unplaced pod has waited
+    probe: bool = False  # an elastic gang's placeholder (contract.LABEL_PROBE): no rank; `rank` is the one it probes
+
+    @property
+    def unplaced(self) -> bool:
+        """Waiting for a place: held by Kueue, or found no node (Unschedulable), and not being deleted."""
+        return self.node is None and not self.terminating and (self.queued or (self.waiting or "").startswith(
+            "Unschedulable"))
 
     @property
     def done(self) -> bool:
@@ -173,7 +181,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     return PodView(
         name=meta.get("name", ""),
         attempt=as_int(labels.get(contract.LABEL_ATTEMPT), -1),
-        rank=as_int(labels.get(contract.LABEL_NODE_RANK), -1),
+        rank=as_int(labels.get(contract.LABEL_PROBE, labels.get(contract.LABEL_NODE_RANK)), -1),
         phase=status.get("phase") or PENDING,
         terminating=bool(meta.get("deletionTimestamp")),
         exit_code=term.get("exitCode"),
@@ -193,6 +201,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         uid=meta.get("uid", ""),
         finalizers=tuple(str(f) for f in meta.get("finalizers") or ())[:8],
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
+        created_at=meta.get("creationTimestamp"),
+        probe=contract.LABEL_PROBE in labels,
     )
 
 

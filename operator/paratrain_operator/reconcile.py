@@ -25,16 +25,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, Problem, SpecError, describe_layout, parse_job
-from paratrain.api import planner
+from paratrain.api import elastic, planner
 from paratrain.api.memory import human, parse_bytes
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
-from . import apply, gang, metrics, observe, planning, status
+from . import apply, gang, metrics, observe, planning, resize, status
 from .clock import from_iso, now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
 from .observe import JobKey, PodView
-from .render import gang_objects, gang_pods, native_pod_group, superseded
+from .render import gang_objects, gang_pods, native_pod_group, probe_pods, superseded
 
 log = logging.getLogger("paratrain.operator")
 COALESCE_SECONDS = float(os.environ.get("PARATRAIN_COALESCE_SECONDS", "0.5"))
@@ -203,7 +203,8 @@ async def refresh_progress(namespace: str, name: str) -> None:
 
 
 def _rank0(state: GangState, views: Sequence[PodView]) -> PodView | None:
-    return next((p for p in views if p.attempt == state.attempt and p.rank == 0 and not p.terminating), None)
+    return next((p for p in views if p.attempt == state.attempt and p.rank == 0 and not p.terminating and not p.probe),
+                None)
 
 
 async def _pass(body: dict[str, Any]) -> str | None:
@@ -216,8 +217,9 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if refused:  # an empty cache here says nothing of the job's pods: never act on it
         await apply.post_event(body, gang.Event("Warning", "PodsNotListed", f"{refused}; this job waits for it"))
         return prev.get("phase")
-    views = pods.pods(namespace, name, meta["uid"])
-    unseen = expectations.unseen(key, views)
+    everything = pods.pods(namespace, name, meta["uid"])
+    unseen = expectations.unseen(key, everything)
+    views, probes = [p for p in everything if not p.probe], [p for p in everything if p.probe]
     log.debug("%s/%s: pass (%d pods cached)", namespace, name, len(views))
     if unseen:
         log.debug("%s/%s: waiting for the watch to show %d of our own creates/deletes", namespace, name,
@@ -231,12 +233,14 @@ async def _pass(body: dict[str, Any]) -> str | None:
         if (size := jobs.oversized(key)) is not None:  # not kept: refused before it is read
             raise SpecError([Problem("spec", spec_size_problem(size, PLATFORM) or "")])
         job, filled = as_the_operator_takes_it(parse_job(job_document(body)), PLATFORM)
+        job = at_its_size(job, state)
         if job.spec.parallelism.mode == "auto":
             job, plan = await _planned(job, prev, views, state)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
-        decision = gang.decide(gang.Policy.from_job(job), state, views, now, _progress_of(body, state, views))
+        decision = resize.decide(gang.Policy.from_job(job), state, views, probes, now,
+                                 _progress_of(body, state, views))
         if decision.create_ranks and not views and (held := over_namespace_limit(key, jobs.items())):
             # The decided state (a resume's new attempt included), without its creates and their clocks; the
             # Event once, when the job begins to wait.
@@ -263,7 +267,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
         forget(namespace, name)  # deleted meanwhile: its DELETED event may be one nobody could read
         return None
     try:
-        await _act(written, decision, gang_build, views)
+        await _act(written, decision, gang_build, views, job)
         await _delete_superseded(key, job, decision, views)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
@@ -282,6 +286,15 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+def at_its_size(job: ParallelTrainJob, state: GangState) -> ParallelTrainJob:
+    """The job as its current attempt runs it: an elastic gang at the size it last resized to (resize.py), where
+    the spec still allows that size; else the spec's own."""
+    if job.spec.elastic is None or not state.nodes or state.nodes == job.spec.nodes:
+        return job
+    spec = elastic.resized(job.spec, state.nodes)
+    return job.model_copy(update={"spec": spec}) if spec is not None else job
 
 
 async def _planned(job: ParallelTrainJob, prev: Mapping[str, Any], views: Sequence[PodView], state: GangState
@@ -443,7 +456,7 @@ def over_namespace_limit(key: JobKey, known: Sequence[tuple[JobKey, Mapping[str,
 
 
 def _acts(decision: Decision) -> bool:
-    return bool(decision.create_ranks or decision.delete_pods or decision.delete_job)
+    return bool(decision.create_ranks or decision.delete_pods or decision.delete_job or decision.create_probes)
 
 
 async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJob | None,
@@ -543,7 +556,7 @@ def _progress_of(body: Mapping[str, Any], state: GangState, views: Sequence[PodV
 
 
 async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild | None,
-               views: Sequence[PodView]) -> None:
+               views: Sequence[PodView], job: ParallelTrainJob | None = None) -> None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     key = (namespace, name)
@@ -553,6 +566,8 @@ async def _act(body: dict[str, Any], decision: Decision, gang_build: GangBuild |
     elif decision.create_ranks or decision.delete_pods:
         await _write_pods(key, decision, gang_build, views)
         _write_backoff.pop(key, None)
+    if decision.create_probes and job is not None:
+        await _create_probes(key, job, decision)
     if decision.pass_after:
         _pass_after(key, decision.pass_after)
     if decision.stuck_pods:
@@ -578,6 +593,20 @@ async def _write_pods(key: JobKey, decision: Decision, gang_build: GangBuild | N
                                 deleted=lambda pod: expectations.deleted(key, pod, uids.get(pod, "")))
         log.info("%s/%s: deleting %d pods: %s", namespace, name, len(decision.delete_pods),
                  _names(decision.delete_pods))
+
+
+async def _create_probes(key: JobKey, job: ParallelTrainJob, decision: Decision) -> None:
+    """An elastic gang's placeholder pods (resize.py); a refused one is retried by the next pass."""
+    group = elastic.bounds(job.spec)[1] - job.spec.nodes
+    for probe in probe_pods(job, key[0], decision.state.attempt, decision.create_probes, group):
+        try:
+            uid = await apply.ensure(probe)
+        except ApiError as exc:
+            log.warning("%s/%s: placeholder pod %s not created (the next pass retries): %s", *key,
+                        probe["metadata"]["name"], exc)
+            continue
+        if uid is not None:
+            expectations.created(key, probe["metadata"]["name"], uid)
 
 
 async def _after_backoff(key: JobKey, delay: float) -> None:

@@ -13,17 +13,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import jinja2
 import yaml
 
 from paratrain import contract
-from paratrain.api import ParallelTrainJob
+from paratrain.api import ParallelTrainJob, kueue
 from paratrain.api.platform import GangNetworkPolicy, Platform
 from paratrain.api.spec import RESERVED_VOLUME_PREFIX, TRAINER_CONTAINER, ResourcesSpec, Spec, Volume
 
-from .plan import WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env, plan_gang
+from . import topology
+from .plan import COSCHEDULING_GROUP_LABEL, WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env, plan_gang
 
 TRAINER_UID = 1000  # the trainer images run as this non-root user
 SHM_DIR = "/dev/shm"
@@ -209,6 +211,33 @@ def pod(plan: GangPlan, node: NodePlan, spec: Spec) -> dict[str, Any]:
         container_security=container_security(spec),
         ports=[{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in PORTS],
         volumes=volumes, mounts=mounts)
+
+
+def probe_pods(job: ParallelTrainJob, namespace: str, attempt: int, ranks: Collection[int], group: int
+               ) -> list[dict[str, Any]]:
+    """An elastic gang's placeholder pods for node ranks `ranks` of a larger gang (paratrain_operator.resize), `group`
+    in all: rank 0's pod as the gang's scheduling, resources and volumes make it, less what a rank is (its rank, env,
+    ports, hostname, pod group, topology group), sleeping. Outside the gang's pod group and scheduler, so that one
+    is placed wherever a pod fits; under Kueue, a group of their own."""
+    plan = plan_gang(job, namespace, attempt, ranks=(0,))
+    rank0, name = plan.nodes[0], job.metadata.name
+    dropped = {contract.LABEL_NODE_RANK, COSCHEDULING_GROUP_LABEL, *kueue.pod_labels(job, attempt),
+               *topology.group_labels(job, 0)}
+    queued_labels, queued_annotations = kueue.probe_metadata(job, attempt, group)
+    alone = replace(plan, gang="none", scheduler_name=None, pod_group=None)
+    out = []
+    for rank in sorted(set(ranks)):
+        labels = {k: v for k, v in rank0.labels.items() if k not in dropped} | queued_labels | {
+            contract.LABEL_PROBE: str(rank)}
+        node = replace(rank0, rank=rank, pod_name=contract.probe_name(name, attempt, rank), labels=labels,
+                       annotations=dict(job.spec.pod.annotations) | queued_annotations, env=(),
+                       affinity=job.spec.scheduling.affinity)
+        body = pod(alone, node, job.spec)
+        for key in ("hostname", "subdomain", "initContainers"):  # a user's init (a data download) is the gang's
+            body["spec"].pop(key, None)
+        body["spec"]["containers"][0].update(command=contract.PROBE_COMMAND, ports=[])
+        out.append(body)
+    return out
 
 
 def render_job(job: ParallelTrainJob, namespace: str, attempt: int = 0,

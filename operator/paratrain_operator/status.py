@@ -18,6 +18,8 @@ Fields written (all under `.status`):
     progress            {step, totalSteps, loss, valLoss, tokensPerSecond, etaSeconds, updatedAt, phase}
                         as last reported by rank 0 (its clock for updatedAt)
     progressText        `step/totalSteps` (printer column)
+    nodes, resizes      an elastic gang's size as last resized, and each resize {time, attempt, fromNodes,
+                        toNodes, reason, message, atStep, resumedFromStep, stepsLost} (resize.py)
     conditions          [{type, status, reason, message, lastTransitionTime}] for Running, Restarting,
                         Suspended, Succeeded, Failed and Stalled; lastTransitionTime changes only when status
                         flips; condition types written by others are kept as they are
@@ -52,7 +54,7 @@ OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "obser
               "uncountedRestarts", "startTimeouts", "restartsText", "lossText", "eta", "failureReason",
               "lastRestartReason", "lastRestartTime", "resumedFromStep",
               "completionTime", "failure", "lastStop",
-              "pods", "progress", "progressText", "conditions", "plan")
+              "pods", "progress", "progressText", "conditions", "plan", "nodes", "resizes")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
                      "tokensPerSecond": int, "etaSeconds": float, "restartsInPlace": int,
                      "peakMemoryBytes": int}
@@ -219,6 +221,10 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["lastRestartReason"], out["lastRestartTime"] = state.last_restart_reason, state.last_restart_time
     if state.resumed_from is not None:
         out["resumedFromStep"] = state.resumed_from
+    if state.nodes:
+        out["nodes"] = state.nodes
+    if state.resizes:
+        out["resizes"] = [r.dump() for r in state.resizes]
     if plan:  # mode auto's choice and, once this attempt has trained, what was measured beside its predictions
         out["plan"] = with_measurements(dict(plan), progress, contract.MEASURE_AFTER_STEPS)
     progress = progress or prev.get("progress")

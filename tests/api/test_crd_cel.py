@@ -18,7 +18,7 @@ import pytest
 from paratrain.api import SpecError, parse_job, read_yaml
 from paratrain.api.crd import crd_manifest
 from paratrain.api.shapes import PRESETS
-from paratrain.api.spec import Spec, cross_field_problems
+from paratrain.api.spec import Spec, cross_field_problems, elastic_problems
 
 from .crdsim import admit, schema_of_version
 
@@ -59,7 +59,7 @@ SECRET_KEY = {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
 OWN = {"command": ["torchrun", "train.py"], "args": ["--steps", "100"], "workingDir": "/workspace"}
 
 
-# One row per `out.append` in cross_field_problems, in order: (id, spec, the paths both must report).
+# One row per `out.append` in cross_field_problems and elastic_problems, in order: (id, spec, the paths both must report).
 CROSS_FIELD_CASES = [
     ("world-size", {"nodes": 2}, {"spec.parallelism"}),
     ("embed-by-heads", {"model": {"embedDim": 130, "heads": 4}}, {"spec.model.embedDim"}),
@@ -105,6 +105,13 @@ CROSS_FIELD_CASES = [
     ("topology-holds-whole-replicas", {"nodes": 4, "parallelism": {"data": 2, "tensor": 2},
                                        "scheduling": {"topology": {"level": "x.io/rack", "ranksPerDomain": 1}}},
      {"spec.scheduling.topology.ranksPerDomain"}),
+    ("elastic-min-above-nodes", {"checkpoint": {"path": "/c"}, "elastic": {"minNodes": 2}}, {"spec.elastic.minNodes"}),
+    ("elastic-max-below-nodes", {"nodes": 2, "parallelism": {"data": 2}, "checkpoint": {"path": "/c"},
+                                 "elastic": {"minNodes": 1, "maxNodes": 1}}, {"spec.elastic.maxNodes"}),
+    ("elastic-without-checkpoint", {"elastic": {"minNodes": 1}}, {"spec.elastic"}),
+    ("elastic-with-entrypoint", {"entrypoint": OWN, "elastic": {"minNodes": 1}}, {"spec.elastic"}),
+    ("elastic-with-mode-auto", {"parallelism": {"mode": "auto"}, "checkpoint": {"path": "/c"},
+                                "elastic": {"minNodes": 1}}, {"spec.elastic"}),
     ("volume-name-twice", {"pod": {"volumes": [vol("a", "/a"), vol("a", "/b")]}}, {"spec.pod.volumes"}),
     ("mount-path-twice", {"pod": {"volumes": [vol("a", "/a"), vol("b", "/a")]}}, {"spec.pod.volumes"}),
     ("reserved-mount", {"pod": {"volumes": [vol("a", "/dev/shm")]}}, {"spec.pod.volumes"}),
@@ -216,7 +223,7 @@ KEY_CASES = [
 
 
 def test_every_cross_field_check_has_a_case() -> None:
-    checks = inspect.getsource(cross_field_problems).count("out.append(")
+    checks = sum(inspect.getsource(f).count("out.append(") for f in (cross_field_problems, elastic_problems))
     assert len(CROSS_FIELD_CASES) == checks, "a check was added to cross_field_problems: add its row (and CEL twin)"
 
 
@@ -388,6 +395,8 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
                 "labels": mostly({}, {"team": "a"}, {"paratrain.dev/x": "y"}),
                 "annotations": mostly({}, {"paratrain.dev/x": "y", "a": "b"})},
         "failurePolicy": {"rules": rng.sample(failure_rules, mostly(0, 1, 2, 3, 4))},
+        **mostly({}, {"elastic": {"minNodes": 1}}, {"elastic": {"minNodes": 3, "maxNodes": 2}},
+                 {"elastic": {"minNodes": 1}, "checkpoint": {"path": "/c"}}),
     }
 
 

@@ -58,6 +58,10 @@ ENV_LAYOUT_PRECISION = "PARATRAIN_PRECISION"
 LABEL_JOB = "paratrain.dev/job-name"
 LABEL_ATTEMPT = "paratrain.dev/attempt"
 LABEL_NODE_RANK = "paratrain.dev/node-rank"
+# An elastic gang's placeholder pods (their rank, for the size they would grow the gang to): they hold no rank and
+# run nothing, and say by being placed that capacity for more pods has returned.
+LABEL_PROBE = "paratrain.dev/probe-rank"
+PROBE_COMMAND = ["sleep", "infinity"]
 
 # Exit codes the trainer uses so the operator can classify failures without reading logs.
 EXIT_OK = 0
@@ -97,6 +101,11 @@ def pod_hostname(job_name: str, node_rank: int) -> str:
 def pod_name(job_name: str, attempt: int, node_rank: int) -> str:
     """Unique per gang attempt: a restarted gang never collides with, or is mistaken for, the old one."""
     return f"{job_name}-{attempt}-{node_rank}"
+
+
+def probe_name(job_name: str, attempt: int, node_rank: int) -> str:
+    """An elastic gang's placeholder for node rank `node_rank` of a larger gang, in attempt `attempt`."""
+    return f"{job_name}-{attempt}-probe-{node_rank}"
 
 
 def pod_dns_name(job_name: str, namespace: str, node_rank: int) -> str:

@@ -28,7 +28,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, IN_PLACE_NEEDS_THE_TRAINER, JOB_NAME, KIND,
+    API_GROUP, API_VERSION, ELASTIC_NEEDS_A_CHECKPOINT, ELASTIC_NEEDS_MANUAL, ELASTIC_NEEDS_THE_TRAINER,
+    EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, IN_PLACE_NEEDS_THE_TRAINER, JOB_NAME, KIND,
     KUBERNETES_OWNED_MEANING,
     KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING,
     MAX_ANNOTATION_BYTES, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX,
@@ -248,6 +249,7 @@ def _at_defaults(section: str) -> str:
 
 
 _ENTRYPOINT = _present("self.entrypoint")
+_ELASTIC = _present("self.elastic")
 
 
 def _for_the_builtin_trainer(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -363,6 +365,17 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               ".resources.gpuMemory"),
         _rule(f"!{_ENTRYPOINT} || !has(self.restartPolicy) || !has(self.restartPolicy.inPlaceLimit) || "
               "self.restartPolicy.inPlaceLimit == 0", IN_PLACE_NEEDS_THE_TRAINER, ".restartPolicy.inPlaceLimit"),
+        # elastic_problems' twins
+        _rule(f"!{_ELASTIC} || self.elastic.minNodes <= self.nodes",
+              "minNodes({self.elastic.minNodes}) must be at most nodes({self.nodes}): the gang starts at nodes and "
+              "shrinks to minNodes", ".elastic.minNodes"),
+        _rule(f"!{_ELASTIC} || !{_given('self.elastic.maxNodes', 'int')} || self.elastic.maxNodes >= self.nodes",
+              "maxNodes({self.elastic.maxNodes}) must be at least nodes({self.nodes}): the gang starts at nodes and "
+              "grows to maxNodes", ".elastic.maxNodes"),
+        _rule(f"!{_ELASTIC} || !{_ENTRYPOINT}", ELASTIC_NEEDS_THE_TRAINER, ".elastic"),
+        _rule(f"!{_ELASTIC} || {_ENTRYPOINT} || {_given('self.checkpoint.path')}", ELASTIC_NEEDS_A_CHECKPOINT,
+              ".elastic"),
+        _rule(f"!{_ELASTIC} || {P}.mode == 'manual'", ELASTIC_NEEDS_MANUAL, ".elastic"),
     ],
     "pod": [
         _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",

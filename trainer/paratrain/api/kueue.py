@@ -48,6 +48,21 @@ def pod_group(job_name: str, attempt: int) -> str:
     return f"{job_name}-{attempt}"
 
 
+def probe_group(job_name: str, attempt: int) -> str:
+    """An elastic gang's placeholder pods (paratrain_operator.resize) are a group of their own: Kueue admits them
+    within the queue's quota like any pods, and they never join the gang's Workload."""
+    return f"{job_name}-{attempt}-probe"
+
+
+def probe_metadata(job: ParallelTrainJob, attempt: int, count: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The placeholder pods' Kueue labels and annotations (a group of `count`), or none when Kueue does not
+    manage the job. No topology: a placeholder only asks whether a pod fits."""
+    if not queue_name(job):
+        return {}, {}
+    return pod_labels(job, attempt) | {POD_GROUP_LABEL: probe_group(job.metadata.name, attempt)}, {
+        POD_GROUP_TOTAL_COUNT: str(count), RETRIABLE_IN_GROUP: "false"}
+
+
 def pod_labels(job: ParallelTrainJob, attempt: int) -> dict[str, str]:
     if not queue_name(job):
         return {}

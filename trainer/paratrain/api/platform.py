@@ -20,6 +20,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from .. import contract
+from . import elastic
 from .hardware import Accelerator, accelerator
 from .kueue import kueue_problems
 from .load import Problem, SpecError, parse_job
@@ -167,8 +168,9 @@ def as_the_operator_takes_it(job: ParallelTrainJob, platform: Platform) -> tuple
 def require_cluster_ready(job: ParallelTrainJob, platform: Platform | None = None) -> ParallelTrainJob:
     """Raise SpecError for what a valid job cannot do in pods (e.g. a relative checkpoint path), or may not do on
     this platform (host access it does not allow; default: the restricted profile's answer), or Kueue cannot admit."""
+    resizing = [("spec.elastic.minNodes", said)] if (said := elastic.problem(job.spec)) else []
     checks = (cluster_problems(job.spec) + platform_problems(job.spec, platform or Platform(), job.metadata.namespace)
-              + kueue_problems(job))
+              + kueue_problems(job) + resizing)
     problems = [Problem(path, msg) for path, msg in checks]
     if problems:
         raise SpecError(problems)

@@ -52,6 +52,12 @@ KUEUE_KEY_MEANING = ("Kueue's keys go on the job's metadata.labels (kueue.x-k8s.
                      "kueue.x-k8s.io/priority-class), from which paratrain labels the pods as one group")
 TRAINER_CONTAINER = "trainer"  # the container every pod runs the trainer in
 # The sections only the built-in trainer reads: a job with its own spec.entrypoint leaves them at their defaults.
+ELASTIC_NEEDS_THE_TRAINER = ("elastic resizes the built-in trainer's data parallelism and batch: a program of its own "
+                             "(spec.entrypoint) keeps a fixed gang")
+ELASTIC_NEEDS_A_CHECKPOINT = ("elastic restarts the gang at each resize from its newest checkpoint: set "
+                              "spec.checkpoint.path (on a volume every pod mounts)")
+ELASTIC_NEEDS_MANUAL = ("elastic keeps tensor x pipeline and resizes data parallelism (mode manual); the planner's "
+                        "choice at each size (mode auto) is not wired to resizes yet: give the layout")
 TRAINER_SECTIONS = ("model", "data", "training", "checkpoint", "logging")
 # The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
 MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
@@ -467,6 +473,21 @@ class SchedulingSpec(_Model):
         "were not ready in time (a brief capacity gap need not fail the job). 1: the first timeout fails it."))
 
 
+class ElasticSpec(_Model):
+    """A gang that shrinks instead of waiting for capacity, and grows back when it returns (docs/operator.md)."""
+
+    min_nodes: int = Field(ge=1, le=4096, description=(
+        "The fewest pods the gang shrinks to. A pod that cannot be placed (Unschedulable, or held by Kueue) for "
+        "waitSeconds makes the operator restart the gang at the largest size at or below what was placed that keeps "
+        "tensor x pipeline and the global batch (gradient accumulation grows as data-parallel replicas go); the "
+        "new gang resumes from the newest checkpoint, resharded. At most nodes."))
+    max_nodes: int | None = Field(None, ge=1, le=4096, description=(
+        "The most pods it grows to when capacity shows (placeholder pods that hold no rank are placed): at a "
+        "checkpoint of the step in flight, never mid-step. At least nodes; unset: nodes."))
+    wait_seconds: int = Field(300, ge=10, le=86400, description=(
+        "How long a pod may wait for a place before the gang shrinks; also the least time between two resizes."))
+
+
 class KeyRef(_Model):
     name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="The Secret's or ConfigMap's name.")
     key: str = Field(pattern=CONFIG_KEY, max_length=253, description="The key whose value the variable takes.")
@@ -641,6 +662,9 @@ class Spec(_Model):
         "against runPolicy.backoffLimit), or restart it uncounted."))
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description=(
         "Where and how the gang is placed: all-or-nothing gang scheduling, node selection, priority, start timeout."))
+    elastic: ElasticSpec | None = Field(None, description=(
+        "Let the gang shrink when pods cannot be placed and grow back when capacity returns, resuming from the "
+        "checkpoint each time (the built-in trainer, spec.checkpoint.path set). Unset: the gang keeps its size."))
     pod: PodSpec = Field(default_factory=PodSpec)
     entrypoint: Entrypoint | None = Field(None, description=(
         "Run your own training program instead of the built-in trainer (model, data, training, checkpoint and "
@@ -804,6 +828,7 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
             out.append((path, f"ranksPerDomain({per}) must be a multiple of tensor({p.tensor}) x "
                         f"pipeline({p.pipeline}) = {p.tensor * p.pipeline}: a domain holds whole model replicas, "
                         "so only data-parallel traffic crosses domains"))
+    out += elastic_problems(spec)
     for dup in _repeated(v.name for v in spec.pod.volumes):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))
     mounts = [v.mount_path for v in spec.pod.volumes]
@@ -863,6 +888,26 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     for i, container in enumerate(spec.pod.init_containers):
         if container.name == TRAINER_CONTAINER:
             out.append((f"spec.pod.initContainers[{i}].name", f"{TRAINER_CONTAINER} is the trainer container's name"))
+    return out
+
+
+def elastic_problems(spec: Spec) -> list[tuple[str, str]]:
+    """spec.elastic's bounds against the gang (each has a CEL twin)."""
+    e, out = spec.elastic, []
+    if e is None:
+        return out
+    if e.min_nodes > spec.nodes:
+        out.append(("spec.elastic.minNodes", f"minNodes({e.min_nodes}) must be at most nodes({spec.nodes}): the gang "
+                    "starts at nodes and shrinks to minNodes"))
+    if e.max_nodes is not None and e.max_nodes < spec.nodes:
+        out.append(("spec.elastic.maxNodes", f"maxNodes({e.max_nodes}) must be at least nodes({spec.nodes}): the gang "
+                    "starts at nodes and grows to maxNodes"))
+    if spec.entrypoint is not None:
+        out.append(("spec.elastic", ELASTIC_NEEDS_THE_TRAINER))
+    elif not spec.checkpoint.path:
+        out.append(("spec.elastic", ELASTIC_NEEDS_A_CHECKPOINT))
+    if spec.parallelism.mode == "auto":
+        out.append(("spec.elastic", ELASTIC_NEEDS_MANUAL))
     return out
 
 

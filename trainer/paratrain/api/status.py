@@ -41,7 +41,8 @@ class Condition(_StatusModel):
 class PodCounts(_StatusModel):
     """The current gang attempt's pods by phase."""
 
-    expected: int | None = Field(None, ge=0, description="Pods in the gang (spec.nodes).")
+    expected: int | None = Field(None, ge=0, description=(
+        "Pods in the gang: spec.nodes, or an elastic gang's size now (status.nodes)."))
     pending: int | None = Field(None, ge=0)
     running: int | None = Field(None, ge=0)
     succeeded: int | None = Field(None, ge=0)
@@ -73,6 +74,22 @@ class ReplacingPod(_StatusModel):
 
     node_rank: int = Field(ge=1)
     lost_uid: str = Field("", max_length=64, description="Empty where the pod was gone before it was seen lost.")
+
+
+class Resize(_StatusModel):
+    """One resize of an elastic gang (spec.elastic): when, from and to how many pods, why, and what it cost."""
+
+    time: datetime
+    attempt: int = Field(ge=0, description="The gang attempt it started (a resize is a fresh gang).")
+    from_nodes: int = Field(ge=1)
+    to_nodes: int = Field(ge=1)
+    reason: Literal["Shrunk", "Grown"]
+    message: str = Field("", max_length=1024)
+    at_step: int | None = Field(None, ge=0, description="The step rank 0 last reported before it.")
+    resumed_from_step: int | None = Field(None, ge=0, description="The step the resized gang resumed from.")
+    steps_lost: int | None = Field(None, ge=0, description=(
+        "Steps trained before the resize and trained again after it: atStep - resumedFromStep (0 where the step "
+        "in flight was saved, as when growing)."))
 
 
 class Progress(_StatusModel):
@@ -207,6 +224,10 @@ class JobStatus(_StatusModel):
         "measurements beside them."))
     resumed_from_step: int | None = Field(None, ge=0, description=(
         "The step this attempt's ranks resumed from (their newest checkpoint; 0: from scratch), as its rank 0 said."))
+    nodes: int | None = Field(None, ge=1, description=(
+        "Pods in the current gang attempt, for an elastic job (spec.elastic): the size it last resized to."))
+    resizes: list[Resize] | None = Field(None, max_length=16, description=(
+        "An elastic gang's resizes, the latest 16, oldest first."))
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None
 
