@@ -37,10 +37,10 @@ def decide(policy: Policy, state: GangState, pods: Sequence[PodView], probes: Se
            progress: Mapping[str, Any] | None = None) -> Decision:
     """gang.decide, shrinking first where pods wait for a place, then keeping the placeholders a shrunk running gang
     grows by (or growing it); `probes` are the job's placeholder pods, `pods` the others."""
-    if (shrunk := shrink(policy, state, pods, now)) is not None:
+    if (shrunk := shrink(policy, state, pods, now, progress)) is not None:
         return _deleting(shrunk, probes)
     decision = gang.decide(policy, state, pods, now, progress)
-    return probing(policy, _resumed(decision), pods, probes, now)
+    return probing(policy, _resumed(decision), pods, probes, now, progress)
 
 
 def _waited(pod: PodView, now: datetime) -> float:
@@ -48,7 +48,14 @@ def _waited(pod: PodView, now: datetime) -> float:
     return (now - created).total_seconds() if created else 0.0
 
 
-def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime) -> Decision | None:
+def _step(state: GangState, progress: Mapping[str, Any] | None) -> int | None:
+    """The step trained last: rank 0's fresh report where there is one, else the status's (written less often)."""
+    step = (progress or {}).get("step")
+    return step if isinstance(step, int) else state.last_step
+
+
+def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime,
+           progress: Mapping[str, Any] | None = None) -> Decision | None:
     """The decision to restart the gang smaller, or None (not elastic, nothing waited long enough, no smaller size)."""
     spec = policy.elastic
     if spec is None or spec.elastic is None or state.phase in FINISHED or state.phase == SUSPENDED or policy.suspend:
@@ -64,13 +71,15 @@ def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
         return None
     why = (f"{len(unplaced)} of {policy.nodes} pods found no place for spec.elastic.waitSeconds ({wait}s), e.g. "
            f"{unplaced[0].name}: {unplaced[0].waiting}")
-    return _resized(policy, state, pods, size, "Shrunk", why, now, Event("Warning", "ShrinkingGang", ""))
+    return _resized(policy, state, pods, size, "Shrunk", why, now, Event("Warning", "ShrinkingGang", ""),
+                    _step(state, progress))
 
 
 def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes: Sequence[PodView],
-            now: datetime) -> Decision:
+            now: datetime, progress: Mapping[str, Any] | None = None) -> Decision:
     """The decision with the placeholder pods a running, shrunk gang keeps (created where missing; the others
-    deleted), or the decision to grow it once they run."""
+    deleted), or the decision to grow it once they run, the gang has trained a step since it started, and
+    waitSeconds have passed since the last resize."""
     spec, state = policy.elastic, decision.state
     ours = [p for p in probes if p.attempt == state.attempt and not p.terminating and not p.done]
     high = elastic.bounds(spec)[1] if spec else 0
@@ -78,12 +87,14 @@ def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes:
         return _deleting(decision, probes)
     running = sum(p.phase == RUNNING for p in ours)
     last = state.resizes[-1].time if state.resizes else None
-    settled = last is None or (now - last).total_seconds() >= spec.elastic.wait_seconds
+    settled = gang.trained_a_step(progress) and (last is None or (now - last).total_seconds() >=
+                                                 spec.elastic.wait_seconds)
     size = elastic.largest_within(spec, policy.nodes + running, least=policy.nodes) if settled else None
     if size is not None:
         why = f"{running} placeholder pod(s) found room for more pods"
-        return _deleting(_resized(policy, state, pods, size, "Grown", why, now, Event("Normal", "GrowingGang", "")),
-                         probes)
+        grown = _resized(policy, state, pods, size, "Grown", why, now, Event("Normal", "GrowingGang", ""),
+                         _step(state, progress))
+        return _deleting(grown, probes)
     have = {p.rank for p in ours}
     missing = tuple(r for r in range(policy.nodes, high) if r not in have)
     doomed = tuple(p.name for p in probes if not p.terminating and p not in ours)
@@ -91,7 +102,7 @@ def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes:
 
 
 def _resized(policy: Policy, state: GangState, pods: Sequence[PodView], size: int, reason: str, why: str,
-             now: datetime, event: Event) -> Decision:
+             now: datetime, event: Event, at_step: int | None) -> Decision:
     """A fresh attempt of `size` pods, recorded in status.resizes, with the Event saying so; the old pods deleted."""
     assert policy.elastic is not None
     before, after = policy.elastic, elastic.resized(policy.elastic, size)
@@ -104,7 +115,7 @@ def _resized(policy: Policy, state: GangState, pods: Sequence[PodView], size: in
     msg = (f"{why}; {'growing' if reason == 'Grown' else 'shrinking'} the gang from {policy.nodes} to {size} pods "
            f"({layout}): {how} (attempt {state.attempt + 1}; not counted against backoffLimit)")
     record = Resize(time=now, attempt=state.attempt + 1, from_nodes=policy.nodes, to_nodes=size, reason=reason,
-                    message=clip(why, 1024), at_step=state.last_step)
+                    message=clip(why, 1024), at_step=at_step)
     new = state.new_attempt(phase=RESTARTING, nodes=size, reason=reason, message=msg,
                             resizes=(*state.resizes, record)[-RESIZES_KEPT:],
                             last_restart_reason=f"{reason}: {policy.nodes} → {size} pods", last_restart_time=to_iso(now))

@@ -99,6 +99,8 @@ def test_a_replacement_that_finds_no_place_for_wait_seconds_shrinks_the_gang_to_
     assert "from 4 to 2 pods (data 4 → 2, gradient accumulation 1 → 2" in decision.events[0].message
     assert s.resizes == (Resize(time=NOW, attempt=1, from_nodes=4, to_nodes=2, reason="Shrunk", at_step=120,
                                 message=s.resizes[0].message),)
+    fresh = decide(pods, GangState(**{**RUNNING.__dict__, "phase": "Restarting"}), progress={"step": 131})
+    assert fresh.state.resizes[0].at_step == 131  # rank 0's own report, fresher than the status's
     assert "job-0-2: " + UNSCHEDULABLE in s.resizes[0].message
 
 
@@ -147,6 +149,9 @@ SHRUNK = GangState(phase="Running", attempt=1, nodes=2, gang_created=True, start
                                    reason="Shrunk", at_step=120, resumed_from_step=100, steps_lost=20),))
 
 
+TRAINING = {"step": 310, "startStep": 300}  # the shrunk gang's rank 0, ten steps in
+
+
 def test_a_shrunk_running_gang_asks_for_its_missing_pods_with_placeholders():
     decision = decide([pod(0, attempt=1), pod(1, attempt=1)], SHRUNK)
     assert decision.create_probes == (2, 3) and decision.state.attempt == 1 and not decision.delete_pods
@@ -155,24 +160,26 @@ def test_a_shrunk_running_gang_asks_for_its_missing_pods_with_placeholders():
 def test_placeholders_that_run_grow_the_gang_at_a_checkpoint_of_the_step_in_flight():
     gang_pods = [pod(0, attempt=1), pod(1, attempt=1)]
     probes = [probe(2), probe(3)]
-    decision = decide(gang_pods, SHRUNK, probes=probes)
+    assert decide(gang_pods, SHRUNK, probes=probes).state.attempt == 1  # not before the gang has trained a step
+    decision = decide(gang_pods, SHRUNK, probes=probes, progress=TRAINING)
     s = decision.state
     assert (s.attempt, s.nodes, s.reason, s.restarts) == (2, 4, "Grown", 0)
     assert set(decision.delete_pods) == {p.name for p in gang_pods + probes}
     assert [e.reason for e in decision.events] == ["GrowingGang"]
     assert s.resizes[-1].model_dump(exclude={"time", "message"}) == {
-        "attempt": 2, "from_nodes": 2, "to_nodes": 4, "reason": "Grown", "at_step": 300, "resumed_from_step": None,
+        "attempt": 2, "from_nodes": 2, "to_nodes": 4, "reason": "Grown", "at_step": 310, "resumed_from_step": None,
         "steps_lost": None}
 
 
 def test_room_for_one_pod_is_no_size_so_the_gang_keeps_running_and_probing():
-    decision = decide([pod(0, attempt=1), pod(1, attempt=1)], SHRUNK, probes=[probe(2), probe(3, "Pending", node=None)])
+    decision = decide([pod(0, attempt=1), pod(1, attempt=1)], SHRUNK, probes=[probe(2), probe(3, "Pending", node=None)],
+                      progress=TRAINING)
     assert decision.state.attempt == 1 and not decision.create_probes and not decision.delete_pods
 
 
 def test_no_growth_within_wait_seconds_of_the_last_resize():
     recent = GangState(**{**SHRUNK.__dict__, "resizes": (SHRUNK.resizes[0].model_copy(update={"time": NOW}),)})
-    decision = decide([pod(0, attempt=1), pod(1, attempt=1)], recent, probes=[probe(2), probe(3)])
+    decision = decide([pod(0, attempt=1), pod(1, attempt=1)], recent, probes=[probe(2), probe(3)], progress=TRAINING)
     assert decision.state.attempt == 1
 
 

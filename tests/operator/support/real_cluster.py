@@ -26,7 +26,7 @@ from ...support.control_plane import ApiResponse, ControlPlane, KubeApi, registe
 from .cluster import ClusterBase
 from .fault_proxy import ApiError, Resource
 from .fault_proxy import FaultProxy
-from .kubelet import Kubelet
+from .kubelet import Kubelet, PodNetwork
 from .server import OnLoop
 
 OPERATOR_NAMESPACE = "paratrain-system"
@@ -213,18 +213,40 @@ class RealCluster(ClusterBase):
     def __init__(self, plane: ControlPlane, workdir: Path, *,
                  command: Callable[[Mapping[str, Any]], list[str] | None] | None = None,
                  resync_seconds: float = 1.0, node: str = "test-node", faults: bool = False,
-                 operator_args: tuple[str, ...] = (), extra_env: Mapping[str, str] | None = None):
+                 operator_args: tuple[str, ...] = (), extra_env: Mapping[str, str] | None = None,
+                 capacity: Mapping[str, str] = NODE_CAPACITY):
         super().__init__(workdir, resync_seconds, operator_args)
         self.plane, self.kubeconfig = plane, plane.kubeconfig
         install_crd(plane)
         self.api = RealApi(plane)
         self.node_api = NodeApi(plane.api, node, self.api._loop)
         self.logs = LogServer(self.node_api.pod_logs, plane.workdir / "pki")
-        register_node(plane.api, node, {"kubernetes.io/hostname": node}, NODE_CAPACITY, kubelet_port=self.logs.port)
-        self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command, extra_env=extra_env)
+        register_node(plane.api, node, {"kubernetes.io/hostname": node}, dict(capacity), kubelet_port=self.logs.port)
+        self.network = PodNetwork()  # every node's kubelet resolves the gang's names alike
+        self._command, self._extra_env = command, extra_env
+        self.kubelet = Kubelet(self.node_api, workdir, node_name=node, command=command, extra_env=extra_env,
+                               network=self.network)
         self._kubelet_run = self.api.start(self.kubelet.run)
+        self._more: list[tuple[Kubelet, NodeApi, LogServer, Any]] = []  # add_node's
         self.proxy = FaultProxy(plane.kubeconfig) if faults else None
         self.start_operator()
+
+    def add_node(self, name: str, capacity: Mapping[str, str] = NODE_CAPACITY,
+                 labels: Mapping[str, str] | None = None) -> Kubelet:
+        """Another node, served by a kubelet of its own (the same command hook and env as the first)."""
+        node_api = NodeApi(self.plane.api, name, self.api._loop)
+        logs = LogServer(node_api.pod_logs, self.plane.workdir / "pki")
+        register_node(self.plane.api, name, {"kubernetes.io/hostname": name, **(labels or {})}, dict(capacity),
+                      kubelet_port=logs.port)
+        kubelet = Kubelet(node_api, self.workdir, node_name=name, command=self._command,
+                          extra_env=self._extra_env, network=self.network)
+        self._more.append((kubelet, node_api, logs, self.api.start(kubelet.run)))
+        return kubelet
+
+    def cordon(self, node: str, unschedulable: bool = True) -> None:
+        """`kubectl cordon NODE` (or uncordon, with False)."""
+        _checked(self.plane.api.request("PATCH", f"/api/v1/nodes/{node}", {"spec": {"unschedulable": unschedulable}},
+                                        content_type=MERGE_PATCH))
 
     def operator_kubeconfig(self) -> Path:
         return operator_kubeconfig(self.plane, self.workdir / "operator.kubeconfig",
@@ -260,6 +282,12 @@ class RealCluster(ClusterBase):
         self.kill_operator()
         if self.proxy:
             self.proxy.close()
+        for kubelet, node_api, logs, run in self._more:
+            self.api.call(kubelet.stop)
+            run.cancel()
+            node_api.stop()
+            logs.close()
+            self.plane.api.request("DELETE", f"/api/v1/nodes/{kubelet.node_name}")
         self.api.call(self.kubelet.stop)
         self._kubelet_run.cancel()
         self.node_api.stop()

@@ -27,6 +27,8 @@
                                        <rounds> rounds of in-place restarts (TORCHELASTIC_RESTART_COUNT), in the first
                                        gang attempt only (PARATRAIN_RESTART_ATTEMPT, where set, 0); the time of each
                                        exit appended to $PARATRAIN_TEST_FAULT_LOG, where set
+    slow_steps:<seconds>               every rank sleeps <seconds> after each optimizer step (a larger model's step
+                                       time, so that a live test can act while it trains)
 """
 
 import os
@@ -129,6 +131,19 @@ if FAULT:
                     with open(os.environ["PARATRAIN_TEST_FAULT_LOG"], "a") as log:
                         log.write(f"{time.time()}\n")
                 os._exit(exit_code)
+            return outcome
+
+        engine.TorchEngine.optimizer_step = optimizer_step
+    elif kind == "slow_steps":
+        import time
+
+        from paratrain.train import engine
+
+        pause, original_step = float(args[0]), engine.TorchEngine.optimizer_step
+
+        def optimizer_step(self, lr):
+            outcome = original_step(self, lr)
+            time.sleep(pause)
             return outcome
 
         engine.TorchEngine.optimizer_step = optimizer_step
