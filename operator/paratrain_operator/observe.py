@@ -622,6 +622,27 @@ async def gpu_node_labels(label: str) -> list[dict[str, str]] | None:
     return labels
 
 
+async def node_domains(level: str) -> dict[str, str] | None:
+    """Each node's value of label `level` (the nodes that carry it), a page at a time; None when the operator may
+    not list nodes (a namespaced install)."""
+    domains: dict[str, str] = {}
+    token = ""
+    try:
+        while True:
+            params = {"labelSelector": level, "limit": "500", **({"continue": token} if token else {})}
+            page = await client().request("GET", api_path("v1", "nodes", None), params=params)
+            for item in page.get("items") or []:
+                meta = item.get("metadata") or {}
+                domains[str(meta.get("name"))] = str((meta.get("labels") or {}).get(level, ""))
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return domains
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        return None
+
+
 async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     return await get_object({"apiVersion": API_GROUP_VERSION, "metadata": {"namespace": namespace, "name": name}},
                             PLURAL)

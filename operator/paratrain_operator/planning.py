@@ -83,3 +83,18 @@ def plan_now(job: ParallelTrainJob, node_labels: Sequence[Mapping[str, str]] | N
     chosen, result = planner.planned(spec, planner.stated_vocab(spec), target)
     record = planner.record(result, target, spec.training.batch_size * spec.model.block_size, attempt)
     return job.model_copy(update={"spec": chosen}), record
+
+
+def split_cost(spec: Spec, node_labels: Sequence[Mapping[str, str]] | None, platform: Platform) -> str:
+    """What the planner predicts a gang split across topology domains costs, in words (or why it cannot say)."""
+    try:
+        target, vocab = target_of(spec, node_labels, platform), planner.stated_vocab(spec)
+    except planner.NoPlan as exc:
+        return f"no cost predicted: {exc}"
+    cross, whence = platform.planner.cross_domain(target.accelerator)
+    base, more = planner.cross_domain_seconds(spec, vocab, platform.planner.links(target.accelerator),
+                                              spec.procs_per_node, cross)
+    network = platform.planner.links(target.accelerator).network_bytes_per_second
+    return (f"the planner predicts {more:.3g} s more a step ({base:.3g} → {base + more:.3g} s on "
+            f"{target.accelerator.name}), its inter-node traffic crossing domains at {cross / 1e9:.3g} GB/s "
+            f"({whence}) instead of {network / 1e9:.3g} GB/s")

@@ -29,7 +29,7 @@ from paratrain.api import elastic, planner
 from paratrain.api.memory import human, parse_bytes
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
-from . import apply, gang, metrics, observe, planning, resize, status
+from . import apply, gang, metrics, observe, planning, resize, status, topology
 from .clock import from_iso, now as clock_now
 from .gang import Decision, Failure, GangState
 from .kube import ApiError
@@ -471,11 +471,15 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
     if job is not None and decision.state.phase == gang.RUNNING and (started or _gang_unconfirmed(prev)):
         prev, warning = await _with_gang_check(prev, job, meta["namespace"], decision.state.attempt)
         events += [warning] if warning and started else []
+    placed = None
+    if job is not None and job.spec.scheduling.topology and decision.state.phase == gang.RUNNING and started:
+        placed, told = await _placement(job, decision.state.attempt, views)
+        events += told
     progress = _progress_of(body, decision.state, views)
     new = status.build(prev, decision.state, nodes=job.spec.nodes if job else 0, pods=views, progress=progress,
                        stall_timeout=job.spec.run_policy.stall_timeout_seconds if job else 0,
                        generation=meta.get("generation"), layout=describe_layout(job.spec) if job else None,
-                       platform_defaults=filled, plan=plan, now=clock_now())
+                       platform_defaults=filled, plan=plan, placement=placed, now=clock_now())
     patch = _paced((meta["namespace"], meta["name"]), status.patch(stored_status, new))
     stored = body
     if patch or _acts(decision):
@@ -490,6 +494,31 @@ async def _persist(body: dict[str, Any], decision: Decision, job: ParallelTrainJ
         log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message)
         await apply.post_event(body, event)
     return stored
+
+
+async def _placement(job: ParallelTrainJob, attempt: int, views: Sequence[PodView]
+                     ) -> tuple[dict[str, Any] | None, list[gang.Event]]:
+    """status.placement of a topology job's gang as it starts running, and a Warning Event naming the node ranks
+    that landed outside their group's domain with what the planner predicts that costs; nothing where the operator
+    may not list nodes."""
+    level = job.spec.scheduling.topology.level if job.spec.scheduling.topology else ""
+    domains = await observe.node_domains(level)
+    if domains is None:
+        return None, []
+    nodes = {p.rank: (p.name, p.node) for p in views if p.attempt == attempt and p.node and not p.terminating}
+    placed, outliers = topology.placement(job, attempt, nodes, domains)
+    if not outliers:
+        return placed, []
+    labels = await observe.gpu_node_labels(planning.GFD_PRODUCT) if job.spec.resources.gpus_per_node else None
+    cost = await asyncio.to_thread(planning.split_cost, job.spec, labels, PLATFORM)
+    named = "; ".join(f"node rank {o.rank} (pod {o.pod} on node {o.node}) is in {level}={o.domain or '(unset)'}, "
+                      f"outside its group's {o.group_domain or '(unset)'} (node ranks {o.group[0]}-{o.group[1]})"
+                      for o in outliers[:3])
+    more = f" and {len(outliers) - 3} more" if len(outliers) > 3 else ""
+    mode = job.spec.scheduling.topology.mode if job.spec.scheduling.topology else "required"
+    message = (f"{named}{more}: {placed['splitGroups']} group(s) split across domains of {level} (mode {mode}); "
+               f"{cost}")
+    return placed, [gang.Event("Warning", "SplitAcrossDomains", message)]
 
 
 def _paced(key: JobKey, patch: dict[str, Any], now: float | None = None) -> dict[str, Any]:

@@ -18,6 +18,8 @@ Fields written (all under `.status`):
     progress            {step, totalSteps, loss, valLoss, tokensPerSecond, etaSeconds, updatedAt, phase}
                         as last reported by rank 0 (its clock for updatedAt)
     progressText        `step/totalSteps` (printer column)
+    placement           a topology job's gang as it started running: {attempt, level, domains: [{domain,
+                        nodeRanks}], splitGroups}
     nodes, resizes      an elastic gang's size as last resized, and each resize {time, attempt, fromNodes,
                         toNodes, reason, message, atStep, resumedFromStep, stepsLost} (resize.py)
     conditions          [{type, status, reason, message, lastTransitionTime}] for Running, Restarting,
@@ -54,7 +56,7 @@ OWNED_KEYS = ("phase", "reason", "message", "layout", "platformDefaults", "obser
               "uncountedRestarts", "startTimeouts", "restartsText", "lossText", "eta", "failureReason",
               "lastRestartReason", "lastRestartTime", "resumedFromStep",
               "completionTime", "failure", "lastStop",
-              "pods", "progress", "progressText", "conditions", "plan", "nodes", "resizes")
+              "pods", "progress", "progressText", "conditions", "plan", "nodes", "resizes", "placement")
 _PROGRESS_NUMBERS = {"step": int, "startStep": int, "totalSteps": int, "loss": float, "valLoss": float,
                      "tokensPerSecond": int, "etaSeconds": float, "restartsInPlace": int,
                      "peakMemoryBytes": int}
@@ -177,9 +179,10 @@ def stall(state: GangState, conditions: Sequence[Mapping[str, Any]], progress: M
 
 def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods: Sequence[PodView],
           progress: Mapping[str, Any] | None, stall_timeout: int, generation: int | None, layout: str | None,
-          now: datetime, platform_defaults: Sequence[str] = (), plan: Mapping[str, Any] | None = None
-          ) -> dict[str, Any]:
-    """The whole status this operator owns (other keys in `prev` are left to their writers)."""
+          now: datetime, platform_defaults: Sequence[str] = (), plan: Mapping[str, Any] | None = None,
+          placement: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole status this operator owns (other keys in `prev` are left to their writers). `placement`: the
+    attempt's, when read now; else the one read earlier in the same attempt is kept."""
     prev = prev or {}
     out: dict[str, Any] = {"phase": state.phase or gang.PENDING, "reason": state.reason, "message": state.message}
     if layout:
@@ -225,6 +228,10 @@ def build(prev: Mapping[str, Any] | None, state: GangState, *, nodes: int, pods:
         out["nodes"] = state.nodes
     if state.resizes:
         out["resizes"] = [r.dump() for r in state.resizes]
+    kept = prev.get("placement")
+    placement = placement or (kept if isinstance(kept, Mapping) and kept.get("attempt") == state.attempt else None)
+    if placement:
+        out["placement"] = dict(placement)
     if plan:  # mode auto's choice and, once this attempt has trained, what was measured beside its predictions
         out["plan"] = with_measurements(dict(plan), progress, contract.MEASURE_AFTER_STEPS)
     progress = progress or prev.get("progress")

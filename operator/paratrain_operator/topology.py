@@ -13,7 +13,11 @@ for the rest.
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from paratrain import contract
@@ -62,3 +66,56 @@ def affinity(job: ParallelTrainJob, attempt: int, rank: int) -> dict[str, Any] |
         pod_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
             {"weight": 100, "podAffinityTerm": term})
     return own
+
+
+def group_size(job: ParallelTrainJob) -> int:
+    """Pods kept in one domain: ranksPerDomain's, else the whole gang."""
+    t = job.spec.scheduling.topology
+    return t.ranks_per_domain // job.spec.procs_per_node if t and t.ranks_per_domain else job.spec.nodes
+
+
+def ranges(ranks: Iterable[int], limit: int = 256) -> str:
+    """`0-3,8,10-11`: sorted ranks as ranges, cut to `limit` characters (…)."""
+    out: list[str] = []
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), key=lambda item: item[1] - item[0]):
+        values = [rank for _, rank in run]
+        out.append(f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0]))
+    text = ",".join(out)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """A node rank placed outside its group's domain (the one most of its group's pods are in)."""
+
+    rank: int
+    pod: str
+    node: str
+    domain: str
+    group_domain: str
+    group: tuple[int, int]  # its group's first and last node rank
+
+
+def placement(job: ParallelTrainJob, attempt: int, nodes: Mapping[int, tuple[str, str]],
+              domains: Mapping[str, str]) -> tuple[dict[str, Any], list[Outlier]]:
+    """status.placement for gang attempt `attempt`, whose node ranks run on `nodes` (rank → (pod, node)), from the
+    domain of each node (`domains`: node → its `level` label; a node without one is in domain ""), and the
+    ranks outside their group's domain."""
+    level = job.spec.scheduling.topology.level if job.spec.scheduling.topology else ""
+    per, by_domain, outliers = group_size(job), {}, []
+    domain_of = {rank: domains.get(node, "") for rank, (_, node) in nodes.items()}
+    for rank, domain in domain_of.items():
+        by_domain.setdefault(domain, []).append(rank)
+    split = 0
+    for first in range(0, job.spec.nodes, per):
+        group = [r for r in range(first, first + per) if r in domain_of]
+        counts = collections.Counter(domain_of[r] for r in group)
+        if len(counts) <= 1:
+            continue
+        split += 1
+        main = max(counts, key=lambda d: (counts[d], -min(r for r in group if domain_of[r] == d)))
+        outliers += [Outlier(r, nodes[r][0], nodes[r][1], domain_of[r], main, (first, first + per - 1))
+                     for r in group if domain_of[r] != main]
+    listed = sorted(by_domain.items(), key=lambda item: min(item[1]))[:32]
+    return {"attempt": attempt, "level": level, "splitGroups": split,
+            "domains": [{"domain": domain, "nodeRanks": ranges(ranks)} for domain, ranks in listed]}, outliers

@@ -10,7 +10,9 @@ import pytest
 
 from paratrain import contract
 from paratrain.api import kueue, parse_job
-from paratrain_operator.topology import GROUP_LABEL
+from paratrain.api.platform import Platform
+from paratrain_operator.planning import split_cost
+from paratrain_operator.topology import GROUP_LABEL, placement, ranges
 
 from .test_render import job_doc, pods, render
 
@@ -84,3 +86,41 @@ def test_a_preferred_domain_is_a_weighted_preference_beside_the_users_own_affini
         assert mine["weight"] == 100 and mine["podAffinityTerm"]["topologyKey"] == RACK
         assert pod["metadata"]["labels"][GROUP_LABEL] == "0"  # one group: the whole gang
     assert len(own["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]) == 1  # the spec's untouched
+
+
+# ---- where the gang landed (status.placement, SplitAcrossDomains) ------------------------------------------------
+
+
+def test_placement_lists_each_domains_node_ranks_and_names_the_ranks_outside_their_groups_domain() -> None:
+    job = parse_job(gang(nodes=4, procs=2, topology={"level": RACK, "ranksPerDomain": 4}))  # groups: ranks 0-1, 2-3
+    nodes = {r: (contract.pod_name("job", 0, r), f"n{r}") for r in range(4)}
+    domains = {"n0": "a", "n1": "a", "n2": "b", "n3": "c"}  # group 1 split: ranks 2 (b) and 3 (c)
+    placed, outliers = placement(job, 0, nodes, domains)
+    assert placed == {"attempt": 0, "level": RACK, "splitGroups": 1, "domains": [
+        {"domain": "a", "nodeRanks": "0-1"}, {"domain": "b", "nodeRanks": "2"}, {"domain": "c", "nodeRanks": "3"}]}
+    assert [(o.rank, o.domain, o.group_domain, o.group) for o in outliers] == [(3, "c", "b", (2, 3))]
+    whole, none = placement(job, 0, nodes, {f"n{r}": "a" for r in range(4)})
+    assert whole["splitGroups"] == 0 and none == [] and whole["domains"] == [{"domain": "a", "nodeRanks": "0-3"}]
+
+
+def test_a_node_without_the_label_is_its_own_unnamed_domain_and_a_long_rank_list_is_cut() -> None:
+    job = parse_job(gang(nodes=2, procs=1, topology={"level": RACK}))
+    placed, outliers = placement(job, 3, {0: ("p0", "n0"), 1: ("p1", "n1")}, {"n0": "a"})
+    assert placed["domains"][1] == {"domain": "", "nodeRanks": "1"} and outliers[0].domain == ""
+    assert len(ranges(range(0, 4000, 2))) == 256 and ranges(range(0, 4000, 2)).endswith("…")
+
+
+def test_the_planner_prices_a_split_by_its_inter_node_traffic_at_the_spines_rate() -> None:
+    spec = parse_job(gang(nodes=4, procs=8, topology={"level": RACK})).spec.model_copy(update={"resources": parse_job(
+        gang(nodes=4, procs=8)).spec.resources.model_copy(update={"gpus_per_node": 8})})
+    platform = Platform.model_validate({"planner": {"gpu": "H100-80GB"}})
+    said = split_cost(spec, [], platform)
+    assert "s more a step" in said and "on H100-80GB" in said and "at 25 GB/s (half the network bandwidth" in said
+    assert "instead of 50 GB/s" in said
+    stated = split_cost(spec, [], Platform.model_validate({"planner": {"gpu": "H100-80GB",
+                                                                        "crossDomainBandwidth": "12.5G"}}))
+    assert "at 12.5 GB/s (the platform's planner.crossDomainBandwidth)" in stated
+    more = [float(text.split(" s more")[0].rsplit(" ", 1)[1]) for text in (said, stated)]
+    assert 0 < more[0] < more[1], "a slower spine costs more"
+    assert split_cost(parse_job(gang(nodes=4, procs=8)).spec.model_copy(update={"resources": spec.resources}), [],
+                      Platform()).startswith("no cost predicted: mode auto cannot tell which GPU")

@@ -353,10 +353,10 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
               "procsPerNode({self.procsPerNode}) = {self.nodes * self.procsPerNode} ranks",
               ".scheduling.topology.ranksPerDomain"),
         _manual_layout(_rule(f"!{_present(f'{S}.topology')} || !{_given(f'{S}.topology.ranksPerDomain', 'int')} || "
-              f"{S}.topology.ranksPerDomain % ({P}.tensor * {P}.pipeline) == 0",
-              f"ranksPerDomain({{{S}.topology.ranksPerDomain}}) must be a multiple of tensor({{{P}.tensor}}) x "
-              f"pipeline({{{P}.pipeline}}) = {{{P}.tensor * {P}.pipeline}}: a domain holds whole model replicas, so "
-              "only data-parallel traffic crosses domains", ".scheduling.topology.ranksPerDomain")),
+              f"{S}.topology.ranksPerDomain % {P}.tensor == 0",
+              f"ranksPerDomain({{{S}.topology.ranksPerDomain}}) must be a multiple of tensor({{{P}.tensor}}): a "
+              "tensor-parallel group, whose all-reduces run in every layer, never crosses a domain",
+              ".scheduling.topology.ranksPerDomain")),
         *(_rule(f"!{_ENTRYPOINT} || ({_at_defaults(section)})",
                 f"{section} is read only by the built-in trainer: with spec.entrypoint your program trains (it gets "
                 "the layout as PARATRAIN_* env); leave it out", f".{section}") for section in TRAINER_SECTIONS),

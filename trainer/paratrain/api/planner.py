@@ -21,7 +21,7 @@ bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .hardware import CPU, Accelerator
@@ -162,6 +162,17 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     total = compute + bubble + tensor + pipeline + data + optimizer
     return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipeline, "data": data,
             "optimizer": optimizer, "total": total}
+
+
+def cross_domain_seconds(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
+                         cross_domain_bytes_per_second: float) -> tuple[float, float]:
+    """(seconds a step, seconds more a step) where the gang's inter-node traffic crosses topology domains at
+    `cross_domain_bytes_per_second`: a ring runs at its slowest hop, and every rank waits for every ring each step,
+    so one group split across domains slows the step as if all its inter-node links were that slow."""
+    base = step_time(spec, vocab_size, gpu, gpus_per_node)["total"]
+    slow = step_time(spec, vocab_size, replace(gpu, network_bytes_per_second=min(
+        gpu.network_bytes_per_second, cross_domain_bytes_per_second)), gpus_per_node)["total"]
+    return base, slow - base
 
 
 def _divisors(n: int) -> list[int]:

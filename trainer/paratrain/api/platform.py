@@ -104,11 +104,23 @@ class PlannerProfile(_Model):
     def _known(cls, name: str | None) -> str | None:
         return None if name is None else accelerator(name).name
 
+    cross_domain_bandwidth: str | None = Field(None, pattern=BYTES, max_length=32, description=(
+        "Bytes a second one GPU sends to a GPU in another domain of a job's spec.scheduling.topology.level (across "
+        "the spine), each way, e.g. 25G under a 2:1 oversubscribed spine; what the operator prices a gang split "
+        "across domains at. Unset: half the network bandwidth (2:1)."))
+
     def links(self, gpu: Accelerator) -> Accelerator:
         """`gpu` with this cluster's link bandwidths where the profile states them."""
         changes = {k: float(parse_bytes(v)) for k, v in (("node_bytes_per_second", self.node_bandwidth),
                                                          ("network_bytes_per_second", self.network_bandwidth)) if v}
         return replace(gpu, **changes)
+
+    def cross_domain(self, gpu: Accelerator) -> tuple[float, str]:
+        """Bytes a second across topology domains for `gpu` (its links as this profile states them), and whence."""
+        if self.cross_domain_bandwidth:
+            return float(parse_bytes(self.cross_domain_bandwidth)), "the platform's planner.crossDomainBandwidth"
+        return self.links(gpu).network_bytes_per_second / 2, "half the network bandwidth (a 2:1 spine; the " \
+            "platform's planner.crossDomainBandwidth states yours)"
 
 
 class Platform(_Model):

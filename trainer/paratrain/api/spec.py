@@ -415,9 +415,11 @@ class TopologySpec(_Model):
         "required: a gang (or group) that fits no single domain waits; preferred: it spreads over domains "
         "instead."))
     ranks_per_domain: int | None = Field(None, ge=1, le=1_048_576, description=(
-        "Ranks kept in one domain: a multiple of procsPerNode (a domain holds whole pods) and of tensor x "
-        "pipeline (whole model replicas, so only data-parallel traffic crosses domains), dividing the gang's "
-        "ranks; consecutive node ranks share a domain. Unset: the whole gang in one domain."))
+        "Ranks kept in one domain: a multiple of procsPerNode (a domain holds whole pods) and of tensor (a "
+        "tensor-parallel group never crosses one), dividing the gang's ranks; consecutive node ranks share a domain. "
+        "Ranks run tensor innermost, then data, then pipeline (Megatron-LM's and torchtitan's order): a multiple of "
+        "data x tensor holds whole pipeline stages, so only the pipeline's activations cross domains. Unset: the "
+        "whole gang in one domain."))
 
 
 class SchedulingSpec(_Model):
@@ -824,10 +826,9 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
         if spec.world_size % per:
             out.append((path, f"ranksPerDomain({per}) must divide the gang's nodes({spec.nodes}) x "
                         f"procsPerNode({spec.procs_per_node}) = {spec.world_size} ranks"))
-        if manual and per % (p.tensor * p.pipeline):
-            out.append((path, f"ranksPerDomain({per}) must be a multiple of tensor({p.tensor}) x "
-                        f"pipeline({p.pipeline}) = {p.tensor * p.pipeline}: a domain holds whole model replicas, "
-                        "so only data-parallel traffic crosses domains"))
+        if manual and per % p.tensor:
+            out.append((path, f"ranksPerDomain({per}) must be a multiple of tensor({p.tensor}): a tensor-parallel "
+                        "group, whose all-reduces run in every layer, never crosses a domain"))
     out += elastic_problems(spec)
     for dup in _repeated(v.name for v in spec.pod.volumes):
         out.append(("spec.pod.volumes", f"volume name {dup!r} is used more than once"))

@@ -92,6 +92,25 @@ class Resize(_StatusModel):
         "in flight was saved, as when growing)."))
 
 
+class DomainRanks(_StatusModel):
+    """The node ranks placed in one domain of spec.scheduling.topology.level."""
+
+    domain: str = Field(max_length=63, description="The nodes' label value; empty: nodes without the label.")
+    node_ranks: str = Field(max_length=256, description="e.g. `0-15,32`; cut short (…) for a scattered gang.")
+
+
+class Placement(_StatusModel):
+    """Where a gang with spec.scheduling.topology landed, read when it starts running."""
+
+    attempt: int = Field(ge=0)
+    level: str = Field(max_length=317)
+    domains: list[DomainRanks] = Field(default_factory=list, max_length=32, description=(
+        "Each domain's node ranks, by first rank (the first 32 domains)."))
+    split_groups: int = Field(0, ge=0, description=(
+        "Groups (ranksPerDomain's, or the whole gang) whose pods landed in more than one domain; an Event "
+        "SplitAcrossDomains names their ranks and the step time the planner predicts it costs."))
+
+
 class Progress(_StatusModel):
     """Training progress reported by rank 0 (read by the operator; pods hold no API credentials)."""
 
@@ -228,6 +247,8 @@ class JobStatus(_StatusModel):
         "Pods in the current gang attempt, for an elastic job (spec.elastic): the size it last resized to."))
     resizes: list[Resize] | None = Field(None, max_length=16, description=(
         "An elastic gang's resizes, the latest 16, oldest first."))
+    placement: Placement | None = Field(None, description=(
+        "A gang with spec.scheduling.topology: each domain's node ranks, and the groups split across domains."))
     # kopf keeps its handler bookkeeping under status.kopf; declared so the API server does not prune it.
     kopf: dict[str, Any] | None = None
 
