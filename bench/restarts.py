@@ -23,6 +23,15 @@ restart's cause until the job is Running again and quiet — in place: rank 0's 
 hollow progress endpoint says so); single pod: one pod deleted; whole gang: one pod failing with exit 1.
 
 Writes bench/results/restarts.json and its section of docs/benchmarks.md.
+
+    .venv/bin/python bench/restarts.py --resizes 2
+
+measures an elastic gang's resizes instead (spec.elastic; bench/results/resizes.json, its own section): four
+try-out nodes with room for one pod each, a 4-pod job (waitSeconds 10, a checkpoint every 20 steps, each step
+slowed to 0.08 s so that it trains through both resizes); the gang's start (submission to its first step) beside
+a shrink (pod 3's node cordoned and the pod deleted at step 30, to the 2-pod gang's first step: waitSeconds
+included) and a growth (the node uncordoned, to the 4-pod gang's first step: the placeholders' start and the
+stop at the step in flight included), and the steps each lost.
 """
 
 from __future__ import annotations
@@ -114,6 +123,91 @@ def one_restart(plane: ControlPlane, workdir: Path, kind: str, nodes: int, run: 
         cluster.close()
 
 
+RESIZE_WAIT, ONE_POD = 10, {"cpu": "1", "memory": "4Gi", "pods": "8"}  # a trainer pod requests 1 CPU
+
+
+def first_step(cluster: RealCluster, namespace: str, attempt: int, timeout: float) -> float:
+    """When rank 0 of attempt `attempt` (or a later one) first reports a step past the one it resumed from."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = rank0_report(cluster, namespace)
+        if seen and seen[0] >= attempt and seen[1].get("step", 0) > (seen[1].get("startStep") or 0):
+            return time.time()
+        time.sleep(0.05)
+    raise AssertionError(f"attempt {attempt} trained no step within {timeout} s")
+
+
+def one_resize(plane: ControlPlane, workdir: Path, run: int) -> dict[str, Any]:
+    """One elastic gang's start, shrink and growth (the module docstring), in seconds."""
+    workdir.mkdir(parents=True)
+    slow = {"PARATRAIN_TEST_FAULT": "slow_steps:0.08", "PYTHONPATH": str(FAULTS)}
+    cluster = RealCluster(plane, workdir, node=f"resize-{run}-0", capacity=ONE_POD, extra_env=slow)
+    try:
+        for i in (1, 2, 3):
+            cluster.add_node(f"resize-{run}-{i}", ONE_POD)
+        namespace = cluster.namespace(f"resizes-{run}")
+        spec = job_spec(4, workdir / "ckpt", 2, hang=False)
+        spec["training"] |= {"steps": 700, "batchSize": 8, "evalInterval": 700}
+        spec["checkpoint"]["interval"] = 20
+        spec["elastic"] = {"minNodes": 2, "waitSeconds": RESIZE_WAIT}
+        submitted = time.time()
+        cluster.submit(namespace, "bench", spec)
+        started = first_step(cluster, namespace, 0, 180)
+        wait_for(lambda: (rank0_report(cluster, namespace) or (0, {}))[1].get("step", 0) >= 30, 120, "step 30")
+        lost = cluster.api.object("v1/pods", namespace, contract.pod_name("bench", 0, 3))["spec"]["nodeName"]
+        cluster.cordon(lost)
+        lost_at = time.time()
+        cluster.api.delete("v1/pods", namespace, contract.pod_name("bench", 0, 3))
+        shrunk = first_step(cluster, namespace, 1, 180)
+        cluster.cordon(lost, unschedulable=False)
+        returned = time.time()
+        grown = first_step(cluster, namespace, 2, 180)
+        status = cluster.wait_phase(namespace, "bench", "Succeeded", 300)
+        shrink, grow = status["resizes"]
+        return {"start_seconds": round(started - submitted, 2), "shrink_seconds": round(shrunk - lost_at, 2),
+                "grow_seconds": round(grown - returned, 2), "shrink_steps_lost": shrink.get("stepsLost"),
+                "grow_steps_lost": grow.get("stepsLost"), "sizes": [(r["fromNodes"], r["toNodes"]) for r in
+                                                                    status["resizes"]]}
+    finally:
+        cluster.close()
+
+
+def resize_table(results: dict[str, Any]) -> list[str]:
+    rows, median = results["runs"], results["median"]
+
+    def runs(key: str) -> str:
+        return ", ".join(str(r[key]) for r in rows)
+
+    beyond = median["shrink_seconds"] - RESIZE_WAIT
+    return [f"An elastic gang's resizes, 4 one-pod try-out nodes (`bench/restarts.py --resizes {len(rows)}`, median "
+            f"of {len(rows)}; {results['machine']}): seconds to the new gang's first step, beside the gang's own start.",
+            "", "| | seconds (median) | runs | steps lost |", "|---|---|---|---|",
+            f"| start: 4 pods, submission to the first step | {median['start_seconds']} | {runs('start_seconds')} | |",
+            f"| shrink 4 → 2: node lost (cordoned, pod deleted) to the first step | {median['shrink_seconds']} | "
+            f"{runs('shrink_seconds')} | {runs('shrink_steps_lost')} |",
+            f"| grow 2 → 4: node back (uncordoned) to the first step | {median['grow_seconds']} | "
+            f"{runs('grow_seconds')} | {runs('grow_steps_lost')} |",
+            "", f"A shrink costs waitSeconds ({RESIZE_WAIT} s here) and then {beyond:.1f} s, "
+            f"{beyond / median['start_seconds']:.1f}x the gang's own start; a growth {median['grow_seconds']:.1f} s, "
+            f"{median['grow_seconds'] / median['start_seconds']:.1f}x (the placeholders' start, the shrunk gang's "
+            "first step and waitSeconds since the shrink where not yet past, the stop at the step in flight, the new "
+            "gang's start). Steps lost: 0 where the ranks saved the step in flight (a drained pod's peers do)."]
+
+
+def resizes(plane: ControlPlane, workdir: Path, repeats: int, out: Path, no_doc: bool) -> None:
+    runs = []
+    for run in range(repeats):
+        runs.append(one_resize(plane, workdir / f"resize-{run}", run))
+        print(f"resize: {runs[-1]}", flush=True)
+    results = {"machine": f"{platform.machine()}, {platform.python_version()}", "wait_seconds": RESIZE_WAIT,
+               "runs": runs, "median": {key: round(statistics.median(r[key] for r in runs), 2)
+                                        for key in ("start_seconds", "shrink_seconds", "grow_seconds")}}
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    if not no_doc:
+        write_section("resizes", resize_table(results))
+    print("\n".join(resize_table(results)))
+
+
 def api_costs(plane: ControlPlane, workdir: Path, pods: int) -> dict[str, Any]:
     """The operator's API requests for one restart of each kind of a `pods`-pod gang of hollow pods."""
     workdir.mkdir(parents=True)
@@ -191,9 +285,19 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--api-pods", type=int, default=256, help="the hollow gang's size for API costs (0: skip)")
+    parser.add_argument("--resizes", type=int, default=0, help="measure an elastic gang's resizes this many times "
+                        "instead (bench/results/resizes.json)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-restarts-"))
     plane = ControlPlane(workdir / "plane")
+    if args.resizes:
+        try:
+            out = args.out if args.out.name != "restarts.json" else args.out.with_name("resizes.json")
+            resizes(plane, workdir, args.resizes, out, args.no_doc)
+        finally:
+            plane.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     results: dict[str, Any] = {"machine": f"{platform.machine()}, {platform.python_version()}",
                                "nodes": args.nodes, "repeats": args.repeats, "crash_step": CRASH_STEP, "kinds": {}}
     try:

@@ -127,6 +127,7 @@ class PodView:
     owners: frozenset[str] = frozenset()  # ownerReferences' uids: a same-named earlier job's pods are not ours
     created_at: str | None = None  # creationTimestamp: how long an unplaced pod has waited
     probe: bool = False  # an elastic gang's placeholder (contract.LABEL_PROBE): no rank; `rank` is the one it probes
+    kueue_group: str | None = None  # the Kueue pod group it belongs to, where Kueue manages it
 
     @property
     def unplaced(self) -> bool:
@@ -203,6 +204,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         owners=frozenset(ref.get("uid") for ref in meta.get("ownerReferences") or []),
         created_at=meta.get("creationTimestamp"),
         probe=contract.LABEL_PROBE in labels,
+        kueue_group=labels.get(kueue.POD_GROUP_LABEL),
     )
 
 

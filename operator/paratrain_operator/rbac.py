@@ -18,7 +18,12 @@ Why each rule:
 - workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
   `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works. A native
   PodGroup is one attempt's scheduling instance: the next attempt deletes it (`delete`), so restarts and resumes
-  leave one, not one each (all are owned by the job and go with it).
+  leave one, not one each (all are owned by the job and go with it). Volcano's and scheduler-plugins' groups are one
+  per job: patched when a new attempt has another size (an elastic resize).
+- workloads (kueue.x-k8s.io: get, delete): the Kueue Workload of a pod group of the job's that the operator gave up
+  while Kueue still held it (a gang restarted, shrunk or timed out before admission, placeholder pods no longer
+  wanted): Kueue keeps its finalizer on such pods until the group ends, and a group of deleted, never-admitted pods
+  never ends; deleting its Workload is Kueue's way to let them go. Only a Workload owned by the job's own pods.
 - namespaces (list, watch): kopf's namespace observer, cluster-wide or with `--namespace` patterns.
 - nodes (get): only for a pod of an old attempt stuck terminating past its grace period: if its node is gone or
   NotReady (no kubelet will ever confirm the deletion), the pod is force-deleted, as the pod garbage collector
@@ -52,8 +57,9 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("networking.k8s.io", "networkpolicies", ("get", "create")),
     ("scheduling.k8s.io", "workloads", ("get", "create")),
     ("scheduling.k8s.io", "podgroups", ("get", "create", "delete")),
-    ("scheduling.volcano.sh", "podgroups", ("get", "create")),
-    ("scheduling.x-k8s.io", "podgroups", ("get", "create")),
+    ("scheduling.volcano.sh", "podgroups", ("get", "create", "patch")),
+    ("scheduling.x-k8s.io", "podgroups", ("get", "create", "patch")),
+    ("kueue.x-k8s.io", "workloads", ("get", "delete")),
 )
 # Cluster-scoped reads: kopf's (namespaces, CRDs) even when the operator serves only some namespaces, and one
 # node at a time to tell a lost node from a slow kubelet (a stuck pod), the GPU nodes' labels for mode auto's plans.

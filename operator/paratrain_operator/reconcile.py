@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, Problem, SpecError, describe_layout, parse_job
-from paratrain.api import elastic, planner
+from paratrain.api import elastic, kueue, planner
 from paratrain.api.memory import human, parse_bytes
 from paratrain.api.platform import Platform, as_the_operator_takes_it, load_platform, spec_size_problem
 
@@ -72,6 +72,8 @@ _streaks: dict[JobKey, tuple[int, float]] = {}  # passes asked for in a row, and
 _tasks: set[asyncio.Task[None]] = set()
 _write_backoff: dict[JobKey, tuple[int, float]] = {}  # refusals in a row, and when writes may go again (monotonic)
 _backoff_passes: dict[JobKey, asyncio.Task[None]] = {}
+_released_groups: dict[JobKey, set[str]] = {}  # Kueue groups whose Workload was deleted (_release_kueue_groups)
+KUEUE_FINALIZER = "kueue.x-k8s.io/managed"
 _force_deleted: dict[str, None] = {}  # uids of pods force-deleted (insertion-ordered, the oldest forgotten first)
 FORCE_DELETED_KEPT = 4096  # the pass asked for at the end of a job's backoff
 
@@ -179,6 +181,7 @@ def forget(namespace: str, name: str) -> None:
     _progress.pop(key, None)
     _progress_written.pop(key, None)
     _superseded_gone.pop(key, None)
+    _released_groups.pop(key, None)
     _write_backoff.pop(key, None)
     if (waiting := _backoff_passes.pop(key, None)) is not None:
         waiting.cancel()
@@ -269,6 +272,7 @@ async def _pass(body: dict[str, Any]) -> str | None:
     try:
         await _act(written, decision, gang_build, views, job)
         await _delete_superseded(key, job, decision, views)
+        await _release_kueue_groups(key, decision, everything)
     except (apply.MissingResource, ApiError) as exc:
         rejected = _rejection(exc)
         if rejected is None:
@@ -354,6 +358,30 @@ async def _delete_superseded(key: JobKey, job: ParallelTrainJob | None, decision
     for obj in superseded(job, key[0], attempt):
         await apply.delete_object(obj)
     _superseded_gone[key] = attempt
+
+
+async def _release_kueue_groups(key: JobKey, decision: Decision, pods: Sequence[PodView]) -> None:
+    """Delete the Kueue Workload of each pod group of the job's, other than the current attempt's gang, whose pods
+    are being deleted while Kueue's finalizer holds them: a group of deleted pods that were never admitted never
+    ends (Kueue waits for their replacements), and deleting its Workload is how Kueue lets them go. Once per group,
+    and only a Workload its own pods own."""
+    current = kueue.pod_group(key[1], decision.state.attempt)
+    held = {p.kueue_group for p in pods if p.kueue_group and p.kueue_group != current and p.terminating
+            and KUEUE_FINALIZER in p.finalizers} - _released_groups.get(key, set())
+    for group in sorted(held):
+        ref = {"apiVersion": kueue.API_VERSION, "kind": "Workload", "metadata": {"namespace": key[0], "name": group}}
+        try:
+            workload = await observe.get_object(ref, "workloads")
+            owners = {o.get("uid") for o in ((workload or {}).get("metadata") or {}).get("ownerReferences") or []}
+            if workload is not None and owners & {p.uid for p in pods}:
+                log.info("%s/%s: deleting Kueue's Workload %s, whose pods this job gave up", *key, group)
+                await apply.delete_object(ref)
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            log.warning("%s/%s: may not delete Kueue's Workload %s (its pods stay until Kueue lets them go): %s",
+                        *key, group, exc)
+        _released_groups.setdefault(key, set()).add(group)
 
 
 async def _release_stuck(body: dict[str, Any], stuck: Sequence[str], views: Sequence[PodView]) -> None:

@@ -83,7 +83,8 @@ def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes:
     spec, state = policy.elastic, decision.state
     ours = [p for p in probes if p.attempt == state.attempt and not p.terminating and not p.done]
     high = elastic.bounds(spec)[1] if spec else 0
-    if spec is None or state.phase != RUNNING or policy.nodes >= high or decision.delete_pods or decision.create_ranks:
+    if spec is None or state.phase != RUNNING or policy.nodes >= high or decision.delete_pods or \
+            decision.create_ranks:
         return _deleting(decision, probes)
     running = sum(p.phase == RUNNING for p in ours)
     last = state.resizes[-1].time if state.resizes else None

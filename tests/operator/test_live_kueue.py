@@ -21,6 +21,7 @@ from paratrain.api import kueue, parse_job, read_yaml
 from paratrain_operator.render import render_job
 
 from ..support.control_plane import REPO, ControlPlane, wait_for
+from ..reliability.gang import FAULTS
 from .support.kueue import Kueue
 from .support.real_cluster import RealCluster, install_crd
 from .test_live_trainer import apply, tiny_job
@@ -247,3 +248,61 @@ def test_kueue_topology_aware_scheduling_keeps_each_group_of_ranks_in_one_rack_i
     for name in pods:  # TAS's own placement (its ungater writes the assigned domain), not the scheduler's luck
         selector = api.must(api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["spec"].get("nodeSelector", {})
         assert "kubernetes.io/hostname" in selector or rack in selector, (name, selector)
+
+
+def admitted_group(cluster: RealCluster, ns: str, name: str) -> tuple[int, str] | None:
+    """(pods, Admitted status) of the Workload Kueue made for pod group `name`, once it exists."""
+    found = [w for w in workloads(cluster, ns) if w["metadata"]["name"] == name]
+    return (sum(p["count"] for p in found[0]["spec"]["podSets"]), condition(found[0], "Admitted").get("status")) \
+        if found else None
+
+
+def test_an_elastic_gang_preempted_in_part_shrinks_into_the_quota_left_and_grows_back_when_it_frees(
+        kueue_plane, tmp_path: Path):
+    """spec.elastic under Kueue: an urgent job takes half of a 4-CPU queue from a running 4-pod elastic gang. Kueue
+    evicts the gang whole; its fresh 4-pod group cannot be admitted, so after waitSeconds the operator shrinks it to
+    2 pods, a new Workload Kueue admits beside the urgent job. The placeholders are a Kueue group of their own,
+    admitted once the urgent job finishes; the gang then grows back to 4 and succeeds."""
+    plane, manager = kueue_plane
+    slow = {"PARATRAIN_TEST_FAULT": "slow_steps:0.08", "PYTHONPATH": str(FAULTS)}
+    cluster = RealCluster(plane, tmp_path, node="kueue-elastic-node", extra_env=slow)
+    try:
+        ns = cluster.namespace("kueue-elastic")
+        for name, value in (("low", 10), ("high", 1000)):
+            if not cluster.plane.api.get(f"/apis/{KUEUE}/workloadpriorityclasses/{name}").ok:
+                create(cluster, f"/apis/{KUEUE}/workloadpriorityclasses", {
+                    "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value})
+        queues(cluster, ns, cpu="4", preemption={"withinClusterQueue": "LowerPriority"})
+        elastic = queued_job(ns, "el", tmp_path / "ckpt", steps=1200, priority="low")
+        elastic["spec"] |= {"nodes": 4, "parallelism": {"data": 4}, "elastic": {"minNodes": 2, "waitSeconds": 10}}
+        elastic["spec"]["training"]["batchSize"] = 8
+        apply(cluster, elastic, tmp_path / "el.yaml")
+        cluster.wait_phase(ns, "el", "Running", 120)
+        wait_for(lambda: (cluster.status(ns, "el").get("progress") or {}).get("step", 0) >= 1, 120, "a step")
+
+        urgent = queued_job(ns, "urgent", tmp_path / "urgent", steps=500, priority="high")  # outlasts the shrink
+        apply(cluster, urgent, tmp_path / "urgent.yaml")
+        try:
+            shrunk = wait_for(lambda: (s := cluster.status(ns, "el")).get("nodes") == 2 and s.get("phase") == "Running"
+                              and s, 180, "the gang running at 2 pods")
+        except AssertionError:
+            said = [(w["metadata"]["name"], [(c["type"], c["status"], c.get("message", "")[:200]) for c in
+                                             w.get("status", {}).get("conditions", [])]) for w in workloads(cluster, ns)]
+            raise AssertionError(f"{said}\n{cluster.status(ns, 'urgent')}\n{cluster.diagnostics(ns, 'el')}") from None
+        assert "QueuedByKueue" in shrunk["resizes"][0]["message"], shrunk["resizes"]
+        assert cluster.status(ns, "urgent")["phase"] in ("Running", "Succeeded")  # side by side in the quota
+        admitted = {w["metadata"]["name"]: (sum(p["count"] for p in w["spec"]["podSets"]),
+                                            condition(w, "Admitted").get("status")) for w in workloads(cluster, ns)}
+        assert admitted[kueue.pod_group("el", 2)] == (2, "True"), admitted  # attempt 2: a Workload of 2, admitted
+        placeholders = wait_for(lambda: admitted_group(cluster, ns, kueue.probe_group("el", 2)), 60,
+                                "the placeholders' own Workload")
+        assert placeholders[0] == 2, placeholders  # a group of 2, held while the urgent job has the quota
+
+        status = cluster.wait_phase(ns, "el", "Succeeded", 300)
+        assert [(r["fromNodes"], r["toNodes"], r["reason"]) for r in status["resizes"]] == [
+            (4, 2, "Shrunk"), (2, 4, "Grown")], cluster.diagnostics(ns, "el")
+        assert status["restarts"] == 0 and status["nodes"] == 4, status
+        final = next(w for w in workloads(cluster, ns) if w["metadata"]["name"] == kueue.pod_group("el", 3))
+        assert sum(p["count"] for p in final["spec"]["podSets"]) == 4, final  # the grown gang, admitted at 4
+    finally:
+        cluster.close()

@@ -14,6 +14,7 @@ from typing import Any
 from ..contract import LABEL_NODE_RANK
 from .spec import DNS_SUBDOMAIN, KUEUE_KEY_PREFIX, ParallelTrainJob
 
+API_VERSION = "kueue.x-k8s.io/v1beta2"  # its Workload objects' (the operator deletes one it gave up)
 QUEUE_LABEL = f"{KUEUE_KEY_PREFIX}queue-name"
 PRIORITY_CLASS_LABEL = f"{KUEUE_KEY_PREFIX}priority-class"  # a WorkloadPriorityClass, as on any Kueue job
 POD_GROUP_LABEL = f"{KUEUE_KEY_PREFIX}pod-group-name"
