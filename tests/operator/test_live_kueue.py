@@ -72,6 +72,14 @@ def queues(cluster: RealCluster, ns: str, cpu: str, **cluster_queue_spec: Any) -
     return name
 
 
+def priority_classes(cluster: RealCluster) -> None:
+    """Kueue's WorkloadPriorityClasses `low` (10) and `high` (1000), once per control plane."""
+    for name, value in (("low", 10), ("high", 1000)):
+        if not cluster.plane.api.get(f"/apis/{KUEUE}/workloadpriorityclasses/{name}").ok:
+            create(cluster, f"/apis/{KUEUE}/workloadpriorityclasses", {
+                "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value})
+
+
 def queued_job(ns: str, name: str, checkpoints: Path, steps: int, priority: str | None = None) -> dict[str, Any]:
     job = tiny_job(name, ns, checkpoints, steps)
     job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"} | ({kueue.PRIORITY_CLASS_LABEL: priority}
@@ -137,10 +145,7 @@ def test_too_little_quota_holds_the_whole_gang_and_raising_it_admits_the_gang_wh
 def test_kueue_preempts_a_running_gang_for_a_higher_priority_job_and_it_resumes_at_the_stopped_step(
         cluster: RealCluster, tmp_path: Path):
     ns = cluster.namespace("kueue-preempt")
-    for name, value in (("low", 10), ("high", 1000)):
-        if not cluster.plane.api.get(f"/apis/{KUEUE}/workloadpriorityclasses/{name}").ok:
-            create(cluster, f"/apis/{KUEUE}/workloadpriorityclasses", {
-                "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value})
+    priority_classes(cluster)
     # Room for one 2-pod gang; a higher priority takes it from a lower one.
     queues(cluster, ns, cpu="2", preemption={"withinClusterQueue": "LowerPriority"})
     checkpoints = tmp_path / "long"
@@ -268,10 +273,7 @@ def test_an_elastic_gang_preempted_in_part_shrinks_into_the_quota_left_and_grows
     cluster = RealCluster(plane, tmp_path, node="kueue-elastic-node", extra_env=slow)
     try:
         ns = cluster.namespace("kueue-elastic")
-        for name, value in (("low", 10), ("high", 1000)):
-            if not cluster.plane.api.get(f"/apis/{KUEUE}/workloadpriorityclasses/{name}").ok:
-                create(cluster, f"/apis/{KUEUE}/workloadpriorityclasses", {
-                    "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value})
+        priority_classes(cluster)
         queues(cluster, ns, cpu="4", preemption={"withinClusterQueue": "LowerPriority"})
         elastic = queued_job(ns, "el", tmp_path / "ckpt", steps=1200, priority="low")
         elastic["spec"] |= {"nodes": 4, "parallelism": {"data": 4}, "elastic": {"minNodes": 2, "waitSeconds": 10}}
