@@ -236,14 +236,15 @@ async def _pass(body: dict[str, Any]) -> str | None:
         if (size := jobs.oversized(key)) is not None:  # not kept: refused before it is read
             raise SpecError([Problem("spec", spec_size_problem(size, PLATFORM) or "")])
         job, filled = as_the_operator_takes_it(parse_job(job_document(body)), PLATFORM)
-        job = at_its_size(job, state)
+        sized = job = at_its_size(job, state)  # what a resize resizes (under mode auto: before it is planned)
         if job.spec.parallelism.mode == "auto":
             job, plan = await _planned(job, prev, views, state)
     except SpecError as exc:
         decision = gang.invalid_spec(state, views, "; ".join(str(p) for p in exc.problems), now)
     else:
-        decision = resize.decide(gang.Policy.from_job(job), state, views, probes, now,
-                                 _progress_of(body, state, views))
+        policy = replace(gang.Policy.from_job(job), elastic=sized.spec if sized.spec.elastic else None)
+        decision = resize.decide(policy, state, views, probes, now, _progress_of(body, state, views),
+                                 await _sizes_that_fit(sized))
         if decision.create_ranks and not views and (held := over_namespace_limit(key, jobs.items())):
             # The decided state (a resume's new attempt included), without its creates and their clocks; the
             # Event once, when the job begins to wait.
@@ -290,6 +291,24 @@ async def _pass(body: dict[str, Any]) -> str | None:
     if decision.state.restarts > state.restarts:
         metrics.GANG_RESTARTS.labels(namespace).inc()
     return decision.state.phase
+
+
+async def _sizes_that_fit(job: ParallelTrainJob) -> resize.Fits:
+    """Whether an elastic gang can run at a size: every size its rules allow, and under mode auto one the planner
+    finds a layout for (on the GPU the nodes' labels name, as the gang will be planned), asked only when a resize
+    is weighed."""
+    if job.spec.elastic is None or job.spec.parallelism.mode != "auto":
+        return resize.any_size
+    labels = await observe.gpu_node_labels(planning.GFD_PRODUCT) if job.spec.resources.gpus_per_node else None
+
+    def fits(nodes: int) -> bool:
+        spec = elastic.resized(job.spec, nodes)
+        try:
+            return spec is not None and bool(planning.plan_now(job.model_copy(update={"spec": spec}), labels,
+                                                                PLATFORM, 0))
+        except planner.NoPlan:
+            return False
+    return fits
 
 
 def at_its_size(job: ParallelTrainJob, state: GangState) -> ParallelTrainJob:

@@ -17,7 +17,7 @@ counted against backoffLimit; status.resizes records each (from, to, why, the st
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -31,16 +31,23 @@ from .gang import FINISHED, RESTARTING, RUNNING, SUSPENDED, Decision, Event, Gan
 from .observe import PodView
 
 RESIZES_KEPT = 16  # status.resizes' bound
+Fits = Callable[[int], bool]
+
+
+def any_size(nodes: int) -> bool:
+    """Every size the job's rules allow fits (mode manual)."""
+    return True
 
 
 def decide(policy: Policy, state: GangState, pods: Sequence[PodView], probes: Sequence[PodView], now: datetime,
-           progress: Mapping[str, Any] | None = None) -> Decision:
+           progress: Mapping[str, Any] | None = None, fits: Fits = any_size) -> Decision:
     """gang.decide, shrinking first where pods wait for a place, then keeping the placeholders a shrunk running gang
-    grows by (or growing it); `probes` are the job's placeholder pods, `pods` the others."""
-    if (shrunk := shrink(policy, state, pods, now, progress)) is not None:
+    grows by (or growing it); `probes` are the job's placeholder pods, `pods` the others; `fits`: whether the gang
+    can run at a size (under mode auto, whether the planner finds a layout for it)."""
+    if (shrunk := shrink(policy, state, pods, now, progress, fits)) is not None:
         return _deleting(shrunk, probes)
     decision = gang.decide(policy, state, pods, now, progress)
-    return probing(policy, _resumed(decision), pods, probes, now, progress)
+    return probing(policy, _resumed(decision), pods, probes, now, progress, fits)
 
 
 def _waited(pod: PodView, now: datetime) -> float:
@@ -55,7 +62,7 @@ def _step(state: GangState, progress: Mapping[str, Any] | None) -> int | None:
 
 
 def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datetime,
-           progress: Mapping[str, Any] | None = None) -> Decision | None:
+           progress: Mapping[str, Any] | None = None, fits: Fits = any_size) -> Decision | None:
     """The decision to restart the gang smaller, or None (not elastic, nothing waited long enough, no smaller size)."""
     spec = policy.elastic
     if spec is None or spec.elastic is None or state.phase in FINISHED or state.phase == SUSPENDED or policy.suspend:
@@ -66,7 +73,7 @@ def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
     if not unplaced or any(gang.classify(p) for p in current if not p.terminating):
         return None
     placed = sum(p.node is not None and p.active for p in current)
-    size = elastic.largest_within(spec, policy.nodes - len(unplaced) if placed else policy.nodes - 1)
+    size = elastic.largest_within(spec, policy.nodes - len(unplaced) if placed else policy.nodes - 1, fits=fits)
     if size is None:
         return None
     why = (f"{len(unplaced)} of {policy.nodes} pods found no place for spec.elastic.waitSeconds ({wait}s), e.g. "
@@ -76,7 +83,7 @@ def shrink(policy: Policy, state: GangState, pods: Sequence[PodView], now: datet
 
 
 def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes: Sequence[PodView],
-            now: datetime, progress: Mapping[str, Any] | None = None) -> Decision:
+            now: datetime, progress: Mapping[str, Any] | None = None, fits: Fits = any_size) -> Decision:
     """The decision with the placeholder pods a running, shrunk gang keeps (created where missing; the others
     deleted), or the decision to grow it once they run, the gang has trained a step since it started, and
     waitSeconds have passed since the last resize."""
@@ -90,7 +97,7 @@ def probing(policy: Policy, decision: Decision, pods: Sequence[PodView], probes:
     last = state.resizes[-1].time if state.resizes else None
     settled = gang.trained_a_step(progress) and (last is None or (now - last).total_seconds() >=
                                                  spec.elastic.wait_seconds)
-    size = elastic.largest_within(spec, policy.nodes + running, least=policy.nodes) if settled else None
+    size = elastic.largest_within(spec, policy.nodes + running, least=policy.nodes, fits=fits) if settled else None
     if size is not None:
         why = f"{running} placeholder pod(s) found room for more pods"
         grown = _resized(policy, state, pods, size, "Grown", why, now, Event("Normal", "GrowingGang", ""),
@@ -108,7 +115,8 @@ def _resized(policy: Policy, state: GangState, pods: Sequence[PodView], size: in
     assert policy.elastic is not None
     before, after = policy.elastic, elastic.resized(policy.elastic, size)
     assert after is not None
-    layout = (f"data {before.parallelism.data} → {after.parallelism.data}, gradient accumulation "
+    layout = ("the planner lays the new size out afresh" if before.parallelism.mode == "auto" else
+              f"data {before.parallelism.data} → {after.parallelism.data}, gradient accumulation "
               f"{before.training.gradient_accumulation} → {after.training.gradient_accumulation}, the global batch "
               f"kept at {before.training.batch_size} sequences")
     how = ("its pods save the step in flight and a larger gang resumes there" if reason == "Grown" else

@@ -264,10 +264,11 @@ def admitted_group(cluster: RealCluster, ns: str, name: str) -> tuple[int, str] 
 
 def test_an_elastic_gang_preempted_in_part_shrinks_into_the_quota_left_and_grows_back_when_it_frees(
         kueue_plane, tmp_path: Path):
-    """spec.elastic under Kueue: an urgent job takes half of a 4-CPU queue from a running 4-pod elastic gang. Kueue
-    evicts the gang whole; its fresh 4-pod group cannot be admitted, so after waitSeconds the operator shrinks it to
-    2 pods, a new Workload Kueue admits beside the urgent job. The placeholders are a Kueue group of their own,
-    admitted once the urgent job finishes; the gang then grows back to 4 and succeeds."""
+    """spec.elastic under Kueue and mode auto: an urgent job takes half of a 4-CPU queue from a running 4-pod elastic
+    gang (the planner lays out each size). Kueue evicts the gang whole; its fresh 4-pod group cannot be admitted, so
+    after waitSeconds the operator shrinks it to 2 pods, a new Workload Kueue admits beside the urgent job. The
+    placeholders are a Kueue group of their own, admitted once the urgent job finishes; the gang then grows back
+    to 4 and succeeds."""
     plane, manager = kueue_plane
     slow = {"PARATRAIN_TEST_FAULT": "slow_steps:0.08", "PYTHONPATH": str(FAULTS)}
     cluster = RealCluster(plane, tmp_path, node="kueue-elastic-node", extra_env=slow)
@@ -276,7 +277,8 @@ def test_an_elastic_gang_preempted_in_part_shrinks_into_the_quota_left_and_grows
         priority_classes(cluster)
         queues(cluster, ns, cpu="4", preemption={"withinClusterQueue": "LowerPriority"})
         elastic = queued_job(ns, "el", tmp_path / "ckpt", steps=1200, priority="low")
-        elastic["spec"] |= {"nodes": 4, "parallelism": {"data": 4}, "elastic": {"minNodes": 2, "waitSeconds": 10}}
+        # mode auto: the planner lays out each size the gang takes (data 4 and ZeRO-1 at 4 CPU pods, data 2 at 2)
+        elastic["spec"] |= {"nodes": 4, "parallelism": {"mode": "auto"}, "elastic": {"minNodes": 2, "waitSeconds": 10}}
         elastic["spec"]["training"]["batchSize"] = 8
         apply(cluster, elastic, tmp_path / "el.yaml")
         cluster.wait_phase(ns, "el", "Running", 120)
@@ -304,6 +306,7 @@ def test_an_elastic_gang_preempted_in_part_shrinks_into_the_quota_left_and_grows
         assert [(r["fromNodes"], r["toNodes"], r["reason"]) for r in status["resizes"]] == [
             (4, 2, "Shrunk"), (2, 4, "Grown")], cluster.diagnostics(ns, "el")
         assert status["restarts"] == 0 and status["nodes"] == 4, status
+        assert status["plan"]["layout"]["nodes"] == 4 and status["plan"]["attempt"] == 3, status["plan"]
         final = next(w for w in workloads(cluster, ns) if w["metadata"]["name"] == kueue.pod_group("el", 3))
         assert sum(p["count"] for p in final["spec"]["podSets"]) == 4, final  # the grown gang, admitted at 4
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -14,7 +15,7 @@ from paratrain_operator import gang, resize
 from paratrain_operator.clock import to_iso
 from paratrain_operator.gang import GangState, Policy
 from paratrain_operator.observe import PodView
-from paratrain_operator.reconcile import at_its_size
+from paratrain_operator.reconcile import _sizes_that_fit, at_its_size
 from paratrain_operator.render import probe_pods
 
 NOW = datetime(2026, 12, 6, 12, 0, 0, tzinfo=timezone.utc)
@@ -224,3 +225,42 @@ def test_placeholders_carry_the_gangs_scheduling_but_no_rank_and_under_kueue_a_g
 def test_policy_of_a_gang_is_its_size():
     assert Policy.from_job(at_its_size(job(), GangState(nodes=2))).nodes == 2
     assert gang.Policy.from_job(job()).elastic is not None
+
+
+# ---- mode auto: the planner lays out each size ------------------------------------------------------------------
+
+
+def auto_job(**spec):
+    return parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
+                      "metadata": {"name": "job", "namespace": "ns", "uid": "u1"},
+                      "spec": {"nodes": 4, "parallelism": {"mode": "auto"}, "model": {"heads": 4, "embedDim": 32},
+                               "training": {"batchSize": 8}, "checkpoint": {"path": "/ckpt"},
+                               "elastic": {"minNodes": 1, "waitSeconds": 60}, **spec}})
+
+
+def test_under_mode_auto_every_size_is_the_planners_to_lay_out():
+    spec = auto_job().spec
+    assert elastic.sizes(spec) == (1, 2, 3, 4) and elastic.problem(spec) is None
+    three = elastic.resized(spec, 3)
+    assert three.nodes == 3 and three.parallelism.mode == "auto" and elastic.bounds(three) == (1, 4)
+
+
+def test_a_size_the_planner_finds_no_layout_for_is_passed_over():
+    the_job = auto_job()
+    policy = Policy.from_job(the_job)
+    pods = [pod(0), pod(1), unplaced(2), pod(3)]
+    assert resize.decide(policy, RUNNING, pods, [], NOW).state.nodes == 3  # placed: 3 (any size fits auto's rules)
+    decision = resize.decide(policy, RUNNING, pods, [], NOW, fits=lambda n: n != 3)
+    assert decision.state.nodes == 2 and "the planner lays the new size out afresh" in decision.events[0].message
+    assert resize.decide(policy, RUNNING, pods, [], NOW, fits=lambda n: False).state.attempt == 0  # none: it waits
+
+
+def test_the_operator_asks_the_planner_whether_a_size_fits():
+    fits = asyncio.run(_sizes_that_fit(auto_job()))  # CPU pods: the planner's CPU target, no node read
+    # 3 ranks cannot split a batch of 8: no data degree divides it, nor 3 pipeline microbatches
+    assert (fits(1), fits(2), fits(3), fits(4)) == (True, True, False, True)
+    ranked = auto_job(nodes=8, training={"batchSize": 16}, scheduling={"topology": {"level": "x.io/rack",
+                                                                                      "ranksPerDomain": 4}})
+    fits = asyncio.run(_sizes_that_fit(ranked))
+    assert fits(4) and not fits(2)  # 2 ranks do not fill a domain of 4
+    assert asyncio.run(_sizes_that_fit(job())) is resize.any_size  # mode manual: its rules alone

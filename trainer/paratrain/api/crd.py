@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .spec import (
-    API_GROUP, API_VERSION, ELASTIC_NEEDS_A_CHECKPOINT, ELASTIC_NEEDS_MANUAL, ELASTIC_NEEDS_THE_TRAINER,
+    API_GROUP, API_VERSION, ELASTIC_NEEDS_A_CHECKPOINT, ELASTIC_NEEDS_THE_TRAINER, ELASTIC_NOT_WITH_MIN_GPUS,
     EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, IN_PLACE_NEEDS_THE_TRAINER, JOB_NAME, KIND,
     KUBERNETES_OWNED_MEANING,
     KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING,
@@ -375,7 +375,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"!{_ELASTIC} || !{_ENTRYPOINT}", ELASTIC_NEEDS_THE_TRAINER, ".elastic"),
         _rule(f"!{_ELASTIC} || {_ENTRYPOINT} || {_given('self.checkpoint.path')}", ELASTIC_NEEDS_A_CHECKPOINT,
               ".elastic"),
-        _rule(f"!{_ELASTIC} || {P}.mode == 'manual'", ELASTIC_NEEDS_MANUAL, ".elastic"),
+        _rule(f"!{_ELASTIC} || !{_given(f'{P}.objective')} || {P}.objective != 'minGPUs'", ELASTIC_NOT_WITH_MIN_GPUS,
+              ".elastic"),
     ],
     "pod": [
         _rule("!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",

@@ -56,8 +56,8 @@ ELASTIC_NEEDS_THE_TRAINER = ("elastic resizes the built-in trainer's data parall
                              "(spec.entrypoint) keeps a fixed gang")
 ELASTIC_NEEDS_A_CHECKPOINT = ("elastic restarts the gang at each resize from its newest checkpoint: set "
                               "spec.checkpoint.path (on a volume every pod mounts)")
-ELASTIC_NEEDS_MANUAL = ("elastic keeps tensor x pipeline and resizes data parallelism (mode manual); the planner's "
-                        "choice at each size (mode auto) is not wired to resizes yet: give the layout")
+ELASTIC_NOT_WITH_MIN_GPUS = ("objective minGPUs chooses the gang's size itself: an elastic gang is planned for "
+                             "throughput at each size it takes")
 TRAINER_SECTIONS = ("model", "data", "training", "checkpoint", "logging")
 # The API server refuses a pod whose annotations (keys and values) exceed 256 KiB; paratrain adds a few of its own.
 MAX_ANNOTATION_BYTES = 256 * 1024 - 1024
@@ -481,8 +481,9 @@ class ElasticSpec(_Model):
     min_nodes: int = Field(ge=1, le=4096, description=(
         "The fewest pods the gang shrinks to. A pod that cannot be placed (Unschedulable, or held by Kueue) for "
         "waitSeconds makes the operator restart the gang at the largest size at or below what was placed that keeps "
-        "tensor x pipeline and the global batch (gradient accumulation grows as data-parallel replicas go); the "
-        "new gang resumes from the newest checkpoint, resharded. At most nodes."))
+        "tensor x pipeline and the global batch (gradient accumulation grows as data-parallel replicas go; under "
+        "mode auto, a size the planner finds a layout for); the new gang resumes from the newest checkpoint, "
+        "resharded. At most nodes."))
     max_nodes: int | None = Field(None, ge=1, le=4096, description=(
         "The most pods it grows to when capacity shows (placeholder pods that hold no rank are placed): at a "
         "checkpoint of the step in flight, never mid-step. At least nodes; unset: nodes."))
@@ -666,7 +667,8 @@ class Spec(_Model):
         "Where and how the gang is placed: all-or-nothing gang scheduling, node selection, priority, start timeout."))
     elastic: ElasticSpec | None = Field(None, description=(
         "Let the gang shrink when pods cannot be placed and grow back when capacity returns, resuming from the "
-        "checkpoint each time (the built-in trainer, spec.checkpoint.path set). Unset: the gang keeps its size."))
+        "checkpoint each time (the built-in trainer, spec.checkpoint.path set; not with objective minGPUs). Unset: "
+        "the gang keeps its size."))
     pod: PodSpec = Field(default_factory=PodSpec)
     entrypoint: Entrypoint | None = Field(None, description=(
         "Run your own training program instead of the built-in trainer (model, data, training, checkpoint and "
@@ -907,8 +909,8 @@ def elastic_problems(spec: Spec) -> list[tuple[str, str]]:
         out.append(("spec.elastic", ELASTIC_NEEDS_THE_TRAINER))
     elif not spec.checkpoint.path:
         out.append(("spec.elastic", ELASTIC_NEEDS_A_CHECKPOINT))
-    if spec.parallelism.mode == "auto":
-        out.append(("spec.elastic", ELASTIC_NEEDS_MANUAL))
+    if spec.parallelism.objective == "minGPUs":
+        out.append(("spec.elastic", ELASTIC_NOT_WITH_MIN_GPUS))
     return out
 
 
