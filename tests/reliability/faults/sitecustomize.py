@@ -27,8 +27,8 @@
                                        <rounds> rounds of in-place restarts (TORCHELASTIC_RESTART_COUNT), in the first
                                        gang attempt only (PARATRAIN_RESTART_ATTEMPT, where set, 0); the time of each
                                        exit appended to $PARATRAIN_TEST_FAULT_LOG, where set
-    slow_steps:<seconds>               every rank sleeps <seconds> after each optimizer step (a larger model's step
-                                       time, so that a live test can act while it trains)
+    slow_steps:<seconds>               every rank sleeps <seconds> after each optimizer step, on either engine (a
+                                       larger model's step time, so that a live test can act while it trains)
 """
 
 import os
@@ -137,16 +137,20 @@ if FAULT:
     elif kind == "slow_steps":
         import time
 
-        from paratrain.train import engine
+        from paratrain.train import deepspeed_engine, engine
 
-        pause, original_step = float(args[0]), engine.TorchEngine.optimizer_step
+        pause = float(args[0])
 
-        def optimizer_step(self, lr):
-            outcome = original_step(self, lr)
-            time.sleep(pause)
-            return outcome
+        def slowed(original):
+            def optimizer_step(self, lr):
+                outcome = original(self, lr)
+                time.sleep(pause)
+                return outcome
+            return optimizer_step
 
-        engine.TorchEngine.optimizer_step = optimizer_step
+        # both engines: a mode auto job's planner may choose ZeRO on DeepSpeed
+        for cls in (engine.TorchEngine, deepspeed_engine.DeepSpeedEngine):
+            cls.optimizer_step = slowed(cls.optimizer_step)
     elif kind == "hang_at":
         import time
 
