@@ -4,6 +4,7 @@ validate --explain` as a user runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,7 +17,8 @@ import pytest
 from paratrain.api import hardware, planner
 from paratrain.api.load import parse_job
 from paratrain.api.memory import largest_peak, predict
-from paratrain.api.spec import cross_field_problems
+from paratrain.api.planner import step_time
+from paratrain.api.spec import Spec, cross_field_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = hardware.accelerator("H100-80GB")
@@ -242,3 +244,22 @@ def test_validate_and_run_plan_a_mode_auto_job_here(tmp_path):
     assert planned, ran.stderr
     assert f"shakespeare: {planned.group(1).replace(' x ', ' × ')}, fp32; 2 local processes" in ran.stderr
     assert "finished 3 steps" in ran.stderr
+
+
+def test_a_group_spanning_more_ranks_than_a_topology_domain_holds_crosses_the_spine():
+    """ranksPerDomain 16 on 4 nodes of 8 H100s: a data-parallel group of 32 ranks (tensor 1, pipeline 1) crosses
+    domains and reduces at the cross-domain bandwidth (half the network's by default); with pipeline 2 each stage's
+    16 ranks stay in a domain and only the pipeline's sends cross it."""
+    def spec(pipeline: int, per: int | None) -> Spec:
+        topology = {"topology": {"level": "x.io/rack", **({"ranksPerDomain": per} if per else {})}}
+        return Spec.model_validate({"nodes": 4, "procsPerNode": 8, "model": {"preset": "llama3-1b"},
+                                    "parallelism": {"data": 32 // pipeline, "pipeline": pipeline,
+                                                    "microbatches": 4 if pipeline > 1 else 1},
+                                    "training": {"batchSize": 128}, "scheduling": topology, "precision": "bf16"})
+    flat, split = step_time(spec(1, None), 128256, H100, 8), step_time(spec(1, 16), 128256, H100, 8)
+    assert split["data"] > flat["data"] and split["tensor"] == flat["tensor"]
+    staged = step_time(spec(2, 16), 128256, H100, 8)
+    assert staged["data"] == step_time(spec(2, None), 128256, H100, 8)["data"]  # 16 ranks: inside a domain
+    assert staged["pipeline"] > step_time(spec(2, None), 128256, H100, 8)["pipeline"]  # the sends cross it
+    stated = dataclasses.replace(H100, cross_domain_bytes_per_second=H100.network_bytes_per_second)
+    assert step_time(spec(1, 16), 128256, stated, 8)["data"] == flat["data"]  # a non-blocking spine: no cost

@@ -25,6 +25,13 @@ class Accelerator:
     network_bytes_per_second: float  # across nodes, per GPU and direction
     memory_bytes_per_second: float = 2e12  # the device memory's (HBM) bandwidth: what the optimizer step streams
     gpus_per_node: int = 8
+    # across topology domains (spec.scheduling.topology: over the spine), per GPU and direction; 0: half the
+    # network's (a 2:1 oversubscribed spine), where the platform's planner.crossDomainBandwidth says nothing
+    cross_domain_bytes_per_second: float = 0.0
+
+    @property
+    def cross_domain(self) -> float:
+        return self.cross_domain_bytes_per_second or self.network_bytes_per_second / 2
 
     def flops(self, precision: str, tf32: bool) -> float:
         """The peak a job's matmuls can reach in `precision` (fp32 with spec.tf32: TF32 tensor cores)."""

@@ -6,7 +6,9 @@ second).
 A layout is data x tensor x pipeline degrees, the ZeRO stage, the pipeline schedule and microbatches, activation
 checkpointing and gradient accumulation; the global batch (training.batchSize x blockSize tokens) stays fixed.
 Tensor parallel stays within a node; the mesh is (pipeline, data, tensor), tensor innermost (ParallelDims), so a
-data-parallel or pipeline group crosses nodes once it spans more ranks than a node has. Within 10% of the fastest
+data-parallel or pipeline group crosses nodes once it spans more ranks than a node has, and a topology domain
+(spec.scheduling.topology.ranksPerDomain) once it spans more than that, at the cross-domain bandwidth (the spine's:
+the platform's planner.crossDomainBandwidth, else half the network's). Within 10% of the fastest
 layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
 model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
 
@@ -135,8 +137,12 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         busy = compute * oversubscription
         compute, bubble = busy, max(0.0, compute + bubble - busy)
 
-    def link(span: int) -> float:  # a group of `span` consecutive ranks: within a node, or across
-        bw = gpu.node_bytes_per_second if span <= gpus_per_node else gpu.network_bytes_per_second
+    topology = spec.scheduling.topology
+    domain = topology.ranks_per_domain if topology else None  # ranks kept in one domain; more cross the spine
+
+    def link(span: int) -> float:  # a group of `span` consecutive ranks: within a node, a domain, or across
+        bw = gpu.node_bytes_per_second if span <= gpus_per_node else gpu.network_bytes_per_second \
+            if not domain or span <= domain else min(gpu.network_bytes_per_second, gpu.cross_domain)
         return bw * COMMUNICATION_EFFICIENCY
 
     rank_tokens = tokens / p.data
@@ -172,7 +178,7 @@ def cross_domain_seconds(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per
     base = step_time(spec, vocab_size, gpu, gpus_per_node)["total"]
     slow = step_time(spec, vocab_size, replace(gpu, network_bytes_per_second=min(
         gpu.network_bytes_per_second, cross_domain_bytes_per_second)), gpus_per_node)["total"]
-    return base, slow - base
+    return base, max(0.0, slow - base)
 
 
 def _divisors(n: int) -> list[int]:

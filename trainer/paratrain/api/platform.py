@@ -112,15 +112,17 @@ class PlannerProfile(_Model):
     def links(self, gpu: Accelerator) -> Accelerator:
         """`gpu` with this cluster's link bandwidths where the profile states them."""
         changes = {k: float(parse_bytes(v)) for k, v in (("node_bytes_per_second", self.node_bandwidth),
-                                                         ("network_bytes_per_second", self.network_bandwidth)) if v}
+                                                         ("network_bytes_per_second", self.network_bandwidth),
+                                                         ("cross_domain_bytes_per_second", self.cross_domain_bandwidth))
+                   if v}
         return replace(gpu, **changes)
 
     def cross_domain(self, gpu: Accelerator) -> tuple[float, str]:
         """Bytes a second across topology domains for `gpu` (its links as this profile states them), and whence."""
         if self.cross_domain_bandwidth:
-            return float(parse_bytes(self.cross_domain_bandwidth)), "the platform's planner.crossDomainBandwidth"
-        return self.links(gpu).network_bytes_per_second / 2, "half the network bandwidth (a 2:1 spine; the " \
-            "platform's planner.crossDomainBandwidth states yours)"
+            return self.links(gpu).cross_domain, "the platform's planner.crossDomainBandwidth"
+        return self.links(gpu).cross_domain, "half the network bandwidth (a 2:1 spine; the platform's " \
+            "planner.crossDomainBandwidth states yours)"
 
 
 class Platform(_Model):
