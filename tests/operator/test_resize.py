@@ -16,7 +16,7 @@ from paratrain_operator.clock import to_iso
 from paratrain_operator.gang import GangState, Policy
 from paratrain_operator.observe import PodView
 from paratrain_operator.reconcile import _sizes_that_fit, at_its_size
-from paratrain_operator.render import probe_pods
+from paratrain_operator.render import gang_objects, probe_pods
 
 NOW = datetime(2026, 12, 6, 12, 0, 0, tzinfo=timezone.utc)
 LONG_AGO = to_iso(NOW - timedelta(minutes=10))
@@ -264,3 +264,12 @@ def test_the_operator_asks_the_planner_whether_a_size_fits():
     fits = asyncio.run(_sizes_that_fit(ranked))
     assert fits(4) and not fits(2)  # 2 ranks do not fill a domain of 4
     assert asyncio.run(_sizes_that_fit(job())) is resize.any_size  # mode manual: its rules alone
+
+
+@pytest.mark.parametrize("scheduler,count", [("kubernetes", "minCount"), ("volcano", "minMember"),
+                                             ("coscheduling", "minMember")])
+def test_each_attempts_pod_group_asks_for_the_gang_at_its_size(scheduler, count):
+    shrunk = at_its_size(job(scheduling={"gang": scheduler}), GangState(nodes=2))
+    [group] = [o for o in gang_objects(shrunk, "ns", 3) if o["kind"] == "PodGroup"]
+    policy = group["spec"].get("schedulingPolicy", {}).get("gang", group["spec"])
+    assert policy[count] == 2
