@@ -11,6 +11,7 @@ import pytest
 
 from .support.cluster import fake_job, fake_trainer_command
 from .support.real_cluster import RealCluster
+from .support.server import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 RACK = "network.example.com/rack"
@@ -33,7 +34,9 @@ def test_a_gang_split_across_racks_is_shown_by_rack_and_its_outlier_named_with_t
         assert placed and placed["level"] == RACK and placed["splitGroups"] == 1, cluster.diagnostics(ns, "split")
         assert sorted(d["domain"] for d in placed["domains"]) == ["a", "b"], placed
         assert sorted(d["nodeRanks"] for d in placed["domains"]) == ["0", "1"], placed
-        events = [e for e in cluster.events(ns, "split") if e["reason"] == "SplitAcrossDomains"]
+        # posted right after the status write that carries the placement: it may trail the status by a moment
+        events = wait_for(lambda: [e for e in cluster.events(ns, "split") if e["reason"] == "SplitAcrossDomains"], 15,
+                          "the SplitAcrossDomains Event")
         assert len(events) == 1 and events[0]["type"] == "Warning", cluster.event_reasons(ns, "split")
         said = events[0]["message"]
         assert "node rank 1 (pod split-0-1 on node rack-" in said and "(node ranks 0-1)" in said, said
