@@ -606,20 +606,8 @@ async def gpu_node_labels(label: str) -> list[dict[str, str]] | None:
     global _node_labels
     if _node_labels is not None and time.monotonic() - _node_labels[0] < NODE_LABELS_SECONDS:
         return _node_labels[1]
-    labels: list[dict[str, str]] | None = []
-    token = ""
-    try:
-        while True:
-            params = {"labelSelector": label, "limit": "500", **({"continue": token} if token else {})}
-            page = await client().request("GET", api_path("v1", "nodes", None), params=params)
-            labels += [dict((item.get("metadata") or {}).get("labels") or {}) for item in page.get("items") or []]
-            token = (page.get("metadata") or {}).get("continue") or ""
-            if not token:
-                break
-    except ApiError as exc:
-        if exc.status != 403:
-            raise
-        labels = None
+    nodes = await _nodes_labelled(label)
+    labels = None if nodes is None else [node_labels for _, node_labels in nodes]
     _node_labels = (time.monotonic(), labels)
     return labels
 
@@ -627,18 +615,25 @@ async def gpu_node_labels(label: str) -> list[dict[str, str]] | None:
 async def node_domains(level: str) -> dict[str, str] | None:
     """Each node's value of label `level` (the nodes that carry it), a page at a time; None when the operator may
     not list nodes (a namespaced install)."""
-    domains: dict[str, str] = {}
+    nodes = await _nodes_labelled(level)
+    return None if nodes is None else {name: labels.get(level, "") for name, labels in nodes}
+
+
+async def _nodes_labelled(label: str) -> list[tuple[str, dict[str, str]]] | None:
+    """(name, labels) of every node that carries `label`, listed a page of 500 at a time; None when the operator
+    may not list nodes (a namespaced install)."""
+    out: list[tuple[str, dict[str, str]]] = []
     token = ""
     try:
         while True:
-            params = {"labelSelector": level, "limit": "500", **({"continue": token} if token else {})}
+            params = {"labelSelector": label, "limit": "500", **({"continue": token} if token else {})}
             page = await client().request("GET", api_path("v1", "nodes", None), params=params)
             for item in page.get("items") or []:
                 meta = item.get("metadata") or {}
-                domains[str(meta.get("name"))] = str((meta.get("labels") or {}).get(level, ""))
+                out.append((str(meta.get("name")), dict(meta.get("labels") or {})))
             token = (page.get("metadata") or {}).get("continue") or ""
             if not token:
-                return domains
+                return out
     except ApiError as exc:
         if exc.status != 403:
             raise
