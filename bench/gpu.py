@@ -218,7 +218,7 @@ import torch
 import torch.distributed as dist
 from paratrain.api import parse_job
 from paratrain.train.engine import TorchEngine
-from paratrain.train.loop import mean_over_reporters
+from paratrain.train.loop import train_step
 from paratrain.train.models.registry import build_model, model_config
 from paratrain.train.parallel.dims import ParallelDims
 from paratrain.train.parallel.precision import LossScaler
@@ -245,9 +245,7 @@ for step in range(4):
         torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as said, HostReads() as counted:
         warnings.simplefilter("always")
-        loss = engine.forward_backward(micro)
-        engine.optimizer_step(1e-4)
-        mean_over_reporters(loss, device, flags=(False, False))
+        train_step(engine, micro, 1e-4, device, flags=lambda: (False, False))
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode(0)
     if step:
@@ -260,8 +258,9 @@ print(json.dumps({"host_reads_per_step": reads, "cuda_syncs_per_step": syncs}))
 def step_syncs(dry_run: bool) -> dict:
     """How many times one training step (2 micro-steps, the optimizer, the loss report) makes the host wait for
     the device: the reads paratrain.train.perf.HostReads counts, and on a GPU the synchronizing CUDA calls torch's
-    sync debug mode warns of (torch.cuda.set_sync_debug_mode), per step after the first. Two are expected (the
-    gradient norm, the loss with the ranks' flags; tests/trainer/test_engine.py counts them on CPU). On a GPU the
+    sync debug mode warns of (torch.cuda.set_sync_debug_mode), per step after the first. One is expected
+    (loop.train_step's read: the loss, the ranks' flags and the gradient norm together; tests/trainer/test_engine.py
+    counts it on CPU). On a GPU the
     CUDA count is the one to read: HostReads also counts AdamW's .item() of its CPU step counters, no sync."""
     args = ["cpu", "fp32"] if dry_run else ["cuda", "bf16"]
     proc = subprocess.run([sys.executable, "-c", SYNCS, *args], capture_output=True, text=True, timeout=300)

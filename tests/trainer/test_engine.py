@@ -126,18 +126,18 @@ def test_a_single_process_agrees_on_its_loss_and_flags_without_a_collective(one_
         raise AssertionError("a collective in a one-process run")
 
     monkeypatch.setattr(dist, "all_reduce", no_collective)
-    assert mean_over_reporters(2.5, torch.device("cpu"), flags=(False, True)) == (2.5, (False, True))
+    assert mean_over_reporters(2.5, torch.device("cpu"), flags=(False, True)) == (2.5, (False, True), None)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_a_step_reads_the_device_twice_whatever_its_micro_steps_and_loss_pieces(precision, one_rank_group,
-                                                                              monkeypatch):
+def test_a_step_reads_the_device_once_whatever_its_micro_steps_and_loss_pieces(precision, one_rank_group,
+                                                                             monkeypatch):
     """Issue 44: a read per micro-step's loss and a boolean mask per 4,096-token loss piece made the host wait
-    on the device many times a step. Now a step reads twice: its gradient norm (the skip and the clip are
-    decided on the host) and its loss (with the ranks' flags, in loop.mean_over_reporters), whatever the
-    gradient accumulation and however many pieces the loss takes."""
+    on the device many times a step, and the gradient norm was read apart from the loss. Now a step reads once
+    (loop.train_step): its loss, the ranks' flags and its gradient norm in one tensor, before the update whose
+    skip and clip the norm decides, whatever the gradient accumulation and however many pieces the loss takes."""
     from paratrain.train import loss as loss_module
-    from paratrain.train.loop import mean_over_reporters
+    from paratrain.train.loop import train_step
     from paratrain.train.perf import HostReads
 
     monkeypatch.setattr(loss_module, "CE_CHUNK_TOKENS", 8)  # 32 tokens a micro-step: 4 pieces each
@@ -148,8 +148,22 @@ def test_a_step_reads_the_device_twice_whatever_its_micro_steps_and_loss_pieces(
     micro = list(zip(x.chunk(4), y.chunk(4), strict=True))
     for _ in range(2):
         with HostReads() as counted:
-            loss = engine.forward_backward(micro)
-            outcome = engine.optimizer_step(lr=0.1)
-            reported, _ = mean_over_reporters(loss, torch.device("cpu"), flags=(False, False))
-        assert counted.reads == ["item", "__float__"], counted.reads  # the norm, then the loss
-        assert outcome.applied and 0 < reported < 10
+            trained = train_step(engine, micro, 0.1, torch.device("cpu"), flags=lambda: (False, True))
+        assert counted.reads == ["tolist"], counted.reads
+        assert trained.outcome.applied and 0 < trained.loss < 10 and trained.flags == (False, True)
+        assert 0 < trained.outcome.grad_norm < 100
+
+
+def test_a_step_whose_gradient_norm_is_not_finite_is_skipped_from_the_one_read(one_rank_group):
+    """The norm read with the loss still decides the skip: an fp16 overflow leaves the weights as they were and
+    halves the loss scale."""
+    from paratrain.train.loop import train_step
+
+    engine, weights = torch_engine("fp16")
+    before = weights()
+    engine.scaler.scale = 2.0**200  # every scaled gradient overflows
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1), generator=torch.Generator().manual_seed(4))
+    trained = train_step(engine, [(tokens[:, :-1], tokens[:, 1:])], 0.1, torch.device("cpu"))
+    assert not trained.outcome.applied and trained.outcome.grad_norm == float("inf")
+    assert engine.scaler.scale == 2.0**199
+    assert torch.equal(weights(), before)

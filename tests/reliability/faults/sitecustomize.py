@@ -103,8 +103,8 @@ if FAULT:
             finally:
                 self.scaler.scale = real
 
-        def optimizer_step(self, lr):
-            outcome = original_step(self, lr)
+        def optimizer_step(self, lr, *args):
+            outcome = original_step(self, lr, *args)
             print("fault-scale", json.dumps({"step": calls["step"], "applied": outcome.applied,
                                              "scale": self.scaler.scale}), flush=True)
             calls["step"] += 1
@@ -119,8 +119,8 @@ if FAULT:
         original_step = engine.TorchEngine.optimizer_step
         steps = {"done": 0}
 
-        def optimizer_step(self, lr):
-            outcome = original_step(self, lr)
+        def optimizer_step(self, lr, *args):
+            outcome = original_step(self, lr, *args)
             steps["done"] += 1
             faulty = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < rounds and \
                 os.environ.get("PARATRAIN_RESTART_ATTEMPT", "0") == "0"
@@ -142,8 +142,8 @@ if FAULT:
         pause = float(args[0])
 
         def slowed(original):
-            def optimizer_step(self, lr):
-                outcome = original(self, lr)
+            def optimizer_step(self, lr, *args):
+                outcome = original(self, lr, *args)
                 time.sleep(pause)
                 return outcome
             return optimizer_step
@@ -160,8 +160,8 @@ if FAULT:
         original_step = engine.TorchEngine.optimizer_step
         steps = {"done": 0}
 
-        def optimizer_step(self, lr):
-            outcome = original_step(self, lr)
+        def optimizer_step(self, lr, *args):
+            outcome = original_step(self, lr, *args)
             steps["done"] += 1
             first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if _rank() == hang_rank and steps["done"] == hang_step and first_round:
@@ -180,8 +180,8 @@ if FAULT:
         original_step = engine.TorchEngine.optimizer_step
         steps = {"done": 0}
 
-        def optimizer_step(self, lr):
-            outcome = original_step(self, lr)
+        def optimizer_step(self, lr, *args):
+            outcome = original_step(self, lr, *args)
             steps["done"] += 1
             if _rank() == lost_rank and steps["done"] == lost_step:
                 agent = os.getppid()  # a program's parent; a forked worker's is the agent's fork server

@@ -109,7 +109,7 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from paratrain.train.parallel.dims import ParallelDims
-    from paratrain.train.engine import global_grad_norm
+    from paratrain.train.engine import global_grad_norm_square
     from paratrain.train.models.llama import LlamaConfig
     from paratrain.train.models.registry import build_model
     from paratrain.train.models.weights import init_weights
@@ -128,7 +128,7 @@ def grad_norm_collectives(rank: int, store_file: str, out: str) -> None:
         expected = torch.sqrt(sum(torch.linalg.vector_norm(
             p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).square() for p in params)).item()
         with collective_counter() as comm:
-            norm = global_grad_norm(params, ParallelDims(dp=1, tp=2, pp=1, world_size=2))
+            norm = global_grad_norm_square(params, ParallelDims(dp=1, tp=2, pp=1, world_size=2)).sqrt().item()
         # The optimizer over TP shards and plain norms alike steps with torch's fused kernel.
         from paratrain.api.spec import TrainingSpec
         from paratrain.train.optim import build_optimizer

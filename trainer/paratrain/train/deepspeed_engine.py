@@ -163,7 +163,11 @@ class DeepSpeedEngine:
                 self.ds.step()
         return torch.stack(losses).double().mean()
 
-    def optimizer_step(self, lr: float) -> StepResult:
+    def grad_norm_square(self) -> None:
+        """None: DeepSpeed computes and reads the norm inside its step (its overflow check and clip)."""
+        return None
+
+    def optimizer_step(self, lr: float, norm_square: float | None = None) -> StepResult:
         self.last_grad_bytes = self._grad_bytes()
         for group in self.zero.param_groups:
             group["lr"] = lr

@@ -1,9 +1,9 @@
 """TorchEngine: one training step for every torch-native layout (DDP, TP, PP, FSDP2/ZeRO-1, and their mixes).
 
-The loop talks to an engine through forward_backward, optimizer_step, evaluate, state_bytes and the checkpoint
-calls — state_dict / restore (the model and optimizer, FQN-keyed tensors that any layout can read back),
-extra_state / load_extra_state (the loss scaler, JSON), rank_state / load_rank_state (this rank's own RNG stream,
-not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
+The loop talks to an engine through forward_backward, grad_norm_square, optimizer_step, evaluate, state_bytes and
+the checkpoint calls — state_dict / restore (the model and optimizer, FQN-keyed tensors that any layout can read
+back), extra_state / load_extra_state (the loss scaler, JSON), rank_state / load_rank_state (this rank's own RNG
+stream, not reshardable) — so the DeepSpeed engine (deepspeed_engine.py) can stand in for it unchanged.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from .parallel.data_parallel import OverlappedGradReducer
 from .parallel.dims import ParallelDims
 from .parallel.precision import LossScaler, autocast
 from .parallel.tensor_parallel import RNGStream
-from .parallel.tensors import host_norm, local, local_bytes
+from .parallel.tensors import local, local_bytes, norm_of_square
 from .parallel.zero1 import ZeroOneOptimizer, optimizer_state_bytes
 
 
 @torch.no_grad()
-def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
-    """L2 norm of the whole model's gradient, the same on every rank: the squares of each rank's own shards summed
-    locally (one foreach kernel per group, not three small ones per parameter), then one all-reduce per (mesh,
-    sharded mesh dim) group of DTensor gradients (not a collective per parameter: llama3-1b under FSDP2 has 147),
-    pipeline stages summed over "pp"."""
+def global_grad_norm_square(params: list[nn.Parameter], dims: ParallelDims) -> torch.Tensor:
+    """The squared L2 norm of the whole model's gradient, on the device, the same on every rank: the squares of
+    each rank's own shards summed locally (one foreach kernel per group, not three small ones per parameter), then
+    one all-reduce per (mesh, sharded mesh dim) group of DTensor gradients (not a collective per parameter:
+    llama3-1b under FSDP2 has 147), pipeline stages summed over "pp"."""
     device = params[0].device if params else "cpu"
     plain: list[torch.Tensor] = []
     sharded: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
@@ -64,7 +64,7 @@ def global_grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> float:
         total_sq += square
     if dims.pp_enabled:
         dist.all_reduce(total_sq, group=dims.group("pp"))
-    return host_norm(total_sq)
+    return total_sq
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
@@ -164,10 +164,22 @@ class TorchEngine:
         return torch.stack([loss.detach() for loss in losses]).mean() / self.loss_multiplier if last else None
 
     @torch.no_grad()
-    def optimizer_step(self, lr: float) -> StepResult:
+    def grad_norm_square(self) -> torch.Tensor:
+        """The step's squared gradient norm (fp16: of the scaled gradients) on the device, the same on every rank
+        once its collectives ran: the loop reads it with the loss and the ranks' flags (loop.train_step), the
+        step's one host read."""
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            return self.optimizer.grad_norm_square(self.dims.tp)
+        return global_grad_norm_square(self.params, self.dims)
+
+    @torch.no_grad()
+    def optimizer_step(self, lr: float, norm_square: float | None = None) -> StepResult:
+        """Skip (a norm that is not finite), unscale and clip, then step. `norm_square`: grad_norm_square() as the
+        loop read it; None reads it here (a host read of its own)."""
         grads = self._step_grads()
-        scaled_norm = (self.optimizer.grad_norm(self.dims.tp) if isinstance(self.optimizer, ZeroOneOptimizer)
-                       else global_grad_norm(self.params, self.dims))
+        if norm_square is None:
+            norm_square = self.grad_norm_square().item()
+        scaled_norm = norm_of_square(norm_square)
         loss_scale = self.scaler.factor  # what this step's loss was multiplied by; update() may grow the scale
         grad_norm = scaled_norm / loss_scale
         applied = self.scaler.update(scaled_norm)

@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ..rounds import beat, heartbeat_file
 from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .host_memory import HostPhases
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
+from .engine import StepResult
 from .parallel.dims import ParallelDims
 from .parallel.tensor_parallel import reseeded
 from .perf import SteadyRate
@@ -35,15 +37,20 @@ def lr_at(step: int, t: TrainingSpec) -> float:
     return t.min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_learning_rate)
 
 
-def mean_over_reporters(value: torch.Tensor | float | None, device: torch.device,
-                        flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
+def mean_over_reporters(value: torch.Tensor | float | None, device: torch.device, flags: tuple[bool, ...] = (),
+                        norm_square: torch.Tensor | None = None) -> tuple[float, tuple[bool, ...], float | None]:
     """Average a loss (a device tensor, or a number) over the ranks that computed one (pipeline last stages), so
-    every rank gets the same value; and for each of `flags`, whether any rank raised it (rank 0's "a timed
-    checkpoint is due", a rank's SIGTERM), in the same all-reduce. The step's one read of its loss: the tensor is
-    filled on the device (no host-to-device copy, which waits for the stream too) and read once."""
+    every rank gets the same value; for each of `flags`, whether any rank raised it (rank 0's "a timed checkpoint
+    is due", a rank's SIGTERM), in the same all-reduce; and `norm_square`, the step's squared gradient norm, which
+    every rank already holds alike, read with them. The step's one host read: the tensor is filled on the device
+    (no host-to-device copy, which waits for the stream too) and read once."""
     if dist.get_world_size() == 1:  # nothing to agree on: a collective per step for nothing
         assert value is not None, "a single process computes every loss"
-        return float(value), tuple(flags)
+        if norm_square is None:
+            return float(value), tuple(flags), None
+        assert isinstance(value, torch.Tensor), "a step's loss is a device tensor"
+        mean, square = torch.stack([value.double(), norm_square.double()]).tolist()
+        return mean, tuple(flags), square
     t = torch.zeros(2 + len(flags), dtype=torch.float64, device=device)
     if value is not None:
         t[0] = value
@@ -52,8 +59,35 @@ def mean_over_reporters(value: torch.Tensor | float | None, device: torch.device
         if flag:
             t[2 + i] = 1.0
     dist.all_reduce(t)
+    if norm_square is not None:
+        t = torch.cat([t, norm_square.double().reshape(1)])
     mean, count, *raised = t.tolist()
-    return mean / count, tuple(r > 0 for r in raised)
+    square = raised.pop() if norm_square is not None else None
+    return mean / count, tuple(r > 0 for r in raised), square
+
+
+@dataclass
+class TrainedStep:
+    loss: float  # the mean over the ranks that computed it
+    flags: tuple[bool, ...]  # raised by any rank
+    outcome: StepResult
+    forward_backward_seconds: float  # to the step's read, which waits for the device
+    optimizer_seconds: float  # on a GPU, launching the update: its kernels run on into the next step's read
+
+
+def train_step(engine, micro_batches: list, lr: float, device: torch.device,
+               flags: Callable[[], tuple[bool, ...]] = tuple) -> TrainedStep:
+    """One optimizer step as the loop takes it: forward and backward over the micro-batches, the gradient norm's
+    collectives, then the step's one host read (mean_over_reporters: the loss, the ranks' `flags`, asked for just
+    before it, and the norm), then the update, whose skip and clip the norm decides on the host. DeepSpeed's
+    engine reads its own norm inside its step (grad_norm_square: None)."""
+    t0 = time.perf_counter()
+    local_loss = engine.forward_backward(micro_batches)
+    square = engine.grad_norm_square()
+    loss, raised, norm_square = mean_over_reporters(local_loss, device, flags(), square)
+    t1 = time.perf_counter()
+    outcome = engine.optimizer_step(lr, norm_square)
+    return TrainedStep(loss, raised, outcome, t1 - t0, time.perf_counter() - t1)
 
 
 @dataclass
@@ -64,7 +98,7 @@ class RunResult:
     skipped_steps: int = 0
     tokens_per_second: float = 0.0  # at steady state (perf.SteadyRate)
     rate_skips_steps: int = 0  # the run's first steps SteadyRate left out
-    # This run's steps (not those before a resume), summed; each part ends in a .item(), which waits for the device.
+    # This run's steps (not those before a resume), summed (TrainedStep's parts).
     forward_backward_seconds: float = 0.0
     optimizer_seconds: float = 0.0
     start_step: int = 0
@@ -190,6 +224,10 @@ class Trainer:
         if step is not None:
             self._emit("checkpoint", step=step)
 
+    def _step_flags(self, train_time: float) -> tuple[bool, bool]:
+        """What a step tells every rank with its loss: a timed checkpoint is due, this rank was asked to stop."""
+        return self._timed_save_due(train_time), bool(self.stop and self.stop.requested)
+
     def _timed_save_due(self, train_time: float) -> bool:
         """Rank 0's view (the flag is all-reduced with the step's loss, so every rank saves at the same step): the
         job saves by minutes (checkpoint.interval unset) and intervalMinutes of training have passed since the
@@ -230,16 +268,11 @@ class Trainer:
         for step in range(r.start_step, t.steps):
             self.step_in_flight = step + 1
             t0 = time.perf_counter()
-            micro_batches = self._micro_batches(step)
-            t_forward = time.perf_counter()
-            local_loss = self.engine.forward_backward(micro_batches)
-            t_optimizer = time.perf_counter()
-            outcome = self.engine.optimizer_step(lr_at(step, t))
-            r.forward_backward_seconds += t_optimizer - t_forward
-            r.optimizer_seconds += time.perf_counter() - t_optimizer
-            asked_to_stop = bool(self.stop and self.stop.requested)
-            loss, (timed_save, stop) = mean_over_reporters(
-                local_loss, self.device, flags=(self._timed_save_due(train_time), asked_to_stop))
+            trained = train_step(self.engine, self._micro_batches(step), lr_at(step, t), self.device,
+                                 flags=functools.partial(self._step_flags, train_time))
+            r.forward_backward_seconds += trained.forward_backward_seconds
+            r.optimizer_seconds += trained.optimizer_seconds
+            loss, (timed_save, stop), outcome = trained.loss, trained.flags, trained.outcome
             dt = time.perf_counter() - t0
             train_time += dt
             rate.add(dt)

@@ -72,8 +72,7 @@ def in_batches(sizes: list[int], budget: int) -> list[range]:
     return ranges
 
 
-def host_norm(square_sum: torch.Tensor) -> float:
-    """The norm of a summed square, read to the host once (the step's skip and clip need it there: the step's
-    second host sync, beside its loss's); inf where not finite."""
-    value = square_sum.item()
+def norm_of_square(value: float) -> float:
+    """The norm of a summed square the host has read (the step's skip and clip are decided on the host); inf where
+    not finite."""
     return math.sqrt(value) if math.isfinite(value) else math.inf

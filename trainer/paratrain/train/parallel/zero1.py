@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .data_parallel import OverlappedGradReducer
-from .tensors import host_norm, local, local_bytes, save_owners
+from .tensors import local, local_bytes, save_owners
 
 
 class ZeroOneOptimizer:
@@ -65,16 +65,16 @@ class ZeroOneOptimizer:
         return grads
 
     @torch.no_grad()
-    def grad_norm(self, tp: int) -> float:
-        """L2 norm of the whole model's mean gradient, the same on every rank: each rank sums its shard's squares,
-        then one all-reduce over the world, which the (pp, dp, tp) mesh spans, adds dp shards, tp shards and pp
-        stages. A parameter the `tp` tensor-parallel ranks hold alike (embeddings, norms, the head, replicated
-        DTensors) is weighed 1/tp there, so it counts once."""
+    def grad_norm_square(self, tp: int) -> torch.Tensor:
+        """The squared L2 norm of the whole model's mean gradient, on the device, the same on every rank: each rank
+        sums its shard's squares, then one all-reduce over the world, which the (pp, dp, tp) mesh spans, adds dp
+        shards, tp shards and pp stages. A parameter the `tp` tensor-parallel ranks hold alike (embeddings, norms,
+        the head, replicated DTensors) is weighed 1/tp there, so it counts once."""
         total = torch.zeros((), dtype=torch.float32, device=self.reducer.buckets[0].device)
         for grad, (p, *_) in zip(self.grads(), (piece for pieces in self.pieces for piece in pieces), strict=True):
             total += grad.float().square().sum() / (1 if tp_sharded(p) else tp)
         dist.all_reduce(total)
-        return host_norm(total)
+        return total
 
     @torch.no_grad()
     def step(self) -> None:
