@@ -218,7 +218,8 @@ def probe_pods(job: ParallelTrainJob, namespace: str, attempt: int, ranks: Colle
     """An elastic gang's placeholder pods for node ranks `ranks` of a larger gang (paratrain_operator.resize), `group`
     in all: rank 0's pod as the gang's scheduling, resources and volumes make it, less what a rank is (its rank, env,
     ports, hostname, pod group, topology group), sleeping. Outside the gang's pod group and scheduler, so that one
-    is placed wherever a pod fits; under Kueue, a group of their own."""
+    is placed wherever a pod fits within the domain the grown gang needs it in (topology.probe_placement); under
+    Kueue, a group of their own."""
     plan = plan_gang(job, namespace, attempt, ranks=(0,))
     rank0, name = plan.nodes[0], job.metadata.name
     dropped = {contract.LABEL_NODE_RANK, COSCHEDULING_GROUP_LABEL, *kueue.pod_labels(job, attempt),
@@ -227,11 +228,11 @@ def probe_pods(job: ParallelTrainJob, namespace: str, attempt: int, ranks: Colle
     alone = replace(plan, gang="none", scheduler_name=None, pod_group=None)
     out = []
     for rank in sorted(set(ranks)):
-        labels = {k: v for k, v in rank0.labels.items() if k not in dropped} | queued_labels | {
+        group_labels, affinity = topology.probe_placement(job, attempt, rank)
+        labels = {k: v for k, v in rank0.labels.items() if k not in dropped} | queued_labels | group_labels | {
             contract.LABEL_PROBE: str(rank)}
         node = replace(rank0, rank=rank, pod_name=contract.probe_name(name, attempt, rank), labels=labels,
-                       annotations=dict(job.spec.pod.annotations) | queued_annotations, env=(),
-                       affinity=job.spec.scheduling.affinity)
+                       annotations=dict(job.spec.pod.annotations) | queued_annotations, env=(), affinity=affinity)
         body = pod(alone, node, job.spec)
         for key in ("hostname", "subdomain", "initContainers"):  # a user's init (a data download) is the gang's
             body["spec"].pop(key, None)

@@ -9,6 +9,8 @@ for the rest.
   nodes per domain; one group without ranksPerDomain) and asks to share a domain of `level` with the pods of its
   group in its attempt, required or preferred. The first pod of a group matches itself, so it may go anywhere;
   the rest follow it. Volcano's own network topology needs HyperNode objects an admin defines, not node labels.
+- an elastic gang's placeholders (probe_placement): pod affinity for the domain the grown gang needs them in, or
+  under Kueue its TAS annotations on their own group.
 """
 
 from __future__ import annotations
@@ -49,16 +51,36 @@ def group_labels(job: ParallelTrainJob, rank: int) -> dict[str, str]:
 
 def affinity(job: ParallelTrainJob, attempt: int, rank: int) -> dict[str, Any] | None:
     """The pod's affinity: the spec's (scheduling.affinity, copied), with its group's pod affinity added."""
-    spec = job.spec
-    own = copy.deepcopy(spec.scheduling.affinity) if spec.scheduling.affinity else None
     per = nodes_per_group(job)
     if not per:
-        return own
-    t = spec.scheduling.topology
-    term = {"labelSelector": {"matchLabels": {contract.LABEL_JOB: job.metadata.name,
-                                              contract.LABEL_ATTEMPT: str(attempt), GROUP_LABEL: str(rank // per)}},
-            "topologyKey": t.level}
-    own = own or {}
+        return copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else None
+    return _sharing_a_domain(job, {contract.LABEL_JOB: job.metadata.name, contract.LABEL_ATTEMPT: str(attempt),
+                                   GROUP_LABEL: str(rank // per)})
+
+
+def probe_placement(job: ParallelTrainJob, attempt: int, rank: int) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """A placeholder's (render.probe_pods) labels and affinity, for node rank `rank` of a grown gang attempt
+    `attempt`'s pods run smaller: the domain the grown gang needs it in, whatever scheduler places the gang
+    (placeholders are placed alone, by the default scheduler). With ranksPerDomain the missing ranks are whole
+    groups (a legal size is a multiple of one, and the running pods' groups come first): each shares a domain with
+    its group's other placeholders; without, the whole gang is one group: it shares the running pods' domain.
+    Under Kueue none: TAS annotations on the placeholders' own group say it (kueue.probe_metadata)."""
+    t = job.spec.scheduling.topology
+    if not t or kueue.queue_name(job):
+        return {}, copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else None
+    match = {contract.LABEL_JOB: job.metadata.name, contract.LABEL_ATTEMPT: str(attempt)}
+    if not t.ranks_per_domain:
+        return {}, _sharing_a_domain(job, match)
+    group = {GROUP_LABEL: str(rank // (t.ranks_per_domain // job.spec.procs_per_node))}
+    return group, _sharing_a_domain(job, match | group)
+
+
+def _sharing_a_domain(job: ParallelTrainJob, match: dict[str, str]) -> dict[str, Any]:
+    """The spec's affinity (copied) with a pod affinity term: a domain of topology.level shared with the pods
+    matching `match`, required or preferred."""
+    t = job.spec.scheduling.topology
+    own = copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else {}
+    term = {"labelSelector": {"matchLabels": match}, "topologyKey": t.level}
     pod_affinity = own.setdefault("podAffinity", {})
     if t.mode == "required":
         pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)

@@ -222,6 +222,56 @@ def test_placeholders_carry_the_gangs_scheduling_but_no_rank_and_under_kueue_a_g
     assert spec["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
 
 
+GROUP = "paratrain.dev/topology-group"
+
+
+def required_terms(body: dict) -> list[dict]:
+    return body["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+
+@pytest.mark.parametrize("gang_scheduler", ["kubernetes", "none"])
+def test_placeholders_of_a_gang_kept_in_one_domain_share_the_running_pods_domain(gang_scheduler):
+    """Placeholders that run anywhere would grow a gang that then finds no domain for itself, waits and shrinks
+    again. Whole gang in one rack (the native PodGroup's constraint, or affinity): each placeholder asks for the
+    rack of the attempt's running pods (which match the same labels, so the first placeholder follows them)."""
+    racked = job(scheduling={"gang": gang_scheduler, "topology": {"level": "rack"}})
+    bodies = probe_pods(at_its_size(racked, GangState(nodes=2)), "ns", 1, [2, 3], group=2)
+    for body in bodies:
+        [term] = required_terms(body)
+        assert term == {"labelSelector": {"matchLabels": {contract.LABEL_JOB: "job", contract.LABEL_ATTEMPT: "1"}},
+                        "topologyKey": "rack"}
+        labels = body["metadata"]["labels"]
+        assert (labels[contract.LABEL_JOB], labels[contract.LABEL_ATTEMPT]) == ("job", "1") and GROUP not in labels
+
+
+def test_placeholders_of_a_gang_with_ranks_per_domain_are_placed_as_whole_groups():
+    """ranksPerDomain 2, grown from 2 to 6: ranks 2-3 and 4-5 are the missing groups; each pair shares a domain,
+    not necessarily the running pods' (group 0) nor each other's."""
+    racked = job(nodes=6, batch=12, elastic_spec={"minNodes": 2, "waitSeconds": 60},
+                 scheduling={"topology": {"level": "rack", "ranksPerDomain": 2}})
+    bodies = probe_pods(at_its_size(racked, GangState(nodes=2)), "ns", 1, [2, 3, 4, 5], group=4)
+    groups = [body["metadata"]["labels"][GROUP] for body in bodies]
+    assert groups == ["1", "1", "2", "2"]
+    for body, group in zip(bodies, groups, strict=True):
+        [term] = required_terms(body)
+        assert term["labelSelector"]["matchLabels"] == {contract.LABEL_JOB: "job", contract.LABEL_ATTEMPT: "1",
+                                                        GROUP: group}
+
+
+def test_placeholders_under_kueue_carry_the_topology_as_tas_annotations_on_their_group():
+    """Kueue places the placeholders' own pod group: ranksPerDomain as slices of a domain's size (admitted only
+    where whole slices fit), with no rank order (placeholders have no rank) and no pod affinity of their own."""
+    queued = job(nodes=4, labels={"kueue.x-k8s.io/queue-name": "team"}, elastic_spec={"minNodes": 2},
+                 scheduling={"topology": {"level": "rack", "ranksPerDomain": 2}})
+    bodies = probe_pods(at_its_size(queued, GangState(nodes=2)), "ns", 1, [2, 3], group=2)
+    for body in bodies:
+        annotations = body["metadata"]["annotations"]
+        assert annotations["kueue.x-k8s.io/podset-slice-required-topology"] == "rack"
+        assert annotations["kueue.x-k8s.io/podset-slice-size"] == "2"
+        assert "kueue.x-k8s.io/pod-group-pod-index-label" not in annotations
+        assert "affinity" not in body["spec"]
+
+
 def test_policy_of_a_gang_is_its_size():
     assert Policy.from_job(at_its_size(job(), GangState(nodes=2))).nodes == 2
     assert gang.Policy.from_job(job()).elastic is not None

@@ -57,11 +57,14 @@ def probe_group(job_name: str, attempt: int) -> str:
 
 def probe_metadata(job: ParallelTrainJob, attempt: int, count: int) -> tuple[dict[str, str], dict[str, str]]:
     """The placeholder pods' Kueue labels and annotations (a group of `count`), or none when Kueue does not
-    manage the job. No topology: a placeholder only asks whether a pod fits."""
+    manage the job. The job's topology, as TAS places them: with ranksPerDomain, slices of a domain's size (the
+    missing ranks are whole slices); without, the placeholders in one domain (not necessarily the running pods':
+    TAS places a group alone). In no rank order: placeholders have no ranks."""
     if not queue_name(job):
         return {}, {}
+    placed = {k: v for k, v in topology_annotations(job).items() if k != POD_INDEX_LABEL}
     return pod_labels(job, attempt) | {POD_GROUP_LABEL: probe_group(job.metadata.name, attempt)}, {
-        POD_GROUP_TOTAL_COUNT: str(count), RETRIABLE_IN_GROUP: "false"}
+        POD_GROUP_TOTAL_COUNT: str(count), RETRIABLE_IN_GROUP: "false"} | placed
 
 
 def pod_labels(job: ParallelTrainJob, attempt: int) -> dict[str, str]:
