@@ -88,8 +88,8 @@ def test_a_native_elastic_gang_shrinks_within_its_rack_and_grows_back_only_into_
                      90, "the gang grown back to 4")
     assert [(r["fromNodes"], r["toNodes"], r["reason"]) for r in grown["resizes"]] == [
         (4, 2, "Shrunk"), (2, 4, "Grown")], grown
-    third = wait_for(lambda: (b := placed(rig, f"{JOB}-{small + 1}-", probes=False)) and len(b) == 4 and all(b.values()) and b,
-                     30, "the grown attempt's 4 pods bound")
+    third = wait_for(lambda: (b := placed(rig, f"{JOB}-{small + 1}-", probes=False)) and len(b) == 4 and
+                     all(b.values()) and b, 30, "the grown attempt's 4 pods bound")
     assert set(third.values()) == set(rack_a) and min_count(rig, small + 1) == 4
     wait_for(lambda: not placed(rig, f"{JOB}-{small}-probe-"), 30, "the placeholders gone")
     assert (grown["attempt"], grown["restarts"]) == (small + 1, 0), grown
