@@ -249,11 +249,10 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
         kept -= row_parallel_outputs(shape, tp, half)
     rebuilt = max(0.0, block_bytes(shape, tp, half, "none", residual_bytes, device) - kept)
     terms["_block_backward"] = int(micro_tokens * (2 * shape.ffn_dim * (2 if half else FP32) / tp + rebuilt))
-    if fsdp and zero == 3:
-        # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is resharded after forward, so
-        # not whole beside the loss; gathered again for the head's backward, it stays whole until backward ends.
-        root = (shape.embedding_params() if first else 0) + (shape.final_params(tp) if last else 0)
-        terms["_block_backward"] += root * (2 if half else FP32)
+    # The root group (embeddings, final norm, head: apply_fsdp's last fully_shard) is gathered as forward starts and
+    # stays whole, beside the loss too, until backward ends; the step's reshard frees it. (ZeRO-2: in `buffers`.)
+    root = (shape.embedding_params() if first else 0) + (shape.final_params(tp) if last else 0)
+    terms["_whole_root"] = root * (2 if half else FP32) if fsdp and zero == 3 else 0
 
     if last:
         # loss.ChunkedCrossEntropy: while the loss runs, the logits, the gradient buffer it fills (fp32 for fp16
@@ -310,7 +309,8 @@ def _peak(terms: dict[str, int], pipelined: bool) -> int:
     states = terms["params"] + terms["optimizer"]
     loss, block = terms.get("loss", 0), terms["_block_backward"]
     working = loss + block if pipelined else max(loss, block)
-    backward = states + terms["activations"] + working + terms["buffers"] + terms["_grads_in_backward"]
+    backward = states + terms["activations"] + working + terms["buffers"] + terms["_grads_in_backward"] + \
+        terms["_whole_root"]
     step = states + terms["grads"] + terms["buffers"] + terms["_step_temporaries"]
     return max(backward, step)
 

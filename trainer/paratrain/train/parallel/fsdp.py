@@ -28,12 +28,16 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str) -> None:
-    """Shard each block, then the root (embeddings, final norm, head), over the dp mesh."""
+    """Shard each block, then the root (embeddings, final norm, head), over the dp mesh. Under ZeRO-3 a block's
+    weights are freed after its forward and gathered again for its backward, except the last block's and the
+    root's: backward starts with them, so freeing them would only gather them again at once (torchtitan's default;
+    FSDP2 spares the root by itself only where reshard_after_forward is left unset)."""
     reshard = zero_stage == 3
     policy = mixed_precision_policy(precision)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     if dp_mesh.device_type == "cpu":
         # gloo's AVG reduce-scatter returned summed gradients in some torch versions (torch#162338; 2.13 averages).
         # Sum explicitly and divide once ourselves, so the result is the mean on every backend. Each sharded module
