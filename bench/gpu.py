@@ -22,7 +22,9 @@ Tokens/s and MFU are at steady state (the steps after each run's first: perf.Ste
 allocator's peak of live tensors (torch.cuda.max_memory_allocated), the quantity paratrain.api.memory predicts;
 each result carries `predicted_peak_bytes` and their ratio, measured less predicted bytes per term
 (`measured_minus_predicted`: params, grads, optimizer, the rest of the peak; the memory model's CUDA terms, which
-only a GPU can check), and the allocator's reserved peak beside it.
+only a GPU can check), and the allocator's reserved peak beside it; and the compute efficiency at which the
+planner's time model predicts the measured step (`planner_compute_efficiency`), the bf16 variant's printed as the
+platform's `planner.computeEfficiency` to set (JSON key `planner`).
 
 Also the host syncs of one training step (`step_syncs`: HostReads' count, and on a GPU torch's sync debug
 mode's), and for each precision and head layout, the attention kernel paratrain aims at beside torch's own verdicts
@@ -40,10 +42,12 @@ import platform
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from paratrain.api import hardware, planner
 from paratrain.api.load import parse_job
 from paratrain.api.memory import Headroom, human, predict
 
@@ -134,6 +138,31 @@ def _cpu_bf16() -> bool:
     return True
 
 
+def compute_efficiency(job: dict, tokens_per_second: float, gpu: hardware.Accelerator | None) -> float | None:
+    """The compute efficiency at which the planner's time model (planner.step_time) predicts this run's measured
+    step: its compute and bubble priced at the whole peak, over the measured step less the model's other parts
+    (the optimizer's update, communication). What the platform's planner.computeEfficiency should state. None where
+    the catalogue lacks the GPU or the other parts alone outlast the measured step. (Exact for one GPU; with more,
+    the exposed data-parallel reduction depends on the compute time too.)"""
+    if gpu is None or not tokens_per_second:
+        return None
+    spec = parse_job(job).spec
+    parts = planner.step_time(spec, spec.model.vocab_size, replace(gpu, compute_efficiency=1.0), spec.procs_per_node)
+    at_peak = parts["compute"] + parts["bubble"]
+    measured = spec.training.batch_size * spec.model.block_size / tokens_per_second
+    rest = parts["total"] - at_peak
+    return round(at_peak / (measured - rest), 4) if measured > rest else None
+
+
+def accelerator(dry_run: bool) -> hardware.Accelerator | None:
+    """The catalogue's entry for this machine's GPU (hardware.CPU for the dry run)."""
+    if dry_run:
+        return hardware.CPU
+    import torch
+
+    return hardware.by_device_name(torch.cuda.get_device_name(0), device_memory())
+
+
 def run(name: str, job: dict, work: Path, dry_run: bool, timeout: float) -> dict:
     run_dir = work / name
     run_dir.mkdir(parents=True)
@@ -163,6 +192,7 @@ def run(name: str, job: dict, work: Path, dry_run: bool, timeout: float) -> dict
             "predicted_over_measured": predicted / measured,
             "measured_minus_predicted": by_term(ranks, metrics),
             "peak_reserved_bytes": None if None in reserved else max(reserved),
+            "planner_compute_efficiency": compute_efficiency(job, metrics["tokens_per_second"], accelerator(dry_run)),
             "final_loss": metrics["losses"][-1]}
 
 
@@ -354,9 +384,11 @@ def main() -> int:
                 continue
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown)"
             reserved = f", reserved {human(r['peak_reserved_bytes'])}" if r["peak_reserved_bytes"] else ""
+            efficiency = r["planner_compute_efficiency"]
+            calibrated = f"  planner compute efficiency {efficiency:.1%}" if efficiency else ""
             print(f"{name:22} {r['layout']:24} batch {r['batch_size']:>3} {r['tokens_per_second']:>10,.0f} tok/s  "
                   f"MFU {mfu:>8}  peak {human(r['peak_tensor_bytes'])} (model {human(r['predicted_peak_bytes'])}, "
-                  f"{r['predicted_over_measured']:.2f}x){reserved}")
+                  f"{r['predicted_over_measured']:.2f}x){reserved}{calibrated}")
     ok = {k: v for k, v in results.items() if "error" not in v}
     if "bf16" in ok and "fp32-tf32" in ok:
         print(f"bf16 / fp32 (TF32) tokens/s: "
@@ -367,6 +399,11 @@ def main() -> int:
             print(f"{ac} AC / none at their own batches: tokens/s "
                   f"{checkpointed['tokens_per_second'] / plain['tokens_per_second']:.2f}x, peak "
                   f"{checkpointed['peak_tensor_bytes'] / plain['peak_tensor_bytes']:.2f}x")
+    calibration = {"computeEfficiency": ok["bf16"]["planner_compute_efficiency"]} if "bf16" in ok else {}
+    if calibration.get("computeEfficiency"):
+        print(f"planner: the bf16 step ran at {calibration['computeEfficiency']:.1%} of the peak the time model "
+              f"prices compute at ({planner.COMPUTE_EFFICIENCY:.0%} uncalibrated): set the platform's "
+              f"planner.computeEfficiency: {calibration['computeEfficiency']} (Helm: platform.planner)")
     for case, verdict in attention.items() if "error" not in attention else ():
         usable = ", ".join(name for name, can in verdict["usable"].items() if can) or "none (math)"
         flag = "" if verdict["aimed_usable"] or args.dry_run else "   <- paratrain aims at a kernel torch rules out"
@@ -387,6 +424,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dry_run": args.dry_run, "gpus": gpus, "steps": steps, "machine": platform.node(),
                                "flops": flops_note, "attention": attention, "step_syncs": syncs,
+                               "planner": calibration,
                                "results": results}, indent=1) + "\n")
     print(f"wrote {out}")
     return 1 if len(ok) < len(results) or "error" in attention or "error" in syncs else 0

@@ -9,7 +9,7 @@ nodes gets a layout for them; its checkpoint reshards into it.
 The GPU comes from GPU Feature Discovery's node labels (nvidia.com/gpu.product, gpu.memory in MiB, gpu.count) of
 the nodes the job may use (its nodeSelector, enough GPUs for procsPerNode); where they name several GPUs, the one
 with the least memory, since the gang may land on any of them. Else the platform's planner.gpu. Link bandwidths
-are the catalogue's, or the platform's planner profile's.
+and the compute efficiency are the catalogue's, or the platform's planner profile's.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def target_of(spec: Spec, node_labels: Sequence[Mapping[str, str]] | None, platf
         product, gpus = min(found.items(), key=lambda kv: min(g.memory_bytes for g in kv[1]))
         gpu = min(gpus, key=lambda g: g.memory_bytes)
         also = f"; the least memory of {len(found)} GPU types the job may land on" if len(found) > 1 else ""
-        return planner.Target(platform.planner.links(gpu),
+        return planner.Target(platform.planner.calibrated(gpu),
                               f"{len(gpus)} node(s) labelled {GFD_PRODUCT}={product}{also}", gpu.memory_bytes)
     if platform.planner.gpu:
         why = (f"the nodes' {', '.join(sorted(unknown))} is not in the catalogue" if unknown else
                f"no node the job may use carries {GFD_PRODUCT}")
-        return planner.Target(platform.planner.links(hardware.accelerator(platform.planner.gpu)),
+        return planner.Target(platform.planner.calibrated(hardware.accelerator(platform.planner.gpu)),
                               f"the platform's planner.gpu ({why})")
     where = ("the operator may not list nodes (a namespaced install)" if node_labels is None else
              f"nodes labelled {', '.join(sorted(unknown))}: not a GPU paratrain knows" if unknown else
@@ -92,9 +92,9 @@ def split_cost(spec: Spec, node_labels: Sequence[Mapping[str, str]] | None, plat
     except planner.NoPlan as exc:
         return f"no cost predicted: {exc}"
     cross, whence = platform.planner.cross_domain(target.accelerator)
-    base, more = planner.cross_domain_seconds(spec, vocab, platform.planner.links(target.accelerator),
+    base, more = planner.cross_domain_seconds(spec, vocab, platform.planner.calibrated(target.accelerator),
                                               spec.procs_per_node, cross)
-    network = platform.planner.links(target.accelerator).network_bytes_per_second
+    network = platform.planner.calibrated(target.accelerator).network_bytes_per_second
     return (f"the planner predicts {more:.3g} s more a step ({base:.3g} → {base + more:.3g} s on "
             f"{target.accelerator.name}), its inter-node traffic crossing domains at {cross / 1e9:.3g} GB/s "
             f"({whence}) instead of {network / 1e9:.3g} GB/s")

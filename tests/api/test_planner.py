@@ -130,13 +130,36 @@ def validate(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, cwd=ROOT)
 
 
+def test_a_measured_compute_efficiency_in_the_platform_prices_compute_and_says_so(tmp_path):
+    """The platform's planner.computeEfficiency (what bench/gpu.sh measured) replaces the 40% prior: the operator
+    plans with it (PlannerProfile.calibrated), and `validate --explain --platform` does the same and says so."""
+    import yaml
+
+    from paratrain.api.platform import PlannerProfile
+
+    h100 = hardware.accelerator("H100-80GB")
+    spec = parse_job(yaml.safe_load((ROOT / "examples/llama3-1b-gpu.yaml").read_text())).spec
+    prior = planner.step_time(spec, 128256, h100, 8)
+    measured = planner.step_time(spec, 128256, PlannerProfile(compute_efficiency=0.55).calibrated(h100), 8)
+    assert measured["compute"] == pytest.approx(prior["compute"] * 0.4 / 0.55)
+    platform = tmp_path / "platform.yaml"
+    platform.write_text("planner:\n  computeEfficiency: 0.55\n")
+    proc = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--platform", str(platform))
+    assert proc.returncode == 0, proc.stderr
+    assert "(±50%: compute at the measured 55% of peak (the platform's planner.computeEfficiency)" in proc.stdout
+    platform.write_text("planner:\n  computeEfficiency: 1.5\n")
+    proc = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--platform", str(platform))
+    assert proc.returncode != 0 and "computeEfficiency" in proc.stderr, proc.stderr
+
+
 def test_validate_explain_prints_the_plan_its_bands_alternatives_and_rejections():
     proc = validate("examples/llama3-1b-gpu.yaml", "--explain", "--gpu", "H100-80GB", "--nodes", "8")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "plan on H100-80GB (objective throughput; the global batch, 524,288 tokens a step, kept)" in out
     assert "  chosen: data " in out and "(±15%, the memory model's tested error)" in out
-    assert "(±50%: the time model is not calibrated on a GPU yet)" in out and "tokens/s: compute" in out
+    assert "(±50%: the time model is not calibrated on a GPU yet: compute at 40% of peak)" in out
+    assert "tokens/s: compute" in out
     assert "as the job's own: --set spec.nodes=8" in out
     assert "\n  2. " in out and "\n  4. " in out
     assert "this job's own layout (" in out and "not planned here" in out  # its 2 nodes, not the 8 planned

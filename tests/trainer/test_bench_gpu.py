@@ -8,6 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +32,7 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
             assert sum(terms.values()) == result["peak_tensor_bytes"] - result["predicted_peak_bytes"], (name, terms)
         assert result["peak_reserved_bytes"] is None, name  # no allocator reserves on the CPU
     assert "6N + 12·L·H·Q·T" in proc.stdout and f"wrote {out}" in proc.stdout
+    assert report["planner"]["computeEfficiency"] > 0 and "set the platform's planner.computeEfficiency" in proc.stdout
     # The attention verdicts: every precision x head layout, paratrain's aim beside torch's checks and its reasons
     # (on CPU tensors every CUDA kernel is ruled out, each with torch's words for why).
     attention = report["attention"]
@@ -45,11 +48,7 @@ def test_the_gpu_benchmark_dry_run_runs_every_variant(tmp_path):
 def test_the_batch_is_the_largest_the_memory_model_fits_in_85_percent_of_usable_memory():
     """fit_batch on an 80 GiB GPU for the 1B Llama: the largest power-of-two batch predicted within 85% of the
     usable memory (the operator's headroom), and its double is not."""
-    import importlib.util
-
-    loader = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
-    gpu = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(gpu)
+    gpu = bench_gpu()
 
     from paratrain.api.load import parse_job
     from paratrain.api.memory import Headroom, predict
@@ -65,3 +64,30 @@ def test_the_batch_is_the_largest_the_memory_model_fits_in_85_percent_of_usable_
 
     batch = spec.training.batch_size
     assert batch >= 1 and peak(batch) <= budget < peak(2 * batch)
+
+
+def bench_gpu():
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def test_the_compute_efficiency_it_reports_is_the_one_at_which_the_planner_predicts_the_measured_step():
+    """Issue 43's calibration: a run whose measured tokens/s the time model predicts at 55% of peak is reported as
+    planner.computeEfficiency 0.55, for a one-GPU run and with activation checkpointing (its recompute priced in)."""
+    from dataclasses import replace
+
+    from paratrain.api import hardware, planner
+    from paratrain.api.load import parse_job
+
+    gpu_bench, h100 = bench_gpu(), hardware.accelerator("H100-80GB")
+    for overrides in ({}, {"training.activationCheckpointing": "full"}):
+        job = gpu_bench.job_for(overrides, dry_run=False, steps=20)
+        spec = parse_job(job).spec
+        step = planner.step_time(spec, gpu_bench.VOCAB, replace(h100, compute_efficiency=0.55), 1)["total"]
+        tokens_per_second = spec.training.batch_size * spec.model.block_size / step
+        assert gpu_bench.compute_efficiency(job, tokens_per_second, h100) == pytest.approx(0.55, abs=1e-4)
+    assert gpu_bench.compute_efficiency(job, 1e12, h100) is None  # faster than the optimizer alone: no answer

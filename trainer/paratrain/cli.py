@@ -143,8 +143,9 @@ def _explain(job, args: argparse.Namespace, here_vocab: int | None) -> int:
     if vocab is None:
         raise SpecError([Problem("--explain", f"the vocabulary comes from the data ({spec.data.path}), which is not "
                                  "on this machine: give it with --vocab-size N")])
+    profile = _platform(args).planner  # the links and compute efficiency the platform states, as the operator plans
     try:
-        gpu = hardware.accelerator(args.gpu) if args.gpu else None
+        gpu = profile.calibrated(hardware.accelerator(args.gpu)) if args.gpu else None
     except ValueError as exc:
         raise SpecError([Problem("--gpu", str(exc))]) from None
     if gpu is None and spec.resources.gpus_per_node:
@@ -170,8 +171,10 @@ def _planned_for_render(job, args: argparse.Namespace):
     if job.spec.resources.gpus_per_node and not args.gpu:
         raise SpecError([Problem("--gpu", "a mode auto GPU job is rendered as planned for a GPU: name the cluster's "
                                  f"(one of {', '.join(hardware.BY_NAME)})")])
+    profile = _platform(args).planner
     try:
-        target = (planner.Target(hardware.accelerator(args.gpu), f"--gpu {args.gpu}") if job.spec.resources.gpus_per_node
+        target = (planner.Target(profile.calibrated(hardware.accelerator(args.gpu)), f"--gpu {args.gpu}")
+                  if job.spec.resources.gpus_per_node
                   else planner.Target(hardware.CPU, "CPU pods (resources.gpusPerNode 0)"))
         spec, result = planner.planned(job.spec, planner.stated_vocab(job.spec), target)
     except ValueError as exc:  # NoPlan, or a GPU the catalogue lacks

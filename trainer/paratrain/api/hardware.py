@@ -3,7 +3,8 @@
 The planner (`paratrain validate --explain --gpu NAME`) sizes layouts against them; perf.PEAK_FLOPS (MFU) reads its
 peaks from here. Bandwidths are per GPU and direction, what a collective's ring can use: NVLink within a node where
 the GPU has it (else PCIe), the node's network share across nodes (its NICs divided by its GPUs). They are defaults:
-a cluster whose links differ should be measured, and the planner says its time is uncalibrated until a GPU run is.
+a cluster whose links differ should be measured, and the planner says its time is uncalibrated until a GPU run
+(bench/gpu.sh) measures the compute efficiency the platform then states.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Accelerator:
     # across topology domains (spec.scheduling.topology: over the spine), per GPU and direction; 0: half the
     # network's (a 2:1 oversubscribed spine), where the platform's planner.crossDomainBandwidth says nothing
     cross_domain_bytes_per_second: float = 0.0
+    # the fraction of its dense peak a step's matmuls reach, as measured on this cluster (bench/gpu.sh prints it;
+    # the platform's planner.computeEfficiency states it); 0: the planner's uncalibrated prior
+    compute_efficiency: float = 0.0
 
     @property
     def cross_domain(self) -> float:

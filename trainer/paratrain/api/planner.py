@@ -12,10 +12,11 @@ the platform's planner.crossDomainBandwidth, else half the network's). Within 10
 layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
 model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
 
-The time model, per step and rank (docs/trainer.md, "Planner"): compute at COMPUTE_EFFICIENCY of the accelerator's
-peak for the precision, full activation checkpointing adding a forward (x4/3), selective a few %; the pipeline bubble (p-1)/m of the
-compute; tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 with full recompute), ring
-volume 2(t-1)/t; pipeline sends of the activations and their gradients; data parallel's gradient reduction (fp32,
+The time model, per step and rank (docs/trainer.md, "Planner"): compute at the accelerator's measured compute
+efficiency (the platform's planner.computeEfficiency), else COMPUTE_EFFICIENCY, of its peak for the precision, full
+activation checkpointing adding a forward (x4/3), selective a few %; the pipeline bubble (p-1)/m of the compute;
+tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 with full recompute), ring volume
+2(t-1)/t; pipeline sends of the activations and their gradients; data parallel's gradient reduction (fp32,
 2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward; links at COMMUNICATION_EFFICIENCY;
 AdamW's update, OPTIMIZER_BYTES_PER_PARAMETER of the parameters the rank steps (ZeRO: its 1/d) at the memory's
 bandwidth.
@@ -31,7 +32,9 @@ from .memory import Headroom, human, largest_peak, parse_bytes
 from .shapes import parameter_count
 from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems, stated_vocab_size
 
-COMPUTE_EFFICIENCY = 0.4  # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%)
+# of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%), where the accelerator carries no
+# measured one (Accelerator.compute_efficiency: the platform's planner.computeEfficiency)
+COMPUTE_EFFICIENCY = 0.4
 SELECTIVE_RECOMPUTE = 0.03  # selective AC recomputes the cheap ops (norms, activations): a few % of the compute
 COMMUNICATION_EFFICIENCY = 0.7  # of a link's bandwidth a ring collective reaches
 OPTIMIZER_BYTES_PER_PARAMETER = 32  # AdamW's step: reads weight, gradient, two moments; writes three; the norm
@@ -131,7 +134,7 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         flops *= 4 / 3  # the forward again
     elif t.activation_checkpointing == "selective":
         flops *= 1 + SELECTIVE_RECOMPUTE
-    compute = flops / (world * gpu.flops(spec.precision, spec.tf32) * COMPUTE_EFFICIENCY)
+    compute = flops / (world * gpu.flops(spec.precision, spec.tf32) * (gpu.compute_efficiency or COMPUTE_EFFICIENCY))
     bubble = compute * (p.pipeline - 1) / p.microbatches if p.pipeline > 1 else 0.0
     if oversubscription > 1:
         busy = compute * oversubscription
@@ -410,7 +413,7 @@ def explain(result: Plan, job_spec: Spec, tokens_per_step: int, alternatives: in
     if chosen is None:
         out.append("  no layout is feasible: see the rejections below")
     else:
-        out += [f"  chosen: {chosen.describe()}", *_predicted(chosen, tokens_per_step)]
+        out += [f"  chosen: {chosen.describe()}", *_predicted(chosen, tokens_per_step, gpu)]
         if job_spec.parallelism.mode == "manual":
             own = Candidate(job_spec, 0, {}).overrides()
             changed = [f"--set {k}={v}" for k, v in chosen.overrides().items() if own[k] != v]
@@ -439,12 +442,15 @@ def _own_line(result: Plan) -> str:
             f"{_loses(own, chosen, result.objective) if chosen else ''}".rstrip(", "))
 
 
-def _predicted(c: Candidate, tokens_per_step: int) -> list[str]:
+def _predicted(c: Candidate, tokens_per_step: int, gpu: Accelerator) -> list[str]:
     parts = ", ".join(f"{name} {_seconds(c.time[name])}" for name in ("compute", "bubble", "tensor", "pipeline",
                                                                          "data", "optimizer") if c.time[name])
+    calibration = (f"compute at the measured {gpu.compute_efficiency:.0%} of peak (the platform's "
+                   "planner.computeEfficiency), the links not measured" if gpu.compute_efficiency else
+                   f"the time model is not calibrated on a GPU yet: compute at {COMPUTE_EFFICIENCY:.0%} of peak")
     return [f"    peak memory {c.peak_bytes / 2**30:.2f} GiB a rank (±{MEMORY_BAND:.0%}, the memory model's tested "
             "error)",
-            f"    step {_seconds(c.step_seconds)} (±{TIME_BAND:.0%}: the time model is not calibrated on a GPU yet), "
+            f"    step {_seconds(c.step_seconds)} (±{TIME_BAND:.0%}: {calibration}), "
             f"{tokens_per_step / c.step_seconds:,.0f} tokens/s: {parts}"]
 
 

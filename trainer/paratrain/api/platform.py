@@ -86,8 +86,8 @@ HOST_ACCESS_MEANING = ("false: no job; true: jobs in every namespace; a list: jo
 
 class PlannerProfile(_Model):
     """What `parallelism: auto` plans for where the nodes do not say it (the operator reads GPU Feature Discovery's
-    nvidia.com/gpu.product, gpu.memory and gpu.count labels first) and the links the catalogue's defaults get wrong
-    on this cluster (paratrain.api.hardware)."""
+    nvidia.com/gpu.product, gpu.memory and gpu.count labels first), and what the catalogue's defaults
+    (paratrain.api.hardware) get wrong on this cluster: its links, and the compute efficiency measured on it."""
 
     gpu: str | None = Field(None, max_length=64, description=(
         "The GPU jobs are planned for where no node the job may use carries GPU Feature Discovery's labels (or the "
@@ -109,19 +109,26 @@ class PlannerProfile(_Model):
         "the spine), each way, e.g. 25G under a 2:1 oversubscribed spine; what the operator prices a gang split "
         "across domains at. Unset: half the network bandwidth (2:1)."))
 
-    def links(self, gpu: Accelerator) -> Accelerator:
-        """`gpu` with this cluster's link bandwidths where the profile states them."""
+    compute_efficiency: float | None = Field(None, gt=0, le=1, description=(
+        "The fraction of the GPU's dense peak FLOP/s a training step's matmuls reach on this cluster, as "
+        "bench/gpu.sh measured it (it prints the value to set here); what the planner's compute time is priced at. "
+        "Unset: 0.4, an uncalibrated prior."))
+
+    def calibrated(self, gpu: Accelerator) -> Accelerator:
+        """`gpu` with this cluster's link bandwidths and compute efficiency where the profile states them."""
         changes = {k: float(parse_bytes(v)) for k, v in (("node_bytes_per_second", self.node_bandwidth),
                                                          ("network_bytes_per_second", self.network_bandwidth),
                                                          ("cross_domain_bytes_per_second", self.cross_domain_bandwidth))
                    if v}
+        if self.compute_efficiency:
+            changes["compute_efficiency"] = self.compute_efficiency
         return replace(gpu, **changes)
 
     def cross_domain(self, gpu: Accelerator) -> tuple[float, str]:
         """Bytes a second across topology domains for `gpu` (its links as this profile states them), and whence."""
         if self.cross_domain_bandwidth:
-            return self.links(gpu).cross_domain, "the platform's planner.crossDomainBandwidth"
-        return self.links(gpu).cross_domain, "half the network bandwidth (a 2:1 spine; the platform's " \
+            return self.calibrated(gpu).cross_domain, "the platform's planner.crossDomainBandwidth"
+        return self.calibrated(gpu).cross_domain, "half the network bandwidth (a 2:1 spine; the platform's " \
             "planner.crossDomainBandwidth states yours)"
 
 
@@ -155,7 +162,8 @@ class Platform(_Model):
         "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
         "longer are refused."))
     planner: PlannerProfile = Field(default_factory=PlannerProfile, description=(
-        "What parallelism mode auto plans for where the nodes' labels do not say it, and this cluster's links."))
+        "What parallelism mode auto plans for where the nodes' labels do not say it, and this cluster's links and "
+        "measured compute efficiency."))
 
 
 def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[ParallelTrainJob, list[str]]:
