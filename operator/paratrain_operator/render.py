@@ -114,11 +114,12 @@ def service(plan: GangPlan) -> dict[str, Any]:
                    selector={contract.LABEL_JOB: plan.job_name}, ports=ports)
 
 
-def pod_group(plan: GangPlan, spec: Spec) -> dict[str, Any]:
+def pod_group(plan: GangPlan, spec: Spec, placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The gang scheduler's PodGroup; `placement`: Volcano's network topology (topology.volcano_placement)."""
     assert plan.pod_group
     return _render(f"podgroup-{plan.gang}.yaml.j2", metadata=metadata(plan, plan.pod_group, plan.labels),
                    min_member=spec.nodes, scheduling=spec.scheduling, workload=plan.job_name,
-                   group_template=WORKLOAD_TEMPLATE, group_topology=plan.group_topology)
+                   group_template=WORKLOAD_TEMPLATE, group_topology=plan.group_topology, placement=placement or {})
 
 
 def workload(plan: GangPlan, spec: Spec) -> dict[str, Any]:
@@ -260,7 +261,7 @@ def gang_objects(job: ParallelTrainJob, namespace: str, attempt: int = 0,
     if plan.gang == "kubernetes":
         objects.append(workload(plan, job.spec))
     if plan.pod_group:
-        objects.append(pod_group(plan, job.spec))
+        objects.append(pod_group(plan, job.spec, topology.volcano_placement(job, platform.volcano_tiers)))
     return objects
 
 

@@ -8,7 +8,8 @@ for the rest.
 - every other gang (none, volcano, coscheduling): pod affinity. Each pod is labelled with its group (node rank //
   nodes per domain; one group without ranksPerDomain) and asks to share a domain of `level` with the pods of its
   group in its attempt, required or preferred. The first pod of a group matches itself, so it may go anywhere;
-  the rest follow it. Volcano's own network topology needs HyperNode objects an admin defines, not node labels.
+  the rest follow it. Under Volcano, where the platform's volcanoTiers names the level's HyperNode tier, its
+  PodGroup also carries Volcano's own network topology (volcano_placement).
 - an elastic gang's placeholders (probe_placement): pod affinity for the domain the grown gang needs them in, or
   under Kueue its TAS annotations on their own group.
 """
@@ -34,6 +35,26 @@ def group_constraint(job: ParallelTrainJob) -> str | None:
     if t and gang == "kubernetes" and t.mode == "required" and not t.ranks_per_domain and not kueue.queue_name(job):
         return t.level
     return None
+
+
+def volcano_placement(job: ParallelTrainJob, tiers: Mapping[str, int]) -> dict[str, Any]:
+    """Volcano's own placement (its PodGroup's spec) for spec.scheduling.topology, where the platform's
+    volcanoTiers names the HyperNode tier of the level: the whole gang within one HyperNode of that tier
+    (`networkTopology`, hard for required, soft for preferred) or, with ranksPerDomain, each group of ranks (a
+    `subGroupPolicy` keyed by the pods' group and attempt labels; hard only, as Volcano takes no soft constraint
+    on subgroups). {} where Volcano cannot say it: the pods' affinity still does."""
+    t = job.spec.scheduling.topology
+    if not t or job.spec.scheduling.gang != "volcano" or t.level not in tiers:
+        return {}
+    hard = {"mode": "hard", "highestTierAllowed": tiers[t.level]}
+    if not t.ranks_per_domain:
+        return {"networkTopology": hard if t.mode == "required" else {"mode": "soft"}}
+    if t.mode != "required":
+        return {}
+    return {"subGroupPolicy": [{
+        "name": "domain", "subGroupSize": t.ranks_per_domain // job.spec.procs_per_node,
+        "labelSelector": {"matchLabels": {contract.LABEL_JOB: job.metadata.name}},
+        "matchLabelKeys": [GROUP_LABEL, contract.LABEL_ATTEMPT], "networkTopology": hard}]}
 
 
 def nodes_per_group(job: ParallelTrainJob) -> int | None:

@@ -91,6 +91,31 @@ def test_a_preferred_domain_is_a_weighted_preference_beside_the_users_own_affini
 # ---- where the gang landed (status.placement, SplitAcrossDomains) ------------------------------------------------
 
 
+@pytest.mark.parametrize("topology,expected", [
+    ({"level": RACK}, {"networkTopology": {"mode": "hard", "highestTierAllowed": 1}}),
+    ({"level": RACK, "mode": "preferred"}, {"networkTopology": {"mode": "soft"}}),
+    ({"level": RACK, "ranksPerDomain": 4}, {"subGroupPolicy": [{
+        "name": "domain", "subGroupSize": 2, "labelSelector": {"matchLabels": {contract.LABEL_JOB: "j"}},
+        "matchLabelKeys": [GROUP_LABEL, contract.LABEL_ATTEMPT],
+        "networkTopology": {"mode": "hard", "highestTierAllowed": 1}}]}),
+    ({"level": RACK, "mode": "preferred", "ranksPerDomain": 4}, {}),  # Volcano takes no soft subgroup constraint
+    ({"level": "network.example.com/block"}, {}),  # a level the platform gives no tier
+])
+def test_volcano_gets_its_own_network_topology_where_the_platform_names_the_levels_tier(topology, expected):
+    """Volcano places by HyperNode tiers, not labels: the platform's volcanoTiers says which tier a label stands for.
+    The pods keep their group labels (the subgroups' keys) and pod affinity either way."""
+    platform = Platform.model_validate({"volcanoTiers": {RACK: 1}})
+    from paratrain_operator.render import render_job
+
+    objects = render_job(parse_job(gang(gang="volcano", topology=topology)), "ns", 0, platform)
+    (group,) = kind(objects, "PodGroup")
+    assert {k: v for k, v in group["spec"].items() if k in ("networkTopology", "subGroupPolicy")} == expected
+    assert all("podAffinity" in p["spec"]["affinity"] for p in pods(objects))
+    if topology.get("ranksPerDomain"):
+        assert [p["metadata"]["labels"][GROUP_LABEL] for p in pods(objects)] == ["0", "0", "1", "1"]
+    assert "networkTopology" not in kind(render(gang(gang="volcano", topology={"level": RACK})), "PodGroup")[0]["spec"]
+
+
 def test_placement_lists_each_domains_node_ranks_and_names_the_ranks_outside_their_groups_domain() -> None:
     job = parse_job(gang(nodes=4, procs=2, topology={"level": RACK, "ranksPerDomain": 4}))  # groups: ranks 0-1, 2-3
     nodes = {r: (contract.pod_name("job", 0, r), f"n{r}") for r in range(4)}

@@ -161,6 +161,14 @@ class Platform(_Model):
         "Bytes per second one node writes, then hashes, a checkpoint at on the storage jobs checkpoint to. A "
         "stopped gang must save within spec.pod.terminationGracePeriodSeconds; jobs whose estimated save takes "
         "longer are refused."))
+    volcano_tiers: dict[LabelKey, Annotated[int, Field(ge=1, le=16)]] = Field(
+        default_factory=dict, max_length=16, description=(
+            "The tier of Volcano's HyperNodes that each node label stands for, e.g. {<the rack label>: 1, <the "
+            "block label>: 2}, as the cluster's HyperNodes (or Volcano's label-based discovery) define them. A job "
+            "with gang volcano whose spec.scheduling.topology.level is listed gets Volcano's own network topology "
+            "on its PodGroup: the whole gang within one HyperNode of that tier (required: hard, preferred: soft), "
+            "or with ranksPerDomain each group of ranks (a subGroupPolicy); its pods keep their pod affinity. "
+            "Unset: pod affinity alone."))
     planner: PlannerProfile = Field(default_factory=PlannerProfile, description=(
         "What parallelism mode auto plans for where the nodes' labels do not say it, and this cluster's links and "
         "measured compute efficiency."))
