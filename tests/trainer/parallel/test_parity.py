@@ -39,9 +39,12 @@ def test_loss_actually_falls(reference):
     assert reference["losses"][-1] < reference["losses"][0] - 0.2
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_layout_matches_fp32(precision, reference, tmp_path):
-    _, metrics = run_job(tmp_path, layout(data=2, tensor=2) + ["spec.nodes=4", f"spec.precision={precision}"])
+@pytest.mark.parametrize("precision,parallel", [("bf16", {"data": 2, "tensor": 2}), ("fp16", {"data": 2, "tensor": 2}),
+                                                ("bf16", {"pipeline": 2, "microbatches": 2})])
+def test_mixed_precision_layout_matches_fp32(precision, parallel, reference, tmp_path):
+    """The bf16 pipeline sends its stages' activations in bf16 (pipeline._send_in_bf16): one more rounding per
+    stage boundary, within autocast's bounds."""
+    _, metrics = run_job(tmp_path, layout(**parallel) + [f"spec.precision={precision}"])
     assert metrics["skipped_steps"] == 0
     assert_parity(metrics, reference, *AUTOCAST_RTOL[precision])
 

@@ -240,8 +240,11 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
     # FSDP2's MixedPrecisionPolicy casts each sharded block's inputs to the 16-bit type: the residual stream too.
     residual_bytes = 2 if fsdp and half else FP32
     terms["activations"] = int(tokens * layers * block_bytes(shape, tp, half, mode, residual_bytes, device))
+    # What a pipeline stage sends and receives: the residual stream in bf16 under bf16 (pipeline._send_in_bf16) or
+    # FSDP2's 16-bit policy, else fp32.
+    message_bytes = 2 if residual_bytes == 2 or spec.precision == "bf16" else FP32
     if pp > 1 and not last:  # the stage's output, kept for its backward
-        terms["activations"] += tokens * shape.embed_dim * FP32
+        terms["activations"] += tokens * shape.embed_dim * message_bytes
     # Backward of one block: the gradients of its MLP's hidden activations, and under checkpointing what it
     # rebuilds of the block beyond what it saved.
     kept = block_bytes(shape, tp, half, mode, residual_bytes, device)
@@ -281,7 +284,7 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
         buffers += bucket * FP32 + (0 if zero < 3 else gathered * weight_bytes)  # and the reduce bucket
     if pp > 1:  # receive buffers for every microbatch: activations (not stage 0), gradients (not the last)
         buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
-            FP32
+            message_bytes
     if half and not deepspeed and not fsdp:
         # autocast's 16-bit copies of the matmuls' fp32 weights (FSDP2 gathers its parameters in 16 bits already:
         # autocast has nothing to cast, and the gathers are counted below)

@@ -50,5 +50,5 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg
     )
     if dims.pp_enabled:
         engine.schedule = build_schedule(model, dims.get_mesh("pp"), device, p.microbatches, p.pipeline_schedule,
-                                         engine.scaled_loss_fn())
+                                         engine.scaled_loss_fn(), spec.precision)
     return engine

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
@@ -32,13 +33,30 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 
 def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device, microbatches: int,
-                   schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                   schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   precision: str):
     """A schedule whose loss_fn already weighs each microbatch (engine.loss_weight). Not scale_grads: it divides
     every gradient the stage holds after each run, so would divide earlier micro-steps' gradients again."""
+    if precision == "bf16" and not isinstance(stage_module, FSDPModule):
+        _send_in_bf16(stage_module, first=pp_mesh.get_local_rank() == 0, last=pp_mesh.get_local_rank() ==
+                      pp_mesh.size() - 1)
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
     _keep_rng_streams_through_metadata_forward(stage)
     _forget_evaluated_outputs(stage)
     return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _send_in_bf16(stage_module: nn.Module, first: bool, last: bool) -> None:
+    """Under bf16 autocast the residual stream is fp32 (each block adds its 16-bit output to it): a stage sends it
+    on in bf16, half the bytes each way (its gradient comes back in bf16 too), and the next stage carries it on in
+    fp32; Megatron-LM sends its pipeline's activations in the training dtype as well. One rounding per stage
+    boundary, inside autocast's own error. Not fp16: a value past its 65,504 would overflow in forward, which no
+    loss scale mends. FSDP2's stages send bf16 already (its policy casts the blocks' inputs)."""
+    if not last:
+        stage_module.register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
+    if not first:
+        stage_module.register_forward_pre_hook(
+            lambda module, args: tuple(a.float() if a.is_floating_point() else a for a in args))
 
 
 def _forget_evaluated_outputs(stage: PipelineStage) -> None:
