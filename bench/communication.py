@@ -14,14 +14,14 @@ a reduce-scatter of n elements in, or an all-gather of n out, n(N-1)/N, a send n
 
 - data parallel (DDP), ZeRO-1 and ZeRO-2 (the ZeRO paper): 2Ψ(N-1)/N per step, Ψ the parameters the data-parallel
   group shares (this rank's pipeline stage and tensor-parallel shard); ZeRO-3: 3Ψ(N-1)/N (its parameters are
-  gathered again for backward);
+  gathered again for backward; FSDP2 keeps the root and the last block whole, so it moves less);
 - tensor parallel (Megatron-LM): 2 all-reduces of the b x s x h activations per block in forward and 2 in backward,
   4L per step and microbatch (L this stage's blocks), together 4L x 2bsh(T-1)/T;
 - pipeline parallel: each stage boundary carries every microbatch's activations forward and their gradients back,
   b x s x h elements each way per step, so a rank sends bsh per neighbour.
 
-bf16 (autocast) should halve what moves in 16 bits: activations (TP, PP), and the parameters FSDP2 gathers; the
-gradients DDP and FSDP2 reduce stay fp32. Writes bench/results/communication.json and communication.png, and the
+bf16 (autocast) should halve what moves in 16 bits: activations (TP, PP: a stage sends its residual stream in
+bf16), and the parameters FSDP2 gathers; the gradients DDP and FSDP2 reduce stay fp32. Writes bench/results/communication.json and communication.png, and the
 `communication` section of docs/benchmarks.md.
 """
 
