@@ -15,7 +15,7 @@
 
 Everything here is CPU-only: gloo, not NCCL; a few cores shared by every rank, so more ranks do not add compute.
 The time model's GPU constants (COMPUTE_EFFICIENCY, COMMUNICATION_EFFICIENCY) are not calibrated by this; a lent
-GPU's bench/gpu.sh is where they will be. Writes bench/results/planner.json and .png, and the `planner` section of
+GPU's bench/gpu.sh measures the compute efficiency, which the platform's planner.computeEfficiency then states. Writes bench/results/planner.json and .png, and the `planner` section of
 docs/benchmarks.md.
 """
 

@@ -115,6 +115,15 @@ def test_deepspeed_reduces_gradients_in_fp32_whatever_the_precision(precision):
     assert deepspeed_config(spec, 2, torch.device("cpu"), CFG.embed_dim)["communication_data_type"] == "fp32"
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_deepspeed_overlaps_each_buckets_reduction_with_backward_on_every_stage_and_device(stage, device):
+    """Issue 44: DeepSpeed 0.19.8 overlaps gradient reduction with backward for ZeRO-3 only. On every stage and
+    device, so the CPU's memory tests measure the GPU's config (its second bucket buffer is in the memory model)."""
+    spec = Spec(nodes=2, parallelism={"data": 2, "zeroStage": stage})
+    assert deepspeed_config(spec, 2, torch.device(device), CFG.embed_dim)["zero_optimization"]["overlap_comm"] is True
+
+
 def test_a_single_process_agrees_on_its_loss_and_flags_without_a_collective(one_rank_group, monkeypatch):
     """One process has nothing to agree on: the per-step loss all-reduce (and its host sync) is skipped, which
     bench/overhead.py found among what made a single-process run slower than a plain loop."""

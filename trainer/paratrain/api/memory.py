@@ -281,7 +281,8 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
     if deepspeed:
         bucket = max(2**20, shape.embed_dim ** 2)
         gathered = min(psi, DEEPSPEED_MAX_LIVE_PARAMETERS)  # ZeRO-3's gathers, at most its live parameters
-        buffers += bucket * FP32 + (0 if zero < 3 else gathered * weight_bytes)  # and the reduce bucket
+        # the reduce bucket, twice at ZeRO-1/2 (overlap_comm's second buffer; ZeRO-3's reduce works in place)
+        buffers += bucket * FP32 * (2 if zero < 3 else 1) + (0 if zero < 3 else gathered * weight_bytes)
     if pp > 1:  # receive buffers for every microbatch: activations (not stage 0), gradients (not the last)
         buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
             message_bytes
