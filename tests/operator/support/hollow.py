@@ -4,8 +4,8 @@ kubelets just enough for the operator: a bound pod is reported Running (pod IP 1
 the progress read), a pod being deleted is removed at once, and `finish` ends a pod with an exit code. No process
 runs: a 1,024-pod gang costs the API server its objects and this thread a few thousand requests.
 
-With `progress=True` every pod gets a loopback address of its own (127.0.0.0/8 all reaches this host) and one
-server on the progress port answers rank 0's `GET /progress` for all of them, as a training pod would (its step
+With `progress=True` every pod gets a loopback address of its own (127.0.0.0/8 all reaches this host) whose
+progress port answers rank 0's `GET /progress` (one thread serves them all), as a training pod would (its step
 grows 10 a second), counting the reads: what running jobs cost the operator when they report progress.
 """
 
@@ -14,6 +14,10 @@ from __future__ import annotations
 import http.server
 import itertools
 import json
+import os
+import resource
+import selectors
+import socket
 import threading
 import time
 from collections import Counter
@@ -35,14 +39,20 @@ def _now() -> str:
 
 
 class ProgressServer:
-    """Rank 0's progress endpoint of every hollow pod, on each pod's own loopback address."""
+    """Rank 0's progress endpoint of every hollow pod, on each pod's own loopback address: a listening socket per
+    address (127.P.128.1 on, P from the process id as the try-out kubelet's 127.P.0.x are), all served by one
+    thread. Not one socket on 0.0.0.0: that would collide with any trainer's progress server on the same port (the
+    other test worker's try-out pods)."""
 
     def __init__(self) -> None:
         self.reads: Counter[str] = Counter()  # pod IP → progress reads
         self.said: dict[str, dict[str, Any]] = {}  # pod IP → more the pod's report says (restartsInPlace, ...)
-        self._addresses = (f"127.{a}.{b}.{c}" for a, b, c in itertools.product(range(1, 255), range(256),
-                                                                                 range(1, 255)))
+        base = os.getpid() % 254 + 1
+        self._addresses = (f"127.{base}.{b}.{c}" for b, c in itertools.product(range(128, 256), range(1, 255)))
         self._lock, started, reads, said = threading.Lock(), time.time(), self.reads, self.said
+        # a socket per pod: thousands in the operator benches
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
 
         def report(request: http.server.BaseHTTPRequestHandler) -> dict[str, Any]:
             address = request.connection.getsockname()[0]  # the pod's own
@@ -52,16 +62,40 @@ class ProgressServer:
                     "tokensPerSecond": 1000.0, "phase": "training",
                     "updatedAt": datetime.fromtimestamp(now, timezone.utc).isoformat(), **said.get(address, {})}
 
-        self.server = http.server.ThreadingHTTPServer(("0.0.0.0", contract.PROGRESS_PORT), json_handler(report))
+        # Never bound: it only handles the connections the sockets below accept (a thread per request).
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), json_handler(report), bind_and_activate=False)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="hollow-progress", daemon=True).start()
+        self._selector, self._closed = selectors.DefaultSelector(), threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hollow-progress", daemon=True)
+        self._thread.start()
 
     def address(self) -> str:
+        """A fresh pod address, its progress port listening."""
         with self._lock:
-            return next(self._addresses)
+            ip = next(self._addresses)
+            listening = socket.create_server((ip, contract.PROGRESS_PORT))
+            listening.setblocking(False)
+            self._selector.register(listening, selectors.EVENT_READ)
+            return ip
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            for key, _ in self._selector.select(timeout=0.2):
+                try:
+                    connection, peer = key.fileobj.accept()
+                except (BlockingIOError, OSError):
+                    continue
+                connection.setblocking(True)
+                self.server.process_request(connection, peer)
 
     def close(self) -> None:
-        self.server.shutdown()
+        self._closed.set()
+        self._thread.join()
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fileobj)
+                key.fileobj.close()
+        self._selector.close()
         self.server.server_close()
 
 
