@@ -1,7 +1,6 @@
 """Resume is exact: a run killed after a checkpoint and started again reproduces the uninterrupted run's curve."""
 
 import json
-import resource
 import shutil
 import signal
 import subprocess
@@ -60,11 +59,9 @@ def assert_host_phases_measured(metrics: dict, checkpoint_bytes: int) -> None:
     for rank, phases in enumerate(metrics["host_phases"]):
         assert set(phases) == {"build", "resume", "save"}, phases
         for name, f in phases.items():
-            # The run's peak and a phase's are read at different moments and by different counters: a page apart
-            # at most (a CI run under load once saw 4,096 bytes).
-            page = resource.getpagesize()
-            assert 0 < f["startRssBytes"] <= f["peakRssBytes"] <= metrics["peak_memory_bytes"][rank] + page, (
-                rank, name, f)
+            # The run's peak counts every phase's (read by their own counters at other moments: CI runs saw a
+            # phase 4 KiB, then 92 KiB, above the run's own VmHWM before the run took the larger).
+            assert 0 < f["startRssBytes"] <= f["peakRssBytes"] <= metrics["peak_memory_bytes"][rank], (rank, name, f)
         assert phases["resume"]["bytesRead"] >= checkpoint_bytes / world, (rank, phases["resume"], checkpoint_bytes)
 
 

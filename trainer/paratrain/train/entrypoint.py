@@ -297,8 +297,11 @@ def _run(job: ParallelTrainJob, rank: int, world: int, device, dims, round_: int
     state_bytes: list = [None] * world
     dist.all_gather_object(state_bytes, {"rank": rank, **engine.state_bytes()})
     peak_memory, peak_memory_kind = peak_memory_bytes(device)
+    phases = host.as_dict()
+    if peak_memory_kind == "max_rss":  # a phase's peak, read by its own counter at its end, is the run's too
+        peak_memory = max([peak_memory, *(phase["peakRssBytes"] for phase in phases.values())])
     peaks: list = [None] * world
-    dist.all_gather_object(peaks, (peak_memory, peak_reserved_bytes(device), host.as_dict()))  # one collective
+    dist.all_gather_object(peaks, (peak_memory, peak_reserved_bytes(device), phases))  # one collective
     peak_memories, peaks_reserved, host_phases = [p[0] for p in peaks], [p[1] for p in peaks], [p[2] for p in peaks]
     metrics_out = os.environ.get(contract.ENV_METRICS_OUT)
     if rank == 0:
