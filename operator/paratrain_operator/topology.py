@@ -74,7 +74,7 @@ def affinity(job: ParallelTrainJob, attempt: int, rank: int) -> dict[str, Any] |
     """The pod's affinity: the spec's (scheduling.affinity, copied), with its group's pod affinity added."""
     per = nodes_per_group(job)
     if not per:
-        return copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else None
+        return _own_affinity(job)
     return _sharing_a_domain(job, {contract.LABEL_JOB: job.metadata.name, contract.LABEL_ATTEMPT: str(attempt),
                                    GROUP_LABEL: str(rank // per)})
 
@@ -88,7 +88,7 @@ def probe_placement(job: ParallelTrainJob, attempt: int, rank: int) -> tuple[dic
     Under Kueue none: TAS annotations on the placeholders' own group say it (kueue.probe_metadata)."""
     t = job.spec.scheduling.topology
     if not t or kueue.queue_name(job):
-        return {}, copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else None
+        return {}, _own_affinity(job)
     match = {contract.LABEL_JOB: job.metadata.name, contract.LABEL_ATTEMPT: str(attempt)}
     if not t.ranks_per_domain:
         return {}, _sharing_a_domain(job, match)
@@ -96,11 +96,16 @@ def probe_placement(job: ParallelTrainJob, attempt: int, rank: int) -> tuple[dic
     return group, _sharing_a_domain(job, match | group)
 
 
+def _own_affinity(job: ParallelTrainJob) -> dict[str, Any] | None:
+    """The spec's scheduling.affinity, copied (each pod gets terms of its own added)."""
+    return copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else None
+
+
 def _sharing_a_domain(job: ParallelTrainJob, match: dict[str, str]) -> dict[str, Any]:
     """The spec's affinity (copied) with a pod affinity term: a domain of topology.level shared with the pods
     matching `match`, required or preferred."""
     t = job.spec.scheduling.topology
-    own = copy.deepcopy(job.spec.scheduling.affinity) if job.spec.scheduling.affinity else {}
+    own = _own_affinity(job) or {}
     term = {"labelSelector": {"matchLabels": match}, "topologyKey": t.level}
     pod_affinity = own.setdefault("podAffinity", {})
     if t.mode == "required":
