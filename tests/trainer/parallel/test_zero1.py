@@ -4,6 +4,7 @@ a plain AdamW on the whole batch; half the optimizer state and gradients per ran
 checkpoint state that reloads into other buckets. The parallel runs in test_parity cover TP/PP and DCP."""
 
 import contextlib
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -77,23 +78,40 @@ def train(rank: int, store_file: str, out: str) -> None:
             return model, ZeroOneOptimizer(param_groups(model, 0.1), reducer, adamw), reducer
 
         model, optimizer, reducer = zero1(BUCKET_BYTES)
+        optimizer.gather_in_forward(model)  # as build.py does: the gathers after a step overlap the next forward
         engine = TorchEngine(model=model, module=model, optimizer=optimizer, dims=dims, precision="fp32",
                              grad_clip=0.05, dp_reducer=reducer)  # clips: the norm must be the global one
         single = tiny_gpt()  # the single-process reference, on the whole batch
         single_engine = TorchEngine(model=single, module=single, optimizer=adamw(param_groups(single, 0.1)),
                                     dims=ParallelDims(dp=1, tp=1, pp=1, world_size=1), precision="fp32",
                                     grad_clip=0.05, dp_reducer=None)
-        counts, norms = [], []
+        counts, norms, pending, others_stale = [], [], [], []
+        last = reducer.buckets[0]  # the last bucket forward reads: its gather is launched last
+        starts = dict(zip(map(id, last.params), [0, *itertools.accumulate(p.numel() for p in last.params)]))
+        mine = torch.zeros(sum(p.numel() for p in last.params), dtype=torch.bool)  # this rank's shard of it
+        for p, start, stop, _ in last.pieces(rank):
+            mine[starts[id(p)] + start: starts[id(p)] + stop] = True
+
+        def flat_last() -> torch.Tensor:
+            return torch.cat([p.detach().reshape(-1) for p in last.params])
         for step in range(STEPS):
             tokens = torch.randint(CFG.vocab_size, (4, CFG.block_size + 1),
                                    generator=torch.Generator().manual_seed(step))
             x, y = tokens[:, :-1], tokens[:, 1:]
             with counted_collectives() as calls:
                 engine.forward_backward([(x.chunk(2)[rank], y.chunk(2)[rank])])
+                pending.append(len(optimizer._in_flight) + len(optimizer._to_gather))  # after forward: none
+                before = flat_last()
                 result = engine.optimizer_step(lr=1e-2)
+                pending.append(len(optimizer._in_flight) + len(optimizer._to_gather))  # after the step: all
+                # the step wrote this rank's shard in place; the other ranks' come with the gather forward waits for
+                after = flat_last()
+                others_stale.append(torch.equal(after[~mine], before[~mine])
+                                    and not torch.equal(after[mine], before[mine]))
             counts.append(calls)
             single_engine.forward_backward([(x, y)])
             norms.append((result.grad_norm, single_engine.optimizer_step(lr=1e-2).grad_norm))
+        optimizer.settle()  # what reads the weights outside forward does first (the engine's checkpoint does)
 
         share = optimizer.state_dict(model)  # what this rank hands DCP
         state = whole(share)
@@ -106,7 +124,8 @@ def train(rank: int, store_file: str, out: str) -> None:
         reloaded_state = whole(reloaded.state_dict(other_model))
         psi = sum(p.numel() for p in model.parameters())
         report = {
-            "buckets": len(reducer.buckets), "counts": counts, "norms": norms, "psi": psi,
+            "buckets": len(reducer.buckets), "counts": counts, "norms": norms, "psi": psi, "pending": pending,
+            "others_stale": others_stale,
             "optimizer_bytes": engine.state_bytes()["optimizer"], "grad_bytes": engine.last_grad_bytes,
             "param_error": max((p - q).abs().max().item() for p, q in zip(model.parameters(), single.parameters())),
             "same_format": state_keys(state) == state_keys(reference_state),
@@ -149,12 +168,26 @@ def reports(tmp_path_factory):
 
 
 def test_each_step_reduce_scatters_and_all_gathers_once_per_bucket_and_never_broadcasts(reports):
-    """The all-reduce is the global gradient norm's one scalar."""
+    """The all-reduce is the global gradient norm's one scalar. A step launches the all-gathers of the first
+    GATHERS_IN_FLIGHT buckets forward reads, and the next forward the rest, one bucket ahead of the layers that
+    need it: the first step counts 2, every later one a whole step's (the step before's rest and its own 2)."""
+    from paratrain.train.parallel.zero1 import GATHERS_IN_FLIGHT
+
     for report in reports:
         assert report["buckets"] > 2
         per_bucket = report["buckets"]
-        assert report["counts"] == [{"broadcast": 0, "all_reduce": 1, "reduce_scatter_single": per_bucket,
-                                     "all_gather_single": per_bucket}] * STEPS, report["counts"]
+        counts = [{"broadcast": 0, "all_reduce": 1, "reduce_scatter_single": per_bucket, "all_gather_single": n}
+                  for n in [GATHERS_IN_FLIGHT] + [per_bucket] * (STEPS - 1)]
+        assert report["counts"] == counts, report["counts"]
+
+
+def test_the_gathers_after_a_step_overlap_the_next_forward(reports):
+    """After each step every bucket's gather is pending (2 in flight): the last bucket forward reads has this
+    rank's shard updated (the step writes it in place) and the other ranks' elements not yet; forward has them all
+    in before its layers run (the norms and weights of the next test hold to 1e-5)."""
+    for report in reports:
+        assert report["pending"] == [0, report["buckets"]] * STEPS
+        assert report["others_stale"] == [True] * STEPS
 
 
 def test_trains_as_adamw_on_the_whole_batch(reports):

@@ -20,6 +20,8 @@ Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parall
 The peak is taken at the start of backward (states + activations + loss + buffers, gradients already there under
 accumulation or a pipeline), or at the optimizer step (states + gradients + AdamW's temporaries), whichever is
 larger. A checkpoint save adds at most one gathered tensor (DeepSpeed) or bucket (composed ZeRO-1): `checkpoint`.
+Composed ZeRO-1's all-gathers after a step hold two buckets' flat buffers into the next forward's first layers,
+where the activations are not yet there: below either peak, not counted.
 """
 
 from __future__ import annotations

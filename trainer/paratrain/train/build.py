@@ -21,6 +21,7 @@ from .parallel.parallelize import parallelize
 from .parallel.pipeline import build_schedule, split_stage
 from .parallel.precision import LossScaler
 from .parallel.tensor_parallel import HEADS_SEED_OFFSET, RNGStream
+from .parallel.zero1 import ZeroOneOptimizer
 
 
 def build_engine(spec: Spec, dims: ParallelDims, device: torch.device, vocab_size: int):
@@ -43,8 +44,11 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg
     wrapped, dp_reducer = parallelize(model, dims, device, heads_rng, t.activation_checkpointing, spec.precision,
                                       t.compile)
     initialize(model, t.seed, spec.model.init)
+    optimizer = build_optimizer(model, dims, t, dp_reducer)
+    if isinstance(optimizer, ZeroOneOptimizer) and not t.compile:
+        optimizer.gather_in_forward(model)  # its all-gathers after a step overlap the next forward
     engine = TorchEngine(
-        model=wrapped, module=model, optimizer=build_optimizer(model, dims, t, dp_reducer), dims=dims,
+        model=wrapped, module=model, optimizer=optimizer, dims=dims,
         precision=spec.precision, grad_clip=t.grad_clip, dp_reducer=dp_reducer, accumulation=t.gradient_accumulation,
         microbatches=p.microbatches, scaler=LossScaler(enabled=spec.precision == "fp16"), heads_rng=heads_rng,
     )

@@ -18,6 +18,11 @@ from .data_parallel import OverlappedGradReducer
 from .tensors import local, local_bytes, save_owners
 
 
+# Buckets whose all-gather runs at once after a step, ahead of the forward that needs them: one waited for and one
+# in flight, as FSDP2's prefetch; each holds a bucket's flat buffer (25 MiB by default) until forward copies it in.
+GATHERS_IN_FLIGHT = 2
+
+
 class ZeroOneOptimizer:
     """ZeRO stage 1 for composed layouts, DeepSpeed's flat partitioning over OverlappedGradReducer's buckets: the
     reducer (in shard mode) reduce-scatters each bucket's gradients during backward, so this dp rank receives only
@@ -49,6 +54,9 @@ class ZeroOneOptimizer:
             for shard, (p, *_) in zip(self.shards[-1], pieces, strict=True):
                 shard_groups[group_of[id(p)]]["params"].append(shard)
         self.local_optimizer = make_optimizer(shard_groups)
+        self._hooked = False  # gather_in_forward's
+        self._to_gather: list[int] = []  # buckets whose all-gather is not launched yet, in launch order
+        self._in_flight: dict[int, tuple[object, torch.Tensor]] = {}  # bucket → (its work, its flat buffer)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -78,22 +86,69 @@ class ZeroOneOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Step this rank's shard, then bring every rank's updated shards into the whole parameters: at once, or,
+        once `gather_in_forward` has hooked the model, overlapped with the next forward."""
+        self.settle()  # a bucket no forward asked for (parameters it did not use) is still in flight
         self.grads()
         self.local_optimizer.step()
-        for i, bucket in enumerate(self.reducer.buckets):
-            for p, whole in zip(bucket.params, self._all_gather(i, self.shards[i]), strict=True):
-                local(p.data).copy_(whole)
+        self._to_gather = list(reversed(range(len(self.reducer.buckets))))  # forward's order: the first layers first
+        if self._hooked:
+            self._top_up()
+        else:
+            self.settle()
 
-    def _all_gather(self, i: int, mine: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's pieces of bucket i (`mine`: this rank's, one per piece) → whole local tensors, one per
-        parameter (views into one flat buffer)."""
+    def gather_in_forward(self, module: nn.Module) -> None:
+        """Overlap the all-gathers that follow each step with the next forward (as FSDP2 prefetches): the step
+        launches the first GATHERS_IN_FLIGHT buckets, and a forward pre-hook on each module that holds a bucket's
+        parameters waits for that bucket, copies it in, and launches the next. Every rank launches them in one
+        order (forward's), whatever asks first. Anything else that reads the parameters calls `settle` first (the
+        engine's checkpoint and restore do). Not for torch.compile'd blocks: a hook that waits on a collective
+        inside a compiled call would break its graph."""
+        needs: dict[nn.Module, set[int]] = {}
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                if id(p) in self.reducer.bucket_of:
+                    needs.setdefault(m, set()).add(self.reducer.bucket_of[id(p)])
+        for m, buckets in needs.items():
+            m.register_forward_pre_hook(lambda *_, b=frozenset(buckets): self.settle(b))
+        self._hooked = True
+
+    @torch.no_grad()
+    def settle(self, buckets: frozenset[int] | None = None) -> None:
+        """Finish the step's all-gathers of `buckets` (None: all) into the parameters, launching any not yet
+        launched, in order."""
+        while self._to_gather or self._in_flight:
+            wanted = [i for i in (*self._in_flight, *self._to_gather) if buckets is None or i in buckets]
+            if not wanted:
+                return
+            if wanted[0] not in self._in_flight:
+                self._launch()
+                continue
+            work, flat = self._in_flight.pop(wanted[0])
+            work.wait()
+            for p, whole in zip(self.reducer.buckets[wanted[0]].params,
+                                self.reducer.buckets[wanted[0]].unflatten(flat), strict=True):
+                local(p.data).copy_(whole)
+            self._top_up()
+
+    def _top_up(self) -> None:
+        while self._to_gather and len(self._in_flight) < GATHERS_IN_FLIGHT:
+            self._launch()
+
+    def _launch(self) -> None:
+        i = self._to_gather.pop(0)
+        flat, work = self._all_gather(i, self.shards[i], async_op=True)
+        self._in_flight[i] = work, flat
+
+    def _all_gather(self, i: int, mine: list[torch.Tensor], async_op: bool = False) -> tuple[torch.Tensor, object]:
+        """Every rank's pieces of bucket i (`mine`: this rank's, one per piece) → the bucket's flat buffer (whole
+        once the returned work is done; Bucket.unflatten gives each parameter's view)."""
         bucket = self.reducer.buckets[i]
         shard = torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
         for t, (_, start, stop, offset) in zip(mine, self.pieces[i], strict=True):
             shard[offset: offset + stop - start].copy_(t)
         flat = shard.new_empty(bucket.numel)
-        dist.all_gather_single(flat, shard, group=self.reducer.group)
-        return bucket.unflatten(flat)
+        return flat, dist.all_gather_single(flat, shard, group=self.reducer.group, async_op=async_op)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.local_optimizer.zero_grad(set_to_none=True)
@@ -111,6 +166,7 @@ class ZeroOneOptimizer:
         this dp rank, in host memory. Per-element state (tensors shaped like the piece) is all-gathered bucket by
         bucket and each parameter's kept by one rank, so a device holds one gathered bucket at a time and a host
         about 1/dp of the state; scalars (Adam's step count) are the same on every piece."""
+        self.settle()
         if not self.local_optimizer.state:
             self._init_state()
         states = [self.local_optimizer.state[s] for shards in self.shards for s in shards]
@@ -126,7 +182,7 @@ class ZeroOneOptimizer:
                     out[names[id(p)]] = {k: v.cpu().clone() for k, v in scalars.items()}
             for key in (k for k, v in states[0].items() if is_per_element(v)):
                 pieces = [self.local_optimizer.state[s][key] for s in self.shards[i]]
-                for p, whole in zip(bucket.params, self._all_gather(i, pieces), strict=True):
+                for p, whole in zip(bucket.params, bucket.unflatten(self._all_gather(i, pieces)[0]), strict=True):
                     if id(p) in mine:
                         out[names[id(p)]][key] = like_param(whole.cpu().clone(), p)
         return out
