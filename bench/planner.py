@@ -51,9 +51,11 @@ NOTES = (
     "over their predicted peaks (whole gradients held through the micro-steps: now modelled, with two test "
     "layouts); and at 4 ranks on 2 cores a first choice 21-33% slower than the fastest, as the time model knew "
     "neither ranks taking turns on shared cores nor AdamW's update (now both), nor how far apart two layouts must "
-    "be predicted for the ranking to beat simplicity (now 10%). Read the ranking with its noise: the same 9 layouts "
-    "at 2 ranks measured ρ 0.37 in one run and −0.03 in another (tokens/s moves 5-10% between runs here). CPU "
-    "only: the GPU constants (40% of peak, 70% of link bandwidth) wait for a lent GPU's bench/gpu.sh.")
+    "be predicted for the ranking to beat simplicity (now 10%). On 2026-12-06 the 60% limit at 4 ranks chose "
+    "DeepSpeed ZeRO-3 under 4 micro-steps, 15.2% under its measured peak: ZeRO-3's coalesced all-gather keeps its "
+    "flat buffer beside the parameters copied out of it (now modelled). Read the ranking with its noise: the same "
+    "9 layouts at 2 ranks measured ρ 0.37 in one run and −0.03 in another (tokens/s moves 5-10% between runs "
+    "here). CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait for a lent GPU's bench/gpu.sh.")
 
 
 def job_document(name: str, model: dict, world: int, memory: str | None = None) -> dict:

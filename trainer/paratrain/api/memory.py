@@ -15,7 +15,8 @@ Terms, for Ψ parameters held by the rank (its pipeline stage, its tensor-parall
 - loss: the last stage's logits and the gradient buffer the loss fills as it runs (loss.ChunkedCrossEntropy),
   plus one piece of 4,096 tokens' fp32 copy over the vocabulary (exponentiated in place); under tensor
   parallel the head, its logits and the loss's buffers are split by vocabulary (V/tp columns per rank).
-- buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket, pipeline receive buffers (one per microbatch),
+- buffers: DDP's gradient buckets (4Ψ), DeepSpeed's reduce bucket (ZeRO-3: its gathered parameters and the flat
+  buffer they are cut from), pipeline receive buffers (one per microbatch),
   bf16 autocast's weight copies (2Ψ of matmul weights).
 The peak is taken at the start of backward (states + activations + loss + buffers, gradients already there under
 accumulation or a pipeline), or at the optimizer step (states + gradients + AdamW's temporaries), whichever is
@@ -26,6 +27,7 @@ where the activations are not yet there: below either peak, not counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .shapes import parameter_count
@@ -41,6 +43,14 @@ DEEPSPEED_MAX_LIVE_PARAMETERS = 10**9
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 SAVE_FIXED_SECONDS = 10
 UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def deepspeed_buckets(embed_dim: int) -> tuple[int, int]:
+    """DeepSpeed's reduce (and all-gather) bucket and ZeRO-3's prefetch bucket, in elements, as paratrain configures
+    them (deepspeed_engine.deepspeed_config): Hugging Face's "auto" values (hidden², 0.9 x hidden²), at least 2^20
+    (4 MB in fp32) so that small models do not pay one collective per tensor; even, as DeepSpeed wants."""
+    bucket = max(2**20, 2 * math.ceil(embed_dim**2 / 2))
+    return bucket, int(0.9 * bucket)
 
 
 def parse_bytes(quantity: str) -> int:
@@ -281,10 +291,16 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
         # step's temporaries of the same size are, which `_peak`'s step counts.)
         buffers += psi * FP32
     if deepspeed:
-        bucket = max(2**20, shape.embed_dim ** 2)
+        bucket, prefetch = deepspeed_buckets(shape.embed_dim)
         gathered = min(psi, DEEPSPEED_MAX_LIVE_PARAMETERS)  # ZeRO-3's gathers, at most its live parameters
         # the reduce bucket, twice at ZeRO-1/2 (overlap_comm's second buffer; ZeRO-3's reduce works in place)
-        buffers += bucket * FP32 * (2 if zero < 3 else 1) + (0 if zero < 3 else gathered * weight_bytes)
+        buffers += bucket * FP32 * (2 if zero < 3 else 1)
+        if zero == 3:
+            # Its gathered parameters, and the flat buffer of the coalesced all-gather in flight (up to a prefetch
+            # bucket): each parameter is a copy cut from it (partition_parameters.AllGatherCoalescedHandle.wait:
+            # torch.cat), the buffer alive beside them while the handle is (measured: bench/planner.py's ZeRO-3
+            # under accumulation was 15% over its prediction without it)
+            buffers += (gathered + min(gathered, prefetch)) * weight_bytes
     if pp > 1:  # receive buffers for every microbatch: activations (not stage 0), gradients (not the last)
         buffers += ((0 if first else 1) + (0 if last else 1)) * p.microbatches * micro_tokens * shape.embed_dim * \
             message_bytes

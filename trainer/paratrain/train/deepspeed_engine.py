@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..api import Spec
-from ..api.memory import DEEPSPEED_MAX_LIVE_PARAMETERS
+from ..api.memory import DEEPSPEED_MAX_LIVE_PARAMETERS, deepspeed_buckets
 from .checkpoint import CheckpointError
 from .partial_read import FlatRange
 from .engine import Batch, StepResult
@@ -68,10 +68,10 @@ LOAD_PART_ELEMENTS = 2**28
 def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) -> dict:
     t, p = spec.training, spec.parallelism
     # Buckets and the ZeRO-3 persistence threshold scale with the model, as Hugging Face's "auto" values do
-    # (hidden², 0.9 x hidden², 10 x hidden): DeepSpeed's fixed defaults would allocate a 2 GB fp32 gradient bucket
-    # per rank and, for models under ~1e5-element tensors, keep every parameter whole under ZeRO-3. The floor of
-    # 2^20 elements (4 MB in fp32) keeps small models from paying one collective per tensor.
-    bucket = max(2**20, 2 * math.ceil(embed_dim**2 / 2))  # DeepSpeed wants even bucket sizes
+    # (hidden², 0.9 x hidden², 10 x hidden; memory.deepspeed_buckets): DeepSpeed's fixed defaults would allocate a
+    # 2 GB fp32 gradient bucket per rank and, for models under ~1e5-element tensors, keep every parameter whole
+    # under ZeRO-3.
+    bucket, prefetch = deepspeed_buckets(embed_dim)
     zero = {
         "stage": p.zero_stage,
         # DeepSpeed's defaults, pinned: 0.19 is reported to skip the gradient all-reduce on CPU tensors with both
@@ -81,7 +81,7 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
         "reduce_scatter": True,
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
-        "stage3_prefetch_bucket_size": int(0.9 * bucket),
+        "stage3_prefetch_bucket_size": prefetch,
         "stage3_param_persistence_threshold": 10 * embed_dim,
         # DeepSpeed's defaults, pinned: the memory model bounds ZeRO-3's gathered parameters by them
         "stage3_max_live_parameters": DEEPSPEED_MAX_LIVE_PARAMETERS,
