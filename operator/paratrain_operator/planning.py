@@ -9,12 +9,16 @@ nodes gets a layout for them; its checkpoint reshards into it.
 The GPU comes from GPU Feature Discovery's node labels (nvidia.com/gpu.product, gpu.memory in MiB, gpu.count) of
 the nodes the job may use (its nodeSelector, enough GPUs for procsPerNode); where they name several GPUs, the one
 with the least memory, since the gang may land on any of them. Else the platform's planner.gpu. Link bandwidths
-and the compute efficiency are the catalogue's, or the platform's planner profile's.
+and the compute efficiency are the catalogue's, or the platform's planner profile's. Where the job is placed by a
+topology level, the nodes' labels of that level say how many ranks one domain holds: for an NVLink-domain label
+(GFD's nvidia.com/gpu.clique, Topograph's accelerator) the NVLink fabric tensor parallel may span, else the
+boundary past which a group crosses the spine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from paratrain.api import ParallelTrainJob, Spec, hardware, planner
@@ -48,8 +52,9 @@ def target_of(spec: Spec, node_labels: Sequence[Mapping[str, str]] | None, platf
         product, gpus = min(found.items(), key=lambda kv: min(g.memory_bytes for g in kv[1]))
         gpu = min(gpus, key=lambda g: g.memory_bytes)
         also = f"; the least memory of {len(found)} GPU types the job may land on" if len(found) > 1 else ""
-        return planner.Target(platform.planner.calibrated(gpu),
-                              f"{len(gpus)} node(s) labelled {GFD_PRODUCT}={product}{also}", gpu.memory_bytes)
+        gpu, domains = _with_domains(spec, platform.planner.calibrated(gpu), usable)
+        return planner.Target(gpu, f"{len(gpus)} node(s) labelled {GFD_PRODUCT}={product}{also}{domains}",
+                              gpu.memory_bytes)
     if platform.planner.gpu:
         why = (f"the nodes' {', '.join(sorted(unknown))} is not in the catalogue" if unknown else
                f"no node the job may use carries {GFD_PRODUCT}")
@@ -61,6 +66,27 @@ def target_of(spec: Spec, node_labels: Sequence[Mapping[str, str]] | None, platf
              f"GPU Feature Discovery's {GFD_PRODUCT} label")
     raise planner.NoPlan(f"mode auto cannot tell which GPU to plan for: {where}; the platform's planner.gpu (a Helm "
                          f"value) names it, one of {', '.join(hardware.BY_NAME)}")
+
+
+def _with_domains(spec: Spec, gpu: hardware.Accelerator, usable: Sequence[Mapping[str, str]]
+                  ) -> tuple[hardware.Accelerator, str]:
+    """`gpu` with the size of the job's topology domains as the nodes' labels give it (the most ranks one domain of
+    spec.scheduling.topology.level holds: an NVLink domain's for an NVLink-domain label, else the spine's
+    boundary), and that in words ("" where the job has no topology or no node carries the label)."""
+    topology = spec.scheduling.topology
+    if topology is None:
+        return gpu, ""
+    nodes: dict[str, int] = {}
+    for labels in usable:
+        if topology.level in labels:
+            nodes[labels[topology.level]] = nodes.get(labels[topology.level], 0) + 1
+    if not nodes:
+        return gpu, ""
+    ranks = max(nodes.values()) * spec.procs_per_node
+    said = f"; {len(nodes)} {topology.level} domain(s), the largest {ranks} ranks"
+    if topology.level in hardware.NVLINK_DOMAIN_LABELS:
+        return replace(gpu, nvlink_gpus=ranks), said + " on one NVLink fabric"
+    return replace(gpu, domain_gpus=ranks), said
 
 
 def _int(text: str | None, default: int) -> int:

@@ -286,3 +286,50 @@ def test_a_group_spanning_more_ranks_than_a_topology_domain_holds_crosses_the_sp
     assert staged["pipeline"] > step_time(spec(2, None), 128256, H100, 8)["pipeline"]  # the sends cross it
     stated = dataclasses.replace(H100, cross_domain_bytes_per_second=H100.network_bytes_per_second)
     assert step_time(spec(1, 16), 128256, stated, 8)["data"] == flat["data"]  # a non-blocking spine: no cost
+
+
+def test_without_ranks_per_domain_the_domains_the_labels_show_say_where_a_group_crosses():
+    """A rack level with no ranksPerDomain, preferred: the gang spreads over racks once it outgrows one, so a group
+    spanning more ranks than the largest rack holds (Accelerator.domain_gpus, counted from the nodes' labels by the
+    operator) crosses the spine; one that fits does not; unknown (0), nothing is priced as crossing."""
+    def spec(level: str) -> Spec:
+        return Spec.model_validate({"nodes": 4, "procsPerNode": 8, "model": {"preset": "llama3-1b"},
+                                    "parallelism": {"data": 32}, "training": {"batchSize": 128}, "precision": "bf16",
+                                    "scheduling": {"topology": {"level": level, "mode": "preferred"}}})
+    flat = step_time(spec("x.io/rack"), 128256, H100, 8)
+    racks_of_16 = step_time(spec("x.io/rack"), 128256, dataclasses.replace(H100, domain_gpus=16), 8)
+    racks_of_32 = step_time(spec("x.io/rack"), 128256, dataclasses.replace(H100, domain_gpus=32), 8)
+    assert racks_of_16["data"] > flat["data"] == racks_of_32["data"]
+    assert planner.domain_ranks(spec("nvidia.com/gpu.clique"), dataclasses.replace(H100, domain_gpus=16)) is None
+
+
+def test_tensor_parallel_spans_the_trays_of_one_nvlink_fabric_only_where_the_gang_is_placed_in_it():
+    """GB200 NVL72 (4 GPUs a tray, 72 on one NVLink fabric): placed by GFD's nvidia.com/gpu.clique (required), a
+    tensor group of 8 spans two trays at NVLink's bandwidth, and the planner considers it; placed by a rack label,
+    preferred, or not at all, the same group would cross the network, and the planner keeps tensor within a tray."""
+    gb200 = hardware.accelerator("GB200-186GB")
+    assert hardware.by_device_name("NVIDIA-GB200").name == "GB200-186GB"  # not B200's (a substring of it)
+    assert hardware.by_device_name("NVIDIA-B200").name == "B200-180GB"
+
+    def spec(topology: dict | None, tensor: int = 8) -> Spec:
+        return Spec.model_validate({"nodes": 4, "procsPerNode": 4, "model": {"preset": "llama3-1b"},
+                                    "parallelism": {"data": 16 // tensor, "tensor": tensor},
+                                    "training": {"batchSize": 64}, "precision": "bf16",
+                                    "resources": {"gpusPerNode": 4},
+                                    "scheduling": {"topology": topology} if topology else {}})
+    clique = {"level": "nvidia.com/gpu.clique", "ranksPerDomain": 8}
+    placed, loose = step_time(spec(clique), 128256, gb200, 4), step_time(spec(None), 128256, gb200, 4)
+    ratio = gb200.node_bytes_per_second / gb200.network_bytes_per_second
+    assert loose["tensor"] == pytest.approx(placed["tensor"] * ratio)
+    for elsewhere in (None, {"level": "x.io/rack", "ranksPerDomain": 8},
+                      {"level": "nvidia.com/gpu.clique", "mode": "preferred"}):
+        assert planner.nvlink_ranks(spec(elsewhere), gb200, 4) == 4
+    assert planner.nvlink_ranks(spec(clique), gb200, 4) == 8
+    assert planner.nvlink_ranks(spec({"level": "network.topology.nvidia.com/accelerator"}), gb200, 4) == 16  # gang
+    assert planner.nvlink_ranks(spec(clique), H100, 4) == 4  # no NVLink across H100 nodes
+
+    def tensors(topology: dict | None) -> set[int]:
+        result = planner.plan(spec(topology, tensor=1), 128256, gb200, None, "cuda", [4])
+        return {c.spec.parallelism.tensor for c in result.feasible}
+    assert tensors(clique) == tensors({"level": "nvidia.com/gpu.clique"}) == {1, 2, 4, 8}  # 16: > 8 kv heads
+    assert tensors({"level": "x.io/rack", "ranksPerDomain": 8}) == tensors(None) == {1, 2, 4}

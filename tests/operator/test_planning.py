@@ -55,6 +55,29 @@ def test_without_labels_the_platform_names_the_gpu_and_its_links():
     assert planning.target_of(job_of().spec, None, platform).accelerator.name == "A100-80GB"  # may not list nodes
 
 
+def test_the_nodes_labels_say_how_many_ranks_a_topology_domain_holds():
+    """GB200 trays (4 GPUs) in two NVLink cliques (GFD's nvidia.com/gpu.clique), 3 trays and 1: a job placed by the
+    clique plans tensor parallel across the largest's 12 ranks; placed by a rack label, the largest rack's ranks
+    are where a group starts crossing the spine; no topology, neither."""
+    def tray(clique: str, rack: str) -> dict[str, str]:
+        return {"nvidia.com/gpu.product": "NVIDIA-GB200", "nvidia.com/gpu.memory": "189471",
+                "nvidia.com/gpu.count": "4", "nvidia.com/gpu.clique": f"7c3e.{clique}", "x.io/rack": rack}
+    nodes = [tray("1", "r1"), tray("1", "r1"), tray("1", "r2"), tray("2", "r2")]
+
+    def target(level: str | None) -> planner.Target:
+        job = job_of(gpus=4)
+        scheduling = {"topology": {"level": level}} if level else {}
+        return planning.target_of(job.spec.model_copy(update={"scheduling": type(job.spec.scheduling)
+                                                              .model_validate(scheduling)}), nodes, Platform())
+    clique = target("nvidia.com/gpu.clique")
+    assert clique.accelerator.name == "GB200-186GB" and clique.accelerator.nvlink_gpus == 12
+    assert clique.source.endswith("2 nvidia.com/gpu.clique domain(s), the largest 12 ranks on one NVLink fabric")
+    rack = target("x.io/rack")
+    assert rack.accelerator.domain_gpus == 8 and rack.accelerator.nvlink_gpus == 72  # the catalogue's NVL72
+    assert "2 x.io/rack domain(s), the largest 8 ranks" in rack.source
+    assert target(None).accelerator.domain_gpus == 0
+
+
 @pytest.mark.parametrize("labels,says", [
     ([], "no node the job may use (spec.scheduling.nodeSelector, 8 GPUs or more) carries GPU Feature Discovery's "
          "nvidia.com/gpu.product label"),

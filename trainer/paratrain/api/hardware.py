@@ -32,6 +32,12 @@ class Accelerator:
     # the fraction of its dense peak a step's matmuls reach, as measured on this cluster (bench/gpu.sh prints it;
     # the platform's planner.computeEfficiency states it); 0: the planner's uncalibrated prior
     compute_efficiency: float = 0.0
+    # GPUs one NVLink fabric joins across nodes (a GB200 NVL72 rack: 72); 0: a node's. Used only where the job is
+    # placed by an NVLink-domain label (NVLINK_DOMAIN_LABELS), which the operator then reads the domains' size from.
+    nvlink_gpus: int = 0
+    # the most ranks one domain of the job's spec.scheduling.topology.level holds, from the nodes' labels (the
+    # operator counts them); 0: unknown. What a group spanning more crosses domains at, where ranksPerDomain is unset.
+    domain_gpus: int = 0
 
     @property
     def cross_domain(self) -> float:
@@ -44,8 +50,17 @@ class Accelerator:
         return self.peak_flops / 2 if tf32 and self.fp32_flops < self.peak_flops / 2 else self.fp32_flops
 
 
-# In match order for device_name (so "H100 PCIe" before "H100", "L40S" before "L4").
+# Node labels whose domains are NVLink domains spanning nodes: GPU Feature Discovery's clique (the NVLink fabric's
+# cluster UUID and clique ID, on multi-node NVLink systems) and Topograph's accelerator domain.
+NVLINK_DOMAIN_LABELS = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/accelerator")
+
+# In match order for device_name (so "H100 PCIe" before "H100", "L40S" before "L4", "GB200" before "B200").
 ACCELERATORS = (
+    # Blackwell: NVLink 5 (1.8 TB/s both ways), 400 Gb/s a GPU (ConnectX-7). GB200 NVL72: 4 GPUs a compute tray, 18
+    # trays on one NVLink fabric; dense bf16 2.5 PFLOP/s a GPU (GB200's), 2.25 (HGX B200's); HBM3e 8 TB/s.
+    Accelerator("GB200-186GB", "GB200", 186 * GiB, 2.5e15, 80e12, 900 * GB, 50 * GB, 8e12, gpus_per_node=4,
+                nvlink_gpus=72),
+    Accelerator("B200-180GB", "B200", 180 * GiB, 2.25e15, 75e12, 900 * GB, 50 * GB, 8e12),
     Accelerator("H100-PCIe-80GB", "H100 PCIe", 80 * GiB, 756e12, 51e12, 64 * GB, 25 * GB, 2.0e12),
     Accelerator("H100-NVL-94GB", "H100 NVL", 94 * GiB, 835e12, 60e12, 64 * GB, 50 * GB, 3.9e12),
     Accelerator("H100-80GB", "H100", 80 * GiB, 989e12, 67e12, 450 * GB, 50 * GB, 3.35e12),  # SXM: NVLink 4, 8 x 400 Gb/s

@@ -5,10 +5,12 @@ second).
 
 A layout is data x tensor x pipeline degrees, the ZeRO stage, the pipeline schedule and microbatches, activation
 checkpointing and gradient accumulation; the global batch (training.batchSize x blockSize tokens) stays fixed.
-Tensor parallel stays within a node; the mesh is (pipeline, data, tensor), tensor innermost (ParallelDims), so a
-data-parallel or pipeline group crosses nodes once it spans more ranks than a node has, and a topology domain
-(spec.scheduling.topology.ranksPerDomain) once it spans more than that, at the cross-domain bandwidth (the spine's:
-the platform's planner.crossDomainBandwidth, else half the network's). Within 10% of the fastest
+Tensor parallel stays within a node, or spans whole nodes of one NVLink fabric where the job is placed by its
+domains (`nvlink_ranks`: a GB200 NVL72's 72 GPUs); the mesh is (pipeline, data, tensor), tensor innermost
+(ParallelDims), so a data-parallel or pipeline group leaves NVLink once it spans more ranks than a node (or that
+fabric) has, and a topology domain (`domain_ranks`: ranksPerDomain, else the most ranks a domain of the level holds
+by the nodes' labels) once it spans more than that, at the cross-domain bandwidth (the spine's: the platform's
+planner.crossDomainBandwidth, else half the network's). Within 10% of the fastest
 layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
 model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from .hardware import CPU, Accelerator
+from .hardware import CPU, NVLINK_DOMAIN_LABELS, Accelerator
 from .memory import Headroom, human, largest_peak, parse_bytes
 from .shapes import parameter_count
 from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems, stated_vocab_size
@@ -140,11 +142,10 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         busy = compute * oversubscription
         compute, bubble = busy, max(0.0, compute + bubble - busy)
 
-    topology = spec.scheduling.topology
-    domain = topology.ranks_per_domain if topology else None  # ranks kept in one domain; more cross the spine
+    nvlink, domain = nvlink_ranks(spec, gpu, gpus_per_node), domain_ranks(spec, gpu)
 
-    def link(span: int) -> float:  # a group of `span` consecutive ranks: within a node, a domain, or across
-        bw = gpu.node_bytes_per_second if span <= gpus_per_node else gpu.network_bytes_per_second \
+    def link(span: int) -> float:  # a group of `span` consecutive ranks: on NVLink, within a domain, or across
+        bw = gpu.node_bytes_per_second if span <= nvlink else gpu.network_bytes_per_second \
             if not domain or span <= domain else min(gpu.network_bytes_per_second, gpu.cross_domain)
         return bw * COMMUNICATION_EFFICIENCY
 
@@ -171,6 +172,27 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     total = compute + bubble + tensor + pipeline + data + optimizer
     return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipeline, "data": data,
             "optimizer": optimizer, "total": total}
+
+
+def nvlink_ranks(spec: Spec, gpu: Accelerator, gpus_per_node: int) -> int:
+    """Consecutive ranks one NVLink fabric joins: a node's; where the GPU's fabric spans nodes (Accelerator.nvlink_gpus,
+    e.g. a GB200 NVL72) and the job is placed by an NVLink-domain label (spec.scheduling.topology, required), each
+    group of ranksPerDomain ranks, else the whole gang, up to the domain's size."""
+    topology = spec.scheduling.topology
+    if (gpu.nvlink_gpus > gpus_per_node and topology and topology.mode == "required"
+            and topology.level in NVLINK_DOMAIN_LABELS):
+        return max(gpus_per_node, min(gpu.nvlink_gpus, topology.ranks_per_domain or spec.world_size))
+    return gpus_per_node
+
+
+def domain_ranks(spec: Spec, gpu: Accelerator) -> int | None:
+    """Consecutive ranks kept in one domain of spec.scheduling.topology.level, where a group spanning more crosses
+    the spine: ranksPerDomain, else the most a domain holds (Accelerator.domain_gpus, from the nodes' labels); None
+    where nothing says (no topology, or an NVLink-domain level, whose outside is the network itself)."""
+    topology = spec.scheduling.topology
+    if topology is None or topology.level in NVLINK_DOMAIN_LABELS:
+        return None
+    return topology.ranks_per_domain or gpu.domain_gpus or None
 
 
 def cross_domain_seconds(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
@@ -216,7 +238,10 @@ def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | Non
         if objective == "minGPUs" and result.feasible:
             break
         world = nodes * procs
-        for tp in options("tensor", "tensor" in allow, [d for d in _divisors(world) if d <= procs]):
+        # tensor parallel within a node, or over whole nodes of one NVLink fabric
+        nvlink = nvlink_ranks(spec.model_copy(update={"nodes": nodes}), gpu, procs)
+        tensors = [d for d in _divisors(world) if d <= procs or (d % procs == 0 and d <= nvlink)]
+        for tp in options("tensor", "tensor" in allow, tensors):
             for pp in options("pipeline", "pipeline" in allow, [d for d in _divisors(world // tp) if d <= layers]):
                 dp = world // (tp * pp)
                 if "data" in kept and kept["data"] != dp:
