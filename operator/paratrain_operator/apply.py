@@ -61,7 +61,8 @@ class Refused(ApiError):
 
 
 # The gang schedulers whose PodGroup is one per job, not per attempt (plan.plan_gang).
-REUSED_POD_GROUPS = frozenset({"scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"})
+REUSED_POD_GROUPS = frozenset({"scheduling.volcano.sh/v1beta1", "scheduling.run.ai/v2alpha2",
+                               "scheduling.x-k8s.io/v1alpha1"})
 
 
 class Conflict(Exception):
@@ -77,7 +78,7 @@ async def ensure(obj: Mapping[str, Any]) -> str | None:
     """Create `obj`; the uid of the object this call created, or None when it existed already.
 
     One that exists already (409) is fine if this job owns it (an earlier pass, or an operator killed midway,
-    created it); a ConfigMap, or a Volcano or scheduler-plugins PodGroup (reused by every attempt), that exists is
+    created it); a ConfigMap, or a Volcano, KAI or scheduler-plugins PodGroup (reused by every attempt), that exists is
     brought up to date (a new attempt may follow a spec change or an elastic resize). A name
     held by an object this job does not own, typically one of a same-named job deleted moments ago that the
     garbage collector or its kubelet has not removed yet, is an error until it goes: taken as ours, it would

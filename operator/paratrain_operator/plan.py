@@ -24,8 +24,13 @@ ANNOTATION_NODE_RANK = f"{API_GROUP}/node-rank"
 ANNOTATION_ATTEMPT = f"{API_GROUP}/attempt"
 ANNOTATION_LAYOUT = f"{API_GROUP}/layout"
 # Gang schedulers: the scheduler each needs, and how a pod names its group.
-SCHEDULER_NAMES = {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}
+SCHEDULER_NAMES = {"volcano": "volcano", "kai": "kai-scheduler", "coscheduling": "scheduler-plugins-scheduler"}
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+# KAI (v0.15+) takes a PodGroup its pods name, where they ask its pod-grouper to leave them alone (else it makes a
+# group of its own per top owner, of one pod for a kind it does not know) and name their subgroup by label.
+KAI_GROUP_ANNOTATION = "pod-group-name"
+KAI_SKIP_GROUPER_ANNOTATION = "kai.scheduler/skip-podgrouper"
+KAI_SUBGROUP_LABEL = "kai.scheduler/subgroup-name"
 # The native gang: one Workload per job whose template the PodGroup of each attempt follows.
 WORKLOAD_TEMPLATE = "workers"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
@@ -133,6 +138,8 @@ def pod_labels(job: ParallelTrainJob, plan_labels: dict[str, str], attempt: int,
     own |= kueue.pod_labels(job, attempt) | topology.group_labels(job, rank)
     if job.spec.scheduling.gang == "coscheduling" and pod_group:
         own[COSCHEDULING_GROUP_LABEL] = pod_group
+    if job.spec.scheduling.gang == "kai" and pod_group and (subgroup := topology.kai_subgroup(job, rank)):
+        own[KAI_SUBGROUP_LABEL] = subgroup
     return dict(job.spec.pod.labels) | own
 
 
@@ -141,6 +148,8 @@ def pod_annotations(job: ParallelTrainJob, attempt: int, rank: int, pod_group: s
            ANNOTATION_LAYOUT: layout_label(job.spec)} | kueue.pod_annotations(job)
     if job.spec.scheduling.gang == "volcano" and pod_group:
         own[VOLCANO_GROUP_ANNOTATION] = pod_group
+    if job.spec.scheduling.gang == "kai" and pod_group:
+        own |= {KAI_GROUP_ANNOTATION: pod_group, KAI_SKIP_GROUPER_ANNOTATION: "true"}
     return dict(job.spec.pod.annotations) | own
 
 
@@ -154,7 +163,7 @@ def plan_gang(job: ParallelTrainJob, namespace: str, attempt: int = 0,
     name, gang = job.metadata.name, job.spec.scheduling.gang
     wanted = range(job.spec.nodes) if ranks is None else sorted(set(ranks))
     labels = gang_labels(name)
-    # A native PodGroup is one scheduling instance, so each gang attempt gets a fresh one; Volcano's and
+    # A native PodGroup is one scheduling instance, so each gang attempt gets a fresh one; Volcano's, KAI's and
     # scheduler-plugins' groups are reused across attempts.
     pod_group = None if gang == "none" else f"{name}-{attempt}" if gang == "kubernetes" else name
     nodes = tuple(

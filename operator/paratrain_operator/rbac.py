@@ -15,10 +15,10 @@ Why each rule:
 - events: the operator's own Events on the job: created, and patched to count a repeat of the same Event.
 - networkpolicies: each gang's ingress policy (the platform's networkPolicy), created with the job's Service and
   owned by the job like it.
-- workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, scheduler-plugins'): only for
+- workloads and podgroups (scheduling.k8s.io: Kubernetes' native gang; Volcano's, KAI's, scheduler-plugins'): only for
   `spec.scheduling.gang`; without them such a job fails with a clear message and everything else works. A native
   PodGroup is one attempt's scheduling instance: the next attempt deletes it (`delete`), so restarts and resumes
-  leave one, not one each (all are owned by the job and go with it). Volcano's and scheduler-plugins' groups are one
+  leave one, not one each (all are owned by the job and go with it). Volcano's, KAI's, scheduler-plugins' groups are one
   per job: patched when a new attempt has another size (an elastic resize).
 - workloads (kueue.x-k8s.io: get, delete): the Kueue Workload of a pod group of the job's that the operator gave up
   while Kueue still held it (a gang restarted, shrunk or timed out before admission, placeholder pods no longer
@@ -58,6 +58,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("scheduling.k8s.io", "workloads", ("get", "create")),
     ("scheduling.k8s.io", "podgroups", ("get", "create", "delete")),
     ("scheduling.volcano.sh", "podgroups", ("get", "create", "patch")),
+    ("scheduling.run.ai", "podgroups", ("get", "create", "patch")),
     ("scheduling.x-k8s.io", "podgroups", ("get", "create", "patch")),
     ("kueue.x-k8s.io", "workloads", ("get", "delete")),
 )

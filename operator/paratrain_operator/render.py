@@ -25,7 +25,8 @@ from paratrain.api.platform import GangNetworkPolicy, Platform
 from paratrain.api.spec import RESERVED_VOLUME_PREFIX, TRAINER_CONTAINER, ResourcesSpec, Spec, Volume
 
 from . import topology
-from .plan import COSCHEDULING_GROUP_LABEL, WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env, plan_gang
+from .plan import (COSCHEDULING_GROUP_LABEL, KAI_SUBGROUP_LABEL, WORKLOAD_TEMPLATE, GangPlan, NodePlan, container_env,
+                   plan_gang)
 
 TRAINER_UID = 1000  # the trainer images run as this non-root user
 SHM_DIR = "/dev/shm"
@@ -115,7 +116,8 @@ def service(plan: GangPlan) -> dict[str, Any]:
 
 
 def pod_group(plan: GangPlan, spec: Spec, placement: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The gang scheduler's PodGroup; `placement`: Volcano's network topology (topology.volcano_placement)."""
+    """The gang scheduler's PodGroup; `placement`: Volcano's network topology (topology.volcano_placement), KAI's
+    shape and topology (topology.kai_placement)."""
     assert plan.pod_group
     return _render(f"podgroup-{plan.gang}.yaml.j2", metadata=metadata(plan, plan.pod_group, plan.labels),
                    min_member=spec.nodes, scheduling=spec.scheduling, workload=plan.job_name,
@@ -223,8 +225,8 @@ def probe_pods(job: ParallelTrainJob, namespace: str, attempt: int, ranks: Colle
     Kueue, a group of their own."""
     plan = plan_gang(job, namespace, attempt, ranks=(0,))
     rank0, name = plan.nodes[0], job.metadata.name
-    dropped = {contract.LABEL_NODE_RANK, COSCHEDULING_GROUP_LABEL, *kueue.pod_labels(job, attempt),
-               *topology.group_labels(job, 0)}
+    dropped = {contract.LABEL_NODE_RANK, COSCHEDULING_GROUP_LABEL, KAI_SUBGROUP_LABEL,
+               *kueue.pod_labels(job, attempt), *topology.group_labels(job, 0)}
     queued_labels, queued_annotations = kueue.probe_metadata(job, attempt, group)
     alone = replace(plan, gang="none", scheduler_name=None, pod_group=None)
     out = []
@@ -261,7 +263,9 @@ def gang_objects(job: ParallelTrainJob, namespace: str, attempt: int = 0,
     if plan.gang == "kubernetes":
         objects.append(workload(plan, job.spec))
     if plan.pod_group:
-        objects.append(pod_group(plan, job.spec, topology.volcano_placement(job, platform.volcano_tiers)))
+        placement = (topology.kai_placement(job, platform.kai_topology) if plan.gang == "kai" else
+                     topology.volcano_placement(job, platform.volcano_tiers))
+        objects.append(pod_group(plan, job.spec, placement))
     return objects
 
 
@@ -284,6 +288,6 @@ def native_pod_group(job: ParallelTrainJob, namespace: str, attempt: int) -> dic
 
 def superseded(job: ParallelTrainJob, namespace: str, attempt: int) -> list[dict[str, Any]]:
     """What gang attempt `attempt` replaces, to delete once it is created: the native PodGroup of the attempt
-    before (one scheduling instance each; Volcano's and scheduler-plugins' groups are reused)."""
+    before (one scheduling instance each; Volcano's, KAI's and scheduler-plugins' groups are reused)."""
     old = native_pod_group(job, namespace, attempt - 1) if attempt > 0 else None
     return [old] if old else []

@@ -5,11 +5,13 @@ for the rest.
   (paratrain.api.kueue.topology_annotations) and fills domains in node-rank order.
 - gang 'kubernetes': the PodGroup's (and Workload template's) topology constraint keeps the whole gang in one
   domain; it is required only and has no groups, so `preferred` and `ranksPerDomain` fall back to affinity.
-- every other gang (none, volcano, coscheduling): pod affinity. Each pod is labelled with its group (node rank //
-  nodes per domain; one group without ranksPerDomain) and asks to share a domain of `level` with the pods of its
+- every other gang (none, volcano, kai, coscheduling): pod affinity. Each pod is labelled with its group (node rank
+  // nodes per domain; one group without ranksPerDomain) and asks to share a domain of `level` with the pods of its
   group in its attempt, required or preferred. The first pod of a group matches itself, so it may go anywhere;
   the rest follow it. Under Volcano, where the platform's volcanoTiers names the level's HyperNode tier, its
-  PodGroup also carries Volcano's own network topology (volcano_placement).
+  PodGroup also carries Volcano's own network topology (volcano_placement); under KAI, where the platform names
+  KAI's Topology resource, its PodGroup carries KAI's topology constraints, per subgroup of ranks with
+  ranksPerDomain (kai_placement).
 - an elastic gang's placeholders (probe_placement): pod affinity for the domain the grown gang needs them in, or
   under Kueue its TAS annotations on their own group.
 """
@@ -55,6 +57,28 @@ def volcano_placement(job: ParallelTrainJob, tiers: Mapping[str, int]) -> dict[s
         "name": "domain", "subGroupSize": t.ranks_per_domain // job.spec.procs_per_node,
         "labelSelector": {"matchLabels": {contract.LABEL_JOB: job.metadata.name}},
         "matchLabelKeys": [GROUP_LABEL, contract.LABEL_ATTEMPT], "networkTopology": hard}]}
+
+
+def kai_placement(job: ParallelTrainJob, topology_name: str | None) -> dict[str, Any]:
+    """KAI's PodGroup spec for the gang's shape and placement: with ranksPerDomain one subgroup of pods per group of
+    ranks (kai_subgroup names each pod's), all required (minSubGroup); else the whole gang (minMember). Where the
+    platform names KAI's Topology resource (`topology_name`), each subgroup, or the gang, gets a topologyConstraint
+    at `level`, required or preferred (KAI takes both, on subgroups too); else the pods' affinity alone says it."""
+    t = job.spec.scheduling.topology
+    constraint = {"topologyConstraint": {"topology": topology_name, f"{t.mode}TopologyLevel": t.level}} \
+        if t and topology_name else {}
+    if not t or not t.ranks_per_domain:
+        return {"minMember": job.spec.nodes, **constraint}
+    per = t.ranks_per_domain // job.spec.procs_per_node
+    groups = job.spec.nodes // per
+    return {"minSubGroup": groups,
+            "subGroups": [{"name": f"group-{g}", "minMember": per, **constraint} for g in range(groups)]}
+
+
+def kai_subgroup(job: ParallelTrainJob, rank: int) -> str | None:
+    """The KAI subgroup of node rank `rank` (kai_placement's), or None where the gang is one group."""
+    t = job.spec.scheduling.topology
+    return f"group-{rank // (t.ranks_per_domain // job.spec.procs_per_node)}" if t and t.ranks_per_domain else None
 
 
 def nodes_per_group(job: ParallelTrainJob) -> int | None:

@@ -267,6 +267,7 @@ VALID = [
     {"nodes": 4, "parallelism": {"pipeline": 4, "microbatches": 2, "pipelineSchedule": "GPipe"}},
     {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 2, "tensor": 2}, "resources": {"gpusPerNode": 2}},
     {"data": {"source": "text", "path": "/d.txt"}, "scheduling": {"gang": "volcano", "queue": "q"}},
+    {"scheduling": {"gang": "kai", "queue": "q"}},
     {"training": {"learningRate": 1, "minLearningRate": 1}},  # integers where numbers are expected
     {"model": {"preset": "llama3-8b"}},
     {"nodes": 8, "parallelism": {"tensor": 8}, "model": {"preset": "llama3-8b", "ropeTheta": 10000}},

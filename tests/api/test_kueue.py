@@ -25,9 +25,10 @@ def test_a_queued_job_is_accepted_with_the_native_gang_coscheduling_or_none() ->
         require_cluster_ready(parse_job(queued({"kueue.x-k8s.io/queue-name": "team-a"}, scheduling={"gang": gang})))
 
 
-def test_kueue_and_volcano_would_both_queue_the_gang() -> None:
-    found = problems(queued({"kueue.x-k8s.io/queue-name": "team-a"}, scheduling={"gang": "volcano"}))
-    assert "Volcano would queue it again" in found["spec.scheduling.gang"]
+@pytest.mark.parametrize("gang,scheduler", [("volcano", "Volcano"), ("kai", "KAI")])
+def test_kueue_and_a_gang_scheduler_with_queues_would_both_queue_the_gang(gang: str, scheduler: str) -> None:
+    found = problems(queued({"kueue.x-k8s.io/queue-name": "team-a"}, scheduling={"gang": gang}))
+    assert f"{scheduler} would queue it again" in found["spec.scheduling.gang"]
 
 
 @pytest.mark.parametrize("key,kind", [("kueue.x-k8s.io/queue-name", "LocalQueue"),

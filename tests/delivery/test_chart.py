@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ import pytest
 import yaml
 
 from paratrain import contract
+from paratrain.api import API_GROUP, hardware
+from paratrain.api.platform import Platform, PlannerProfile
+from paratrain_operator import rbac
 
 from .conftest import CHART_DIR, CUSTOMIZED, NAMESPACED, RELEASE_NS, VALUE_SETS
 from .policy import only
@@ -122,6 +126,13 @@ def test_the_optional_admission_policy_names_the_operators_account_and_the_opt_i
         f'request.userInfo.username == "system:serviceaccount:{account["namespace"]}:{account["name"]}"')
     assert '"example.com/ml"' in policy["spec"]["validations"][0]["expression"]
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    # Everything the operator may create, change or delete in a tenant's namespace is held to the policy: all but
+    # events and the job itself, and Kueue's Workloads (owned by the gang's pods, not by the job).
+    scope = {(group, resource) for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+             for group in rule["apiGroups"] for resource in rule["resources"]}
+    writes = {(group, resource) for group, resource, verbs in rbac.RULES
+              if {"create", "update", "patch", "delete"} & set(verbs) and group != API_GROUP and resource != "events"}
+    assert writes - {("kueue.x-k8s.io", "workloads")} <= scope, writes - scope
 
 
 def test_the_operators_pods_admit_only_metrics_scrapes_and_keep_a_replica_through_drains(render) -> None:
@@ -283,6 +294,16 @@ def test_inconsistent_values_fail_with_a_reason(render, values: dict[str, Any], 
     with pytest.raises(helm_python.HelmRenderError) as err:
         render(values)
     assert message in str(err.value)
+
+
+def test_the_schema_takes_the_platform_as_the_operator_reads_it() -> None:
+    """values.schema.json is hand-written: its `platform` fields are the Platform model's, and planner.gpu's names
+    the catalogue's (a GPU added to one and not the other would be refused by Helm or read by nothing)."""
+    platform = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]["platform"]
+    assert set(platform["properties"]) == set(Platform.model_json_schema(by_alias=True)["properties"])
+    planner = platform["properties"]["planner"]["properties"]
+    assert set(planner) == set(PlannerProfile.model_json_schema(by_alias=True)["properties"])
+    assert planner["gpu"]["enum"] == list(hardware.BY_NAME)
 
 
 def test_schema_accepts_the_defaults_and_every_documented_option(render) -> None:

@@ -94,6 +94,10 @@ def test_platform_values_reach_the_operator_and_turn_the_policy_off(render) -> N
     assert "NetworkPolicy" not in [o["kind"] for o in render_job(parse_job(JOB), "team-a", 0, platform)]
     listed = platform_of(render({"platform": {"allowHostNetwork": ["team-rdma", "lab-*"], "allowIpcLock": ["lab-*"]}}))
     assert (listed.allow_host_network, listed.allow_ipc_lock) == (["team-rdma", "lab-*"], ["lab-*"])
+    placed = platform_of(render({"platform": {"volcanoTiers": {"x.io/rack": 1}, "kaiTopology": "cluster-topology",
+                                              "planner": {"gpu": "H100-80GB", "computeEfficiency": 0.5}}}))
+    assert (placed.volcano_tiers, placed.kai_topology) == ({"x.io/rack": 1}, "cluster-topology")
+    assert (placed.planner.gpu, placed.planner.compute_efficiency) == ("H100-80GB", 0.5)
     default = platform_of(render())
     assert not default.allow_ipc_lock and not default.allow_host_network
     assert default.model_dump() == Platform(network_policy=default.network_policy).model_dump(), \

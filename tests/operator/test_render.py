@@ -279,6 +279,15 @@ def test_gang_scheduling_objects() -> None:
     for pod in pods(volcano):
         assert pod["spec"]["schedulerName"] == "volcano"
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == group["metadata"]["name"]
+    kai = render(job_doc(scheduling={"gang": "kai", "priorityClassName": "train"}))
+    (group,) = [o for o in kai if o["kind"] == "PodGroup"]
+    assert (group["apiVersion"], group["spec"]) == ("scheduling.run.ai/v2alpha2", {
+        "minMember": 3, "queue": "default-queue", "priorityClassName": "train"})  # KAI's default queue
+    for pod in pods(kai):  # KAI's pod-grouper leaves them to the job's own group (else: one of one pod each)
+        assert pod["spec"]["schedulerName"] == "kai-scheduler"
+        assert pod["metadata"]["annotations"]["pod-group-name"] == group["metadata"]["name"]
+        assert pod["metadata"]["annotations"]["kai.scheduler/skip-podgrouper"] == "true"
+        assert "kai.scheduler/subgroup-name" not in pod["metadata"]["labels"]
     cosched = render(job_doc(scheduling={"gang": "coscheduling"}))
     (group,) = [o for o in cosched if o["kind"] == "PodGroup"]
     assert (group["apiVersion"], group["spec"]) == ("scheduling.x-k8s.io/v1alpha1", {"minMember": 3})

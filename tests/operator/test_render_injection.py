@@ -99,7 +99,8 @@ def test_payloads_that_are_not_allowed_are_refused_before_rendering() -> None:
                    {"pod": {"labels": {"team": "a\nb"}}}, {"pod": {"env": [{"name": "A\nB", "value": ""}]}},
                    {"pod": {"imagePullSecrets": ["a\nkind: Secret"]}},
                    {"pod": {"volumes": [{"name": "d", "mountPath": "/x\nkind: Secret", "emptyDir": True}]}},
-                   {"scheduling": {"queue": "q\n- x", "gang": "volcano"}}]:
+                   {"scheduling": {"queue": "q\n- x", "gang": "volcano"}},
+                   {"scheduling": {"queue": "q\n- x", "gang": "kai"}}]:
         with pytest.raises(SpecError):
             parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob",
                        "metadata": {"name": "inj"}, "spec": change})

@@ -30,15 +30,27 @@ JOB_IDS = [str(Path(p).relative_to(ROOT)) for p in JOB_FILES]
 H100_NODE = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.memory": "81559",
              "nvidia.com/gpu.count": "8"}
 
-# The spec part of the PodGroup CRDs as published upstream (Volcano v1beta1; scheduler-plugins v1alpha1);
+# The spec part of the PodGroup CRDs as published upstream (Volcano v1beta1; KAI v2alpha2; scheduler-plugins v1alpha1);
 # kubernetes-validate has no schemas for custom resources. Unknown fields count as errors.
 _QUANTITIES = {"type": "object", "additionalProperties": {"type": "string"}}
+_KAI_TOPOLOGY = {"type": "object", "required": ["topology"], "properties": {
+    "topology": {"type": "string"}, "requiredTopologyLevel": {"type": "string"},
+    "preferredTopologyLevel": {"type": "string"}}}
 PODGROUP_SPEC_SCHEMAS = {
     "scheduling.volcano.sh/v1beta1": {"type": "object", "required": ["minMember"], "properties": {
         "minMember": {"type": "integer", "minimum": 1}, "minTaskMember": {"type": "object",
                                                                          "additionalProperties": {"type": "integer"}},
         "queue": {"type": "string"}, "priorityClassName": {"type": "string"}, "minResources": _QUANTITIES,
         "networkTopology": {"type": "object"}}},
+    # KAI v0.15+ (pkg/apis/scheduling/v2alpha2/podgroup_types.go): minMember and minSubGroup exclusive
+    "scheduling.run.ai/v2alpha2": {"type": "object", "required": ["queue"], "properties": {
+        "minMember": {"type": "integer", "minimum": 0}, "minSubGroup": {"type": "integer", "minimum": 0},
+        "queue": {"type": "string"}, "priorityClassName": {"type": "string"},
+        "topologyConstraint": _KAI_TOPOLOGY,
+        "subGroups": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+            "minMember": {"type": "integer", "minimum": 0}, "parent": {"type": "string"},
+            "topologyConstraint": _KAI_TOPOLOGY}}}}},
     "scheduling.x-k8s.io/v1alpha1": {"type": "object", "properties": {
         "minMember": {"type": "integer", "minimum": 1}, "minResources": _QUANTITIES,
         "scheduleTimeoutSeconds": {"type": "integer"}}},

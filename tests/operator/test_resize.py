@@ -16,7 +16,7 @@ from paratrain_operator.clock import to_iso
 from paratrain_operator.gang import GangState, Policy
 from paratrain_operator.observe import PodView
 from paratrain_operator.reconcile import _sizes_that_fit, at_its_size
-from paratrain_operator.render import gang_objects, probe_pods
+from paratrain_operator.render import gang_objects, probe_pods, render_job
 
 NOW = datetime(2026, 12, 6, 12, 0, 0, tzinfo=timezone.utc)
 LONG_AGO = to_iso(NOW - timedelta(minutes=10))
@@ -222,6 +222,19 @@ def test_placeholders_carry_the_gangs_scheduling_but_no_rank_and_under_kueue_a_g
     assert spec["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
 
 
+def test_placeholders_of_a_kai_gang_are_no_part_of_its_pod_group():
+    """A placeholder under KAI carries none of the gang's group (the pod-group-name, its subgroup): it is placed
+    alone by the default scheduler, else KAI would count it in the gang's group."""
+    kai = job(nodes=4, batch=8, elastic_spec={"minNodes": 2, "waitSeconds": 60},
+              scheduling={"gang": "kai", "topology": {"level": "rack", "ranksPerDomain": 2}})
+    running = next(p for p in render_job(at_its_size(kai, GangState(nodes=2)), "ns", 1) if p["kind"] == "Pod")
+    assert running["metadata"]["annotations"]["pod-group-name"] == "job"
+    assert running["metadata"]["labels"]["kai.scheduler/subgroup-name"] == "group-0"
+    for body in probe_pods(at_its_size(kai, GangState(nodes=2)), "ns", 1, [2, 3], group=2):
+        assert not {"pod-group-name", "kai.scheduler/skip-podgrouper"} & body["metadata"].get("annotations", {}).keys()
+        assert "kai.scheduler/subgroup-name" not in body["metadata"]["labels"] and "schedulerName" not in body["spec"]
+
+
 GROUP = "paratrain.dev/topology-group"
 
 
@@ -317,7 +330,7 @@ def test_the_operator_asks_the_planner_whether_a_size_fits():
 
 
 @pytest.mark.parametrize("scheduler,count", [("kubernetes", "minCount"), ("volcano", "minMember"),
-                                             ("coscheduling", "minMember")])
+                                             ("kai", "minMember"), ("coscheduling", "minMember")])
 def test_each_attempts_pod_group_asks_for_the_gang_at_its_size(scheduler, count):
     shrunk = at_its_size(job(scheduling={"gang": scheduler}), GangState(nodes=2))
     [group] = [o for o in gang_objects(shrunk, "ns", 3) if o["kind"] == "PodGroup"]

@@ -59,7 +59,7 @@ def test_the_native_podgroup_keeps_a_required_whole_gang_in_one_domain() -> None
     assert kind(old, "PodGroup") == [group] and pods(old) == pods(objects)
 
 
-@pytest.mark.parametrize("gang_kind", ["kubernetes", "none", "volcano", "coscheduling"])
+@pytest.mark.parametrize("gang_kind", ["kubernetes", "none", "volcano", "kai", "coscheduling"])
 def test_groups_of_ranks_per_domain_share_a_domain_by_pod_affinity(gang_kind: str) -> None:
     objects = render(gang(gang=gang_kind, topology={"level": RACK, "ranksPerDomain": 4}), attempt=2)
     assert not any("schedulingConstraints" in o.get("spec", {}) for o in kind(objects, "PodGroup"))
@@ -114,6 +114,39 @@ def test_volcano_gets_its_own_network_topology_where_the_platform_names_the_leve
     if topology.get("ranksPerDomain"):
         assert [p["metadata"]["labels"][GROUP_LABEL] for p in pods(objects)] == ["0", "0", "1", "1"]
     assert "networkTopology" not in kind(render(gang(gang="volcano", topology={"level": RACK})), "PodGroup")[0]["spec"]
+
+
+KAI_TOPOLOGY = "cluster-topology"
+
+
+@pytest.mark.parametrize("topology,expected", [
+    ({"level": RACK}, {"minMember": 4, "topologyConstraint": {"topology": KAI_TOPOLOGY,
+                                                             "requiredTopologyLevel": RACK}}),
+    ({"level": RACK, "mode": "preferred"}, {"minMember": 4, "topologyConstraint": {
+        "topology": KAI_TOPOLOGY, "preferredTopologyLevel": RACK}}),
+    ({"level": RACK, "mode": "preferred", "ranksPerDomain": 4}, {"minSubGroup": 2, "subGroups": [
+        {"name": f"group-{g}", "minMember": 2, "topologyConstraint": {
+            "topology": KAI_TOPOLOGY, "preferredTopologyLevel": RACK}} for g in (0, 1)]}),  # KAI takes soft ones
+])
+def test_kai_gets_its_own_topology_constraints_where_the_platform_names_its_topology(topology, expected):
+    """KAI places by its Topology resource's levels (node labels): the platform names the resource. With
+    ranksPerDomain each group of ranks is a KAI subgroup (all required: minSubGroup), its pods labelled with it in
+    node-rank order; the pods keep their pod affinity either way. Without the platform's name, no constraint."""
+    from paratrain_operator.render import render_job
+
+    from .test_render_valid import validate
+
+    objects = render_job(parse_job(gang(gang="kai", topology=topology)), "ns", 0,
+                         Platform.model_validate({"kaiTopology": KAI_TOPOLOGY}))
+    (group,) = kind(objects, "PodGroup")
+    assert {k: v for k, v in group["spec"].items() if k not in ("queue", "priorityClassName")} == expected
+    subgroups = [p["metadata"]["labels"].get("kai.scheduler/subgroup-name") for p in pods(objects)]
+    assert subgroups == (["group-0", "group-0", "group-1", "group-1"] if "subGroups" in expected else [None] * 4)
+    assert all("podAffinity" in p["spec"]["affinity"] for p in pods(objects))
+    for obj in objects:
+        validate(obj)
+    (bare,) = kind(render(gang(gang="kai", topology=topology)), "PodGroup")
+    assert not any("topologyConstraint" in g for g in [bare["spec"], *bare["spec"].get("subGroups", [])])
 
 
 def test_placement_lists_each_domains_node_ranks_and_names_the_ranks_outside_their_groups_domain() -> None:

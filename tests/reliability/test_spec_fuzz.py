@@ -107,7 +107,7 @@ def well_formed_spec(draw) -> dict:
     heads = tensor * draw(st.integers(1, 3))
     zero = draw(st.sampled_from([0, 1, 2, 3] if data > 1 and pipeline == 1 else [0, 1] if data > 1 else [0]))
     steps = draw(st.integers(1, 10**6))
-    gang = draw(st.sampled_from(["none", "volcano", "coscheduling"]))
+    gang = draw(st.sampled_from(["none", "volcano", "kai", "coscheduling"]))
     name = st.from_regex(r"[a-z]([-a-z0-9]{0,20}[a-z0-9])?", fullmatch=True)
     spec = {
         "image": draw(st.sampled_from(["ghcr.io/org/trainer:1.0", "registry:5000/a/b@sha256:" + "0" * 64, "t"])),
@@ -132,7 +132,7 @@ def well_formed_spec(draw) -> dict:
                 "labels": draw(st.dictionaries(name, name, max_size=2)),
                 "annotations": draw(st.dictionaries(name, TEXTS, max_size=2))},
     }
-    if gang == "volcano":
+    if gang in ("volcano", "kai"):
         spec["scheduling"]["queue"] = draw(name)
     for path, value in draw(_mostly(st.just([]), st.sampled_from(HOSTILE_PAIRS))):
         node = spec

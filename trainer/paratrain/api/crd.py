@@ -30,9 +30,9 @@ from pydantic import BaseModel
 from .spec import (
     API_GROUP, API_VERSION, ELASTIC_NEEDS_A_CHECKPOINT, ELASTIC_NEEDS_THE_TRAINER, ELASTIC_NOT_WITH_MIN_GPUS,
     EXTENDED_RESOURCE, EXTENDED_RESOURCE_MEANING, IN_PLACE_NEEDS_THE_TRAINER, JOB_NAME, KIND,
-    KUBERNETES_OWNED_MEANING,
-    KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY, LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING,
-    MAX_ANNOTATION_BYTES, MAX_NAME_LENGTH, PLURAL, RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX,
+    KUBERNETES_OWNED_MEANING, KUBERNETES_OWNED_RESOURCE, KUEUE_KEY_MEANING, KUEUE_KEY_PREFIX, LABEL_KEY,
+    LABEL_KEY_MAX_LENGTH, LABEL_KEY_MEANING, MAX_ANNOTATION_BYTES, MAX_NAME_LENGTH, PLURAL, QUEUED_GANGS,
+    RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, RESERVED_KEY_PREFIX,
     RESERVED_MOUNT_PATHS, RESERVED_VOLUME_PREFIX, SHORT_NAME, TRAINER_CONTAINER, TRAINER_SECTIONS, Spec,
 )
 from .shapes import BASE_DEFAULTS, DEFAULT_FAMILY, LLAMA_FFN_MULTIPLE, PRESETS
@@ -339,8 +339,8 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
         _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
               f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),
-        _rule(f"!{_given(f'{S}.queue')} || {S}.gang == 'volcano'",
-              "queue is a Volcano setting and needs scheduling.gang 'volcano'", ".scheduling.queue"),
+        _rule(f"!{_given(f'{S}.queue')} || {S}.gang in {list(QUEUED_GANGS)}",
+              "queue is Volcano's or KAI's and needs scheduling.gang 'volcano' or 'kai'", ".scheduling.queue"),
         _rule(f"!{_given(f'{S}.topologyKey')} || !{_present(f'{S}.topology')}",
               "topologyKey is the deprecated form of topology.level: give topology only", ".scheduling"),
         _rule(f"!{_present(f'{S}.topology')} || !{_given(f'{S}.topology.ranksPerDomain', 'int')} || "

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from ..contract import LABEL_NODE_RANK
-from .spec import DNS_SUBDOMAIN, KUEUE_KEY_PREFIX, ParallelTrainJob
+from .spec import DNS_SUBDOMAIN, KUEUE_KEY_PREFIX, QUEUED_GANGS, ParallelTrainJob
 
 API_VERSION = "kueue.x-k8s.io/v1beta2"  # its Workload objects' (the operator deletes one it gave up)
 QUEUE_LABEL = f"{KUEUE_KEY_PREFIX}queue-name"
@@ -106,7 +106,9 @@ def kueue_problems(job: ParallelTrainJob) -> list[tuple[str, str]]:
         out.append(("spec.scheduling.topology.mode", "Kueue keeps groups of ranksPerDomain ranks in a domain only "
                     "as required (its slices): use mode required, or leave ranksPerDomain out to prefer one domain "
                     "for the whole gang"))
-    if queue_name(job) and job.spec.scheduling.gang == "volcano":
-        out.append(("spec.scheduling.gang", f"Kueue admits this job (label {QUEUE_LABEL}) and Volcano would queue "
-                    "it again: use one of them (Kueue composes with gang 'kubernetes', 'coscheduling' or 'none')"))
+    if queue_name(job) and job.spec.scheduling.gang in QUEUED_GANGS:
+        scheduler = {"volcano": "Volcano", "kai": "KAI"}[job.spec.scheduling.gang]
+        out.append(("spec.scheduling.gang", f"Kueue admits this job (label {QUEUE_LABEL}) and {scheduler} would "
+                    "queue it again: use one of them (Kueue composes with gang 'kubernetes', 'coscheduling' or "
+                    "'none')"))
     return out

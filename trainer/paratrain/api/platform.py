@@ -26,8 +26,9 @@ from .kueue import kueue_problems
 from .load import Problem, SpecError, parse_job
 from .memory import CHECKPOINT_BYTES_PER_PARAMETER, SAVE_FIXED_SECONDS, human, parse_bytes, stop_save_seconds
 from .spec import (
-    BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, EnvVar, ExtendedResource, LabelKey, LabelValue, ResourcesSpec,
-    ParallelTrainJob, SchedulingSpec, Spec, Toleration, TopologySpec, _Model, cluster_problems, stated_vocab_size,
+    BYTES, DNS_LABEL, DNS_SUBDOMAIN, IMAGE, QUANTITY, QUEUED_GANGS, EnvVar, ExtendedResource, LabelKey, LabelValue,
+    ResourcesSpec, ParallelTrainJob, SchedulingSpec, Spec, Toleration, TopologySpec, _Model, cluster_problems,
+    stated_vocab_size,
 )
 
 # The operator's pods as the Helm chart labels them (release `paratrain`, chart name `paratrain`).
@@ -57,7 +58,7 @@ class DefaultResources(_Model):
 
 
 class DefaultScheduling(_Model):
-    gang: Literal["kubernetes", "volcano", "coscheduling"] | None = None
+    gang: Literal["kubernetes", "volcano", "kai", "coscheduling"] | None = None
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     topology: TopologySpec | None = Field(None, description=(
@@ -169,6 +170,12 @@ class Platform(_Model):
             "on its PodGroup: the whole gang within one HyperNode of that tier (required: hard, preferred: soft), "
             "or with ranksPerDomain each group of ranks (a subGroupPolicy); its pods keep their pod affinity. "
             "Unset: pod affinity alone."))
+    kai_topology: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253, description=(
+        "The name of KAI Scheduler's Topology resource (kai.scheduler/v1alpha1) whose levels are the node labels "
+        "jobs name in spec.scheduling.topology.level. A job with gang kai and a topology gets KAI's own "
+        "placement on its PodGroup: a topologyConstraint (required or preferred) for the whole gang, or with "
+        "ranksPerDomain one for each subgroup of ranks; its pods keep their pod affinity. Unset: pod affinity "
+        "alone."))
     planner: PlannerProfile = Field(default_factory=PlannerProfile, description=(
         "What parallelism mode auto plans for where the nodes' labels do not say it, and this cluster's links and "
         "measured compute efficiency."))
@@ -222,7 +229,7 @@ def _merged_spec(spec: Spec, defaults: JobDefaults) -> tuple[dict[str, Any], lis
         take(f"spec.resources.{alias}", res, alias, ResourcesSpec.model_fields[field].default,
              getattr(defaults.resources, field))
     take("spec.scheduling.gang", sched, "gang", SchedulingSpec.model_fields["gang"].default, defaults.scheduling.gang)
-    if sched.get("gang") == "volcano":  # a queue is Volcano's
+    if sched.get("gang") in QUEUED_GANGS:  # a queue is Volcano's or KAI's
         take("spec.scheduling.queue", sched, "queue", None, defaults.scheduling.queue)
     take("spec.scheduling.priorityClassName", sched, "priorityClassName", None,
          defaults.scheduling.priority_class_name)

@@ -51,6 +51,7 @@ KUEUE_KEY_PREFIX = "kueue.x-k8s.io/"
 KUEUE_KEY_MEANING = ("Kueue's keys go on the job's metadata.labels (kueue.x-k8s.io/queue-name, "
                      "kueue.x-k8s.io/priority-class), from which paratrain labels the pods as one group")
 TRAINER_CONTAINER = "trainer"  # the container every pod runs the trainer in
+QUEUED_GANGS = ("volcano", "kai")  # gang schedulers with queues of their own (spec.scheduling.queue)
 # The sections only the built-in trainer reads: a job with its own spec.entrypoint leaves them at their defaults.
 ELASTIC_NEEDS_THE_TRAINER = ("elastic resizes the built-in trainer's data parallelism and batch: a program of its own "
                              "(spec.entrypoint) keeps a fixed gang")
@@ -423,11 +424,13 @@ class TopologySpec(_Model):
 
 
 class SchedulingSpec(_Model):
-    gang: Literal["none", "kubernetes", "volcano", "coscheduling"] = Field("none", description=(
+    gang: Literal["none", "kubernetes", "volcano", "kai", "coscheduling"] = Field("none", description=(
         "All-or-nothing scheduling of the gang: kubernetes (the native Workload and PodGroup APIs, 1.37 with the "
-        "GenericWorkload gate), volcano, coscheduling (scheduler-plugins), or none."))
+        "GenericWorkload gate), volcano, kai (NVIDIA's KAI Scheduler, v0.15 or later), coscheduling "
+        "(scheduler-plugins), or none."))
     queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63, description=(
-        "Volcano queue (gang 'volcano'). For Kueue, label the job kueue.x-k8s.io/queue-name instead."))
+        "Volcano's or KAI's queue (gang 'volcano' or 'kai'; KAI's default-queue where unset). For Kueue, label "
+        "the job kueue.x-k8s.io/queue-name instead."))
     topology: TopologySpec | None = Field(None, description=(
         "Where the gang is placed by the nodes' topology labels, for every gang scheduler: under Kueue its "
         "topology-aware scheduling (the pod group's podset-*-topology annotations, ranks filling domains in "
@@ -818,8 +821,9 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
         out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))
-    if spec.scheduling.queue and spec.scheduling.gang != "volcano":
-        out.append(("spec.scheduling.queue", "queue is a Volcano setting and needs scheduling.gang 'volcano'"))
+    if spec.scheduling.queue and spec.scheduling.gang not in QUEUED_GANGS:
+        out.append(("spec.scheduling.queue", "queue is Volcano's or KAI's and needs scheduling.gang 'volcano' or "
+                    "'kai'"))
     if (topology := spec.scheduling.topology) and (per := topology.ranks_per_domain):
         path = "spec.scheduling.topology.ranksPerDomain"
         if per % spec.procs_per_node:
