@@ -25,6 +25,7 @@ LAYOUTS = {
     "dp2xpp2-zero2-fsdp2": layout(data=2, pipeline=2, microbatches=2, zeroStage=2),
     "dp2xpp2-zero3-fsdp2": layout(data=2, pipeline=2, microbatches=2, zeroStage=3),
     "dp2xtp2xpp2-zero1": layout(data=2, tensor=2, pipeline=2, microbatches=2, zeroStage=1),
+    "dp2xpp2-zero1-tp-pp-dp": layout(data=2, pipeline=2, microbatches=2, zeroStage=1, rankOrder="tp-pp-dp"),
 }
 
 
@@ -32,6 +33,26 @@ LAYOUTS = {
 def test_fp32_layout_matches_single_process(name, reference, job_runs):
     _, metrics = job_runs(name, LAYOUTS[name])
     assert_parity(metrics, reference, rtol=1e-4)
+
+
+@pytest.mark.parametrize("order,stages", [("tp-dp-pp", [0, 0, 1, 1]), ("tp-pp-dp", [0, 1, 0, 1])])
+def test_the_rank_order_places_each_stage_where_the_memory_model_says(order, stages, job_runs):
+    """data 2 x pipeline 2 on 4 ranks: tp-dp-pp puts a stage's two replicas on consecutive ranks, tp-pp-dp a
+    replica's two stages. Stage 0 holds the embedding: each rank's parameter bytes show its stage, and the memory
+    model's rank order (memory.predict) is the trainer's."""
+    from paratrain.api import parse_job
+    from paratrain.api.memory import predict
+
+    from ..harness import TINY_JOB
+
+    name = "dp2xpp2-zero1" + ("-tp-pp-dp" if order == "tp-pp-dp" else "")
+    _, metrics = job_runs(name, LAYOUTS[name])
+    params = [r["params"] for r in sorted(metrics["model_state_bytes"], key=lambda r: r["rank"])]
+    assert [int(p != params[0]) for p in params] == stages, params  # rank 0 is stage 0's
+    spec = parse_job(TINY_JOB).spec
+    spec = spec.model_copy(update={"nodes": 4, "parallelism": spec.parallelism.model_copy(update={
+        "data": 2, "pipeline": 2, "microbatches": 2, "zero_stage": 1, "rank_order": order})})
+    assert [r.stage for r in predict(spec, spec.model.vocab_size)] == stages
 
 
 def test_loss_actually_falls(reference):

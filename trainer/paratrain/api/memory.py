@@ -185,14 +185,17 @@ def device_of(spec) -> str:
 
 
 def predict(spec, vocab_size: int, device: str | None = None) -> list[RankMemory]:
-    """Every rank's predicted peak, in rank order (pipeline stage-major, as ParallelDims lays the mesh out), on
-    `device` ("cpu" or "cuda"; default: the spec's, `device_of`), where some kernels keep other tensors."""
+    """Every rank's predicted peak, in rank order (each rank's stage as ParallelDims lays the mesh out: stage-major
+    under rankOrder tp-dp-pp, tp ranks of each stage in turn within a replica under tp-pp-dp), on `device` ("cpu" or
+    "cuda"; default: the spec's, `device_of`), where some kernels keep other tensors."""
     p = spec.parallelism
     shape, device = _shape(spec, vocab_size), device or device_of(spec)
     stages = [_stage(spec, shape, s, device) for s in range(p.pipeline)]
-    per_stage = p.data * p.tensor
-    return [RankMemory(rank, rank // per_stage, dict(stages[rank // per_stage]),
-                       _peak(stages[rank // per_stage], p.pipeline > 1)) for rank in range(spec.world_size)]
+
+    def stage_of(rank: int) -> int:
+        return rank // p.tensor % p.pipeline if p.mesh_dims[0] == "dp" else rank // (p.data * p.tensor)
+    return [RankMemory(rank, s, dict(stages[s]), _peak(stages[s], p.pipeline > 1))
+            for rank, s in ((rank, stage_of(rank)) for rank in range(spec.world_size))]
 
 
 def largest_peak(spec, vocab_size: int, device: str) -> int:

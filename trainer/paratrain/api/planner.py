@@ -7,10 +7,11 @@ A layout is data x tensor x pipeline degrees, the ZeRO stage, the pipeline sched
 checkpointing and gradient accumulation; the global batch (training.batchSize x blockSize tokens) stays fixed.
 Tensor parallel stays within a node, or spans whole nodes of one NVLink fabric where the job is placed by its
 domains (`nvlink_ranks`: a GB200 NVL72's 72 GPUs); the mesh is (pipeline, data, tensor), tensor innermost
-(ParallelDims), so a data-parallel or pipeline group leaves NVLink once it spans more ranks than a node (or that
-fabric) has, and a topology domain (`domain_ranks`: ranksPerDomain, else the most ranks a domain of the level holds
-by the nodes' labels) once it spans more than that, at the cross-domain bandwidth (the spine's: the platform's
-planner.crossDomainBandwidth, else half the network's). Within 10% of the fastest
+(ParallelDims; rankOrder tp-dp-pp), or (data, pipeline, tensor) under tp-pp-dp, which a layout gets where it is
+predicted faster by more than TIE; so a data-parallel or pipeline group leaves NVLink once it spans more ranks than
+a node (or that fabric) has, and a topology domain (`domain_ranks`: ranksPerDomain, else the most ranks a domain of
+the level holds by the nodes' labels) once it spans more than that, at the cross-domain bandwidth (the spine's: the
+platform's planner.crossDomainBandwidth, else half the network's). Within 10% of the fastest
 layout the simplest wins (fewer parallel dimensions, no pipeline, a lower ZeRO stage, less recompute): the time
 model is not calibrated on a GPU yet, and the simpler plan costs less to get wrong.
 
@@ -19,7 +20,8 @@ efficiency (the platform's planner.computeEfficiency), else COMPUTE_EFFICIENCY, 
 activation checkpointing adding a forward (x4/3), selective a few %; the pipeline bubble (p-1)/m of the compute;
 tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 with full recompute), ring volume
 2(t-1)/t; pipeline sends of the activations and their gradients; data parallel's gradient reduction (fp32,
-2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward; links at COMMUNICATION_EFFICIENCY;
+2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward, and ZeRO-1/2's all-gather half
+after DeepSpeed's step (composed ZeRO-1: where it outlasts the next forward); links at COMMUNICATION_EFFICIENCY;
 AdamW's update, OPTIMIZER_BYTES_PER_PARAMETER of the parameters the rank steps (ZeRO: its 1/d) at the memory's
 bandwidth.
 """
@@ -32,7 +34,8 @@ from itertools import product
 from .hardware import CPU, NVLINK_DOMAIN_LABELS, Accelerator
 from .memory import Headroom, human, largest_peak, parse_bytes
 from .shapes import parameter_count
-from .spec import DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, Spec, cross_field_problems, stated_vocab_size
+from .spec import (DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, RANK_ORDERS, Spec, cross_field_problems,
+                   stated_vocab_size)
 
 # of the peak FLOP/s a step's matmuls reach: an uncalibrated prior (MFU of 35-50%), where the accelerator carries no
 # measured one (Accelerator.compute_efficiency: the platform's planner.computeEfficiency)
@@ -69,8 +72,9 @@ class Candidate:
         ac = f", {t.activation_checkpointing} activation checkpointing" if t.activation_checkpointing != "none" \
             else ""
         acc = f", {t.gradient_accumulation} micro-steps" if t.gradient_accumulation > 1 else ""
+        order = ", ranks tp-pp-dp" if p.replicas_outermost else ""
         nodes = f" on {self.spec.nodes} node(s)" if self.spec.nodes else ""
-        return f"data {p.data} x tensor {p.tensor} x pipeline {p.pipeline}{pipe}{zero}{ac}{acc}{nodes}"
+        return f"data {p.data} x tensor {p.tensor} x pipeline {p.pipeline}{pipe}{zero}{ac}{acc}{order}{nodes}"
 
     def simplicity(self) -> tuple:
         p, t = self.spec.parallelism, self.spec.training
@@ -87,7 +91,7 @@ class Candidate:
         return {"spec.nodes": self.spec.nodes, "spec.parallelism.data": p.data, "spec.parallelism.tensor": p.tensor,
                 "spec.parallelism.pipeline": p.pipeline, "spec.parallelism.zeroStage": p.zero_stage,
                 "spec.parallelism.pipelineSchedule": p.pipeline_schedule,
-                "spec.parallelism.microbatches": p.microbatches,
+                "spec.parallelism.microbatches": p.microbatches, "spec.parallelism.rankOrder": p.rank_order,
                 "spec.training.activationCheckpointing": t.activation_checkpointing,
                 "spec.training.gradientAccumulation": t.gradient_accumulation}
 
@@ -156,13 +160,25 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         all_reduces = 6 if t.activation_checkpointing == "full" else 4
         volume = all_reduces * stage_layers * rank_tokens * m.embed_dim * act * 2 * (p.tensor - 1) / p.tensor
         tensor = volume / link(p.tensor)
-    pipeline = 2 * rank_tokens * m.embed_dim * act / link(world) if p.pipeline > 1 else 0.0
+    # consecutive ranks a group spans: under tp-pp-dp a replica's stages are adjacent and replicas farthest apart
+    pipeline_span, data_span = (p.pipeline * p.tensor, world) if p.replicas_outermost else \
+        (world, p.data * p.tensor)
+    pipeline = 2 * rank_tokens * m.embed_dim * act / link(pipeline_span) if p.pipeline > 1 else 0.0
     data = 0.0
     if p.data > 1:
         shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
         volume = 4 * shard * 2 * (p.data - 1) / p.data * (1.5 if p.zero_stage == 3 else 1.0)
-        reduce = volume / link(p.data * p.tensor)
-        data = max(0.2 * reduce, reduce - compute * 2 / 3)  # overlapped with backward, all but its last bucket
+        seconds = volume / link(data_span)
+        # ZeRO-1/2 halves it into a reduce-scatter in backward and an all-gather of the updated shards after the
+        # step: DeepSpeed (data-parallel-only layouts) gathers in its step, exposed; composed ZeRO-1 overlaps the
+        # gather with the next forward (zero1.ZeroOneOptimizer.gather_in_forward); FSDP2 gathers within the passes.
+        if p.zero_stage in (1, 2) and p.tensor == 1 and p.pipeline == 1:
+            reduce, gather = seconds / 2, seconds / 2
+        elif p.zero_stage == 1:
+            reduce, gather = seconds / 2, max(0.0, seconds / 2 - compute / 3)
+        else:
+            reduce, gather = seconds, 0.0
+        data = max(0.2 * reduce, reduce - compute * 2 / 3) + gather  # backward hides all but its last bucket
     # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
     # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.
     updated = parameter_count(m, vocab_size) / (p.tensor * p.pipeline) / (p.data if p.zero_stage else 1)
@@ -253,10 +269,13 @@ def plan(spec: Spec, vocab_size: int, gpu: Accelerator, memory_budget: int | Non
                 schedules = options("pipelineSchedule", True, ["1F1B", "GPipe"] if pp > 1 else [par.pipeline_schedule])
                 micro = options("microbatches", True, [pp * k for k in (1, 2, 4, 8)] if pp > 1 else [1])
                 acs = options("activationCheckpointing", "activationCheckpointing" in allow, list(AC_MODES))
+                # both orders lay out the same mesh unless data and pipeline are both above 1
+                orders = options("rankOrder", True, list(RANK_ORDERS)) if dp > 1 and pp > 1 else \
+                    [kept.get("rankOrder", RANK_ORDERS[0])]
                 for zero, schedule, m, ac in product(zeros, schedules, micro, acs):
                     _fit_accumulation(spec, vocab_size, gpu, device, result, nodes, dp, tp, pp, zero, schedule, m,
                                       ac, options("gradientAccumulation", "gradientAccumulation" in allow,
-                                                  [1, 2, 4, 8, 16, 32]))
+                                                  [1, 2, 4, 8, 16, 32]), orders)
     _rank(result)
     _judge_own(spec, vocab_size, gpu, device, result)
     return result
@@ -347,32 +366,37 @@ def with_layout(spec: Spec, layout: dict) -> Spec:
     manual spec the plan chose, for a gang whose pods already run it."""
     return _layout(spec, layout["nodes"], layout["data"], layout["tensor"], layout["pipeline"], layout["zeroStage"],
                    layout["pipelineSchedule"], layout["microbatches"], layout["activationCheckpointing"],
-                   layout["gradientAccumulation"])
+                   layout["gradientAccumulation"], layout.get("rankOrder", RANK_ORDERS[0]))
 
 
 def _attr(name: str) -> str:
-    return {"zeroStage": "zero_stage", "pipelineSchedule": "pipeline_schedule",
+    return {"zeroStage": "zero_stage", "pipelineSchedule": "pipeline_schedule", "rankOrder": "rank_order",
             "activationCheckpointing": "activation_checkpointing",
             "gradientAccumulation": "gradient_accumulation"}.get(name, name)
 
 
 def _layout(spec: Spec, nodes: int, dp: int, tp: int, pp: int, zero: int, schedule: str, m: int, ac: str,
-            accumulation: int) -> Spec:
+            accumulation: int, order: str = RANK_ORDERS[0]) -> Spec:
     """The spec with this layout, as a manual one (not validated: cross_field_problems judges it; copies are
     cheap)."""
     par = spec.parallelism.model_copy(update={"mode": "manual", "objective": None, "pin": None, "allow": None,
                                               "memory_headroom": None, "data": dp, "tensor": tp, "pipeline": pp,
-                                              "zero_stage": zero, "pipeline_schedule": schedule, "microbatches": m})
+                                              "zero_stage": zero, "pipeline_schedule": schedule, "microbatches": m,
+                                              "rank_order": order})
     train = spec.training.model_copy(update={"activation_checkpointing": ac, "gradient_accumulation": accumulation})
     return spec.model_copy(update={"nodes": nodes, "parallelism": par, "training": train})
 
 
 def _fit_accumulation(spec, vocab_size, gpu, device, result: Plan, nodes, dp, tp, pp, zero, schedule, m, ac,
-                      accumulations: list[int]) -> None:
+                      accumulations: list[int], orders: list[str]) -> None:
     """The layout with the fewest micro-steps that passes the spec's rules and fits: more micro-steps only trade
-    speed for memory. Each layout tried counts once, as rejected or feasible."""
+    speed for memory. Each layout tried counts once, as rejected or feasible. Its rank order (`orders`: which it
+    may use, the spec's default first) changes which links a group crosses, not memory: the first unless another
+    is predicted faster by more than TIE."""
+    if not orders:
+        return
     for accumulation in accumulations:
-        candidate = _layout(spec, nodes, dp, tp, pp, zero, schedule, m, ac, accumulation)
+        candidate = _layout(spec, nodes, dp, tp, pp, zero, schedule, m, ac, accumulation, orders[0])
         result.considered += 1
         if problems := cross_field_problems(candidate):
             path, message = problems[0]
@@ -383,8 +407,11 @@ def _fit_accumulation(spec, vocab_size, gpu, device, result: Plan, nodes, dp, tp
             result.reject("memory: the predicted peak exceeds the budget",
                           f"{Candidate(candidate, peak, {}).describe()} needs {peak / 2**30:.1f} GiB")
             continue
-        result.feasible.append(Candidate(candidate, peak, step_time(candidate, vocab_size, gpu, spec.procs_per_node,
-                                                                    result.oversubscription)))
+        timed = [(step_time(c, vocab_size, gpu, spec.procs_per_node, result.oversubscription), c) for c in
+                 [candidate, *(_layout(spec, nodes, dp, tp, pp, zero, schedule, m, ac, accumulation, order)
+                               for order in orders[1:])]]
+        timing, chosen = min(timed, key=lambda tc: tc[0]["total"] * (1 if tc[1] is candidate else 1 + TIE))
+        result.feasible.append(Candidate(chosen, peak, timing))
         return
 
 

@@ -113,8 +113,11 @@ def _accepts_null(model: type[BaseModel], key: str) -> bool:
 
 # What `parallelism.mode: auto` may use (allow) and keep as the job gives it (pin): paratrain.api.planner.
 PLANNER_MODES = ("data", "tensor", "pipeline", "zero", "activationCheckpointing", "gradientAccumulation")
-PINNABLE = ("data", "tensor", "pipeline", "zeroStage", "pipelineSchedule", "microbatches", "activationCheckpointing",
-            "gradientAccumulation")
+PINNABLE = ("data", "tensor", "pipeline", "zeroStage", "pipelineSchedule", "microbatches", "rankOrder",
+            "activationCheckpointing", "gradientAccumulation")
+# How global ranks map to the mesh, innermost first (Megatron-LM's names): replicas of a stage inside, or whole
+# pipelines inside (its --use-tp-pp-dp-mapping).
+RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 PLANNER_FIELDS = ("objective", "pin", "allow", "memoryHeadroom")  # read only under mode auto
 DEFAULT_MEMORY_HEADROOM = 0.15  # the memory model's tested error band
 
@@ -145,6 +148,24 @@ class Parallelism(_Model):
     )
     pipeline_schedule: Literal["GPipe", "1F1B"] = Field("1F1B", description="Pipeline schedule.")
     microbatches: int = Field(1, ge=1, le=1024, description="Microbatches per step on each pipeline.")
+    rank_order: Literal[RANK_ORDERS] = Field("tp-dp-pp", description=(  # type: ignore[valid-type]
+        "How ranks map to the layout, innermost first (consecutive ranks share a node, then a topology domain). "
+        "tp-dp-pp (Megatron-LM's and torchtitan's): a stage's data-parallel replicas on consecutive ranks, stages "
+        "outermost: a domain of data x tensor ranks keeps each stage's gradient reduce inside it, only the "
+        "pipeline's activations cross. tp-pp-dp (Megatron-LM's --use-tp-pp-dp-mapping): each replica's stages on "
+        "consecutive ranks, replicas outermost: a domain of pipeline x tensor ranks holds whole pipelines, their "
+        "sends inside it, only the data-parallel reduce crosses. Under mode auto the planner chooses it."))
+
+    @property
+    def mesh_dims(self) -> tuple[str, str, str]:
+        """The mesh's dimensions, outermost first: ("pp", "dp", "tp") for tp-dp-pp, ("dp", "pp", "tp") for
+        tp-pp-dp (ParallelDims.mesh). The two differ only where data and pipeline are both above 1."""
+        return ("dp", "pp", "tp") if self.rank_order == "tp-pp-dp" else ("pp", "dp", "tp")
+
+    @property
+    def replicas_outermost(self) -> bool:
+        """Whether the layout runs tp-pp-dp where it differs from tp-dp-pp (data and pipeline both above 1)."""
+        return self.rank_order == "tp-pp-dp" and self.data > 1 and self.pipeline > 1
 
 
 class ModelSpec(_Model):
@@ -418,9 +439,9 @@ class TopologySpec(_Model):
     ranks_per_domain: int | None = Field(None, ge=1, le=1_048_576, description=(
         "Ranks kept in one domain: a multiple of procsPerNode (a domain holds whole pods) and of tensor (a "
         "tensor-parallel group never crosses one), dividing the gang's ranks; consecutive node ranks share a domain. "
-        "Ranks run tensor innermost, then data, then pipeline (Megatron-LM's and torchtitan's order): a multiple of "
-        "data x tensor holds whole pipeline stages, so only the pipeline's activations cross domains. Unset: the "
-        "whole gang in one domain."))
+        "Ranks run tensor innermost, then by parallelism.rankOrder: a multiple of data x tensor holds whole "
+        "pipeline stages (tp-dp-pp), of pipeline x tensor whole pipelines (tp-pp-dp). Unset: the whole gang in one "
+        "domain."))
 
 
 class SchedulingSpec(_Model):
@@ -963,7 +984,8 @@ def layout_label(spec: Spec) -> str:
     """The layout as a key, e.g. `dp2·tp2·pp2 z1 bf16`: a checkpoint's manifest (parsed back by its sharding) and
     metrics. People read `describe_layout`'s words."""
     p = spec.parallelism
-    return f"dp{p.data}·tp{p.tensor}·pp{p.pipeline} z{p.zero_stage} {spec.precision}"
+    order = f" {p.rank_order}" if p.replicas_outermost else ""  # tp-dp-pp's labels as before it existed
+    return f"dp{p.data}·tp{p.tensor}·pp{p.pipeline} z{p.zero_stage}{order} {spec.precision}"
 
 
 def describe_layout(spec: Spec) -> str:
@@ -973,7 +995,8 @@ def describe_layout(spec: Spec) -> str:
     if p.mode == "auto":
         return f"planned (mode auto), {spec.precision}"
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
-    return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}, {spec.precision}"
+    order = ", ranks tp-pp-dp" if p.replicas_outermost else ""
+    return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}{order}, {spec.precision}"
 
 
 def is_reserved_env(name: str) -> bool:

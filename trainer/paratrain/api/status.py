@@ -144,6 +144,7 @@ class PlanLayout(_StatusModel):
     microbatches: int = Field(ge=1)
     activation_checkpointing: Literal["none", "full", "selective"]
     gradient_accumulation: int = Field(ge=1)
+    rank_order: Literal["tp-dp-pp", "tp-pp-dp"] = "tp-dp-pp"  # spec.parallelism.rankOrder (absent before it existed)
 
 
 class Plan(_StatusModel):

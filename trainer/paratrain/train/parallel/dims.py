@@ -2,8 +2,10 @@
 (after torchtitan's parallel_dims.py). Everything else asks it — `dims.fsdp_enabled`, `dims.uses_deepspeed` — and
 never re-derives a mode from the spec.
 
-Mesh order is (pp, dp, tp): tensor-parallel peers are adjacent ranks (same node, fastest links), pipeline stages
-are farthest apart (they exchange only activations).
+Mesh order is (pp, dp, tp) by default (spec.parallelism.rankOrder tp-dp-pp): tensor-parallel peers are adjacent
+ranks (same node, fastest links), then a stage's data-parallel replicas, and pipeline stages farthest apart (they
+exchange only activations). tp-pp-dp makes it (dp, pp, tp): each replica's stages adjacent, replicas farthest
+apart, for a topology whose domains should hold whole pipelines.
 
 Which implementation shards what, by layout (ZeRO stage z over the dp ranks):
 
@@ -33,6 +35,7 @@ class ParallelDims:
     world_size: int
     zero_stage: int = 0  # ZeRO over the dp ranks: 1 optimizer state, 2 also gradients, 3 also parameters
     device_type: str = "cpu"
+    mesh_dims: tuple[str, str, str] = ("pp", "dp", "tp")  # outermost first: Parallelism.mesh_dims
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +45,8 @@ class ParallelDims:
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.dp * self.tp * self.pp} "
                              f"!= WORLD_SIZE({self.world_size})")
+        if sorted(self.mesh_dims) != ["dp", "pp", "tp"] or self.mesh_dims[-1] != "tp":
+            raise ValueError(f"mesh_dims must be pp and dp in either order, then tp: got {self.mesh_dims}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
@@ -50,7 +55,7 @@ class ParallelDims:
         """The layout of `spec` over `world_size` ranks (default: the spec's own nodes x procsPerNode)."""
         p = spec.parallelism
         return cls(dp=p.data, tp=p.tensor, pp=p.pipeline, world_size=world_size or spec.world_size,
-                   zero_stage=p.zero_stage, device_type=device_type)
+                   zero_stage=p.zero_stage, device_type=device_type, mesh_dims=p.mesh_dims)
 
     @property
     def dp_enabled(self) -> bool:
@@ -100,7 +105,8 @@ class ParallelDims:
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        return init_device_mesh(self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        return init_device_mesh(self.device_type, tuple(getattr(self, d) for d in self.mesh_dims),
+                                mesh_dim_names=self.mesh_dims)
 
     def get_mesh(self, name: str) -> DeviceMesh:
         return self.mesh[name]
