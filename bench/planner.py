@@ -53,9 +53,13 @@ NOTES = (
     "neither ranks taking turns on shared cores nor AdamW's update (now both), nor how far apart two layouts must "
     "be predicted for the ranking to beat simplicity (now 10%). On 2026-12-06 the 60% limit at 4 ranks chose "
     "DeepSpeed ZeRO-3 under 4 micro-steps, 15.2% under its measured peak: ZeRO-3's coalesced all-gather keeps its "
-    "flat buffer beside the parameters copied out of it (now modelled). Read the ranking with its noise: the same "
-    "9 layouts at 2 ranks measured ρ 0.37 in one run and −0.03 in another (tokens/s moves 5-10% between runs "
-    "here). CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait for a lent GPU's bench/gpu.sh.")
+    "flat buffer beside the parameters copied out of it (now modelled); the next run's 4-rank first choice, "
+    "DeepSpeed ZeRO-1, ran 81% slower than the fastest: the time model took its all-gather after the step as "
+    "overlapped with backward (now exposed). Read the ranking with its noise: the same 9 layouts at 2 ranks measured "
+    "ρ 0.37, −0.53 and 0.08 in three runs, and at 4 ranks one layout's tokens/s moved up to 40% between runs (pp4 "
+    "GPipe 8,675 and 12,384; data 4 9,234 to 10,695), so the 4-rank first choice, plain data 4 each time since, "
+    "measured 7% and 22% behind the fastest. CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait "
+    "for a lent GPU's bench/gpu.sh.")
 
 
 def job_document(name: str, model: dict, world: int, memory: str | None = None) -> dict:
