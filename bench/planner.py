@@ -58,7 +58,7 @@ NOTES = (
     "overlapped with backward (now exposed). Read the ranking with its noise: the same 9 layouts at 2 ranks measured "
     "ρ 0.37, −0.53 and 0.08 in three runs, and at 4 ranks one layout's tokens/s moved up to 40% between runs (pp4 "
     "GPipe 8,675 and 12,384; data 4 9,234 to 10,695), so the 4-rank first choice, plain data 4 each time since, "
-    "measured 7% and 22% behind the fastest. CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait "
+    "measured 9% and 22% behind the fastest. CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait "
     "for a lent GPU's bench/gpu.sh.")
 
 
