@@ -17,6 +17,7 @@ boundary past which a group crosses the spine.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -76,10 +77,7 @@ def _with_domains(spec: Spec, gpu: hardware.Accelerator, usable: Sequence[Mappin
     topology = spec.scheduling.topology
     if topology is None:
         return gpu, ""
-    nodes: dict[str, int] = {}
-    for labels in usable:
-        if topology.level in labels:
-            nodes[labels[topology.level]] = nodes.get(labels[topology.level], 0) + 1
+    nodes = Counter(labels[topology.level] for labels in usable if topology.level in labels)
     if not nodes:
         return gpu, ""
     ranks = max(nodes.values()) * spec.procs_per_node

@@ -69,7 +69,7 @@ def kai_placement(job: ParallelTrainJob, topology_name: str | None) -> dict[str,
         if t and topology_name else {}
     if not t or not t.ranks_per_domain:
         return {"minMember": job.spec.nodes, **constraint}
-    per = t.ranks_per_domain // job.spec.procs_per_node
+    per = group_size(job)
     groups = job.spec.nodes // per
     return {"minSubGroup": groups,
             "subGroups": [{"name": f"group-{g}", "minMember": per, **constraint} for g in range(groups)]}
@@ -78,7 +78,7 @@ def kai_placement(job: ParallelTrainJob, topology_name: str | None) -> dict[str,
 def kai_subgroup(job: ParallelTrainJob, rank: int) -> str | None:
     """The KAI subgroup of node rank `rank` (kai_placement's), or None where the gang is one group."""
     t = job.spec.scheduling.topology
-    return f"group-{rank // (t.ranks_per_domain // job.spec.procs_per_node)}" if t and t.ranks_per_domain else None
+    return f"group-{rank // group_size(job)}" if t and t.ranks_per_domain else None
 
 
 def nodes_per_group(job: ParallelTrainJob) -> int | None:

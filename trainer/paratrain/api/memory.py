@@ -194,8 +194,8 @@ def predict(spec, vocab_size: int, device: str | None = None) -> list[RankMemory
 
     def stage_of(rank: int) -> int:
         return rank // p.tensor % p.pipeline if p.mesh_dims[0] == "dp" else rank // (p.data * p.tensor)
-    return [RankMemory(rank, s, dict(stages[s]), _peak(stages[s], p.pipeline > 1))
-            for rank, s in ((rank, stage_of(rank)) for rank in range(spec.world_size))]
+    return [RankMemory(rank, stage, dict(stages[stage]), _peak(stages[stage], p.pipeline > 1))
+            for rank, stage in enumerate(map(stage_of, range(spec.world_size)))]
 
 
 def largest_peak(spec, vocab_size: int, device: str) -> int:

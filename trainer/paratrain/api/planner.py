@@ -393,8 +393,6 @@ def _fit_accumulation(spec, vocab_size, gpu, device, result: Plan, nodes, dp, tp
     speed for memory. Each layout tried counts once, as rejected or feasible. Its rank order (`orders`: which it
     may use, the spec's default first) changes which links a group crosses, not memory: the first unless another
     is predicted faster by more than TIE."""
-    if not orders:
-        return
     for accumulation in accumulations:
         candidate = _layout(spec, nodes, dp, tp, pp, zero, schedule, m, ac, accumulation, orders[0])
         result.considered += 1

@@ -218,7 +218,7 @@ class TorchEngine:
         the same format (zero1.ZeroOneOptimizer.state_dict). The optimizer's param_groups are not saved: the spec
         sets them (the LR every step)."""
         if isinstance(self.optimizer, ZeroOneOptimizer):
-            optim = self.optimizer.state_dict(self.module)  # settles its gathers into the weights first
+            optim = self.optimizer.state_dict(self.module)
         else:
             optim = get_optimizer_state_dict(self.module, self.optimizer)["state"]
         return {"model": get_model_state_dict(self.module), "optim": optim}
@@ -226,8 +226,6 @@ class TorchEngine:
     def restore(self, load: Callable[[dict], None]) -> None:
         """Restore from a checkpoint of any layout: `load(template)` fills a state_dict-shaped template in place (a
         collective). Under composed ZeRO-1 the template holds the optimizer state of this rank's pieces only."""
-        if isinstance(self.optimizer, ZeroOneOptimizer):
-            self.optimizer.settle()  # a step's gathers still in flight would overwrite the weights loaded
         optim = (self.optimizer.load_template(self.module) if isinstance(self.optimizer, ZeroOneOptimizer)
                  else get_optimizer_state_dict(self.module, self.optimizer)["state"])
         state = {"model": get_model_state_dict(self.module), "optim": optim}

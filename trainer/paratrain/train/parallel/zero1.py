@@ -101,9 +101,9 @@ class ZeroOneOptimizer:
         """Overlap the all-gathers that follow each step with the next forward (as FSDP2 prefetches): the step
         launches the first GATHERS_IN_FLIGHT buckets, and a forward pre-hook on each module that holds a bucket's
         parameters waits for that bucket, copies it in, and launches the next. Every rank launches them in one
-        order (forward's), whatever asks first. Anything else that reads the parameters calls `settle` first (the
-        engine's checkpoint and restore do). Not for torch.compile'd blocks: a hook that waits on a collective
-        inside a compiled call would break its graph."""
+        order (forward's), whatever asks first. Anything else that reads the parameters calls `settle` first
+        (state_dict and load_template, the checkpoint's save and restore, do). Not for torch.compile'd blocks: a
+        hook that waits on a collective inside a compiled call would break its graph."""
         needs: dict[nn.Module, set[int]] = {}
         for m in module.modules():
             for p in m.parameters(recurse=False):
@@ -126,8 +126,8 @@ class ZeroOneOptimizer:
                 continue
             work, flat = self._in_flight.pop(wanted[0])
             work.wait()
-            for p, whole in zip(self.reducer.buckets[wanted[0]].params,
-                                self.reducer.buckets[wanted[0]].unflatten(flat), strict=True):
+            bucket = self.reducer.buckets[wanted[0]]
+            for p, whole in zip(bucket.params, bucket.unflatten(flat), strict=True):
                 local(p.data).copy_(whole)
             self._top_up()
 
@@ -189,7 +189,9 @@ class ZeroOneOptimizer:
 
     def load_template(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         """What `load_state_dict` reads, to be filled from a checkpoint: the whole state, in host memory, of the
-        parameters with a piece in this rank's shard (about 1/dp of them)."""
+        parameters with a piece in this rank's shard (about 1/dp of them). A step's gathers still in flight are
+        settled first: they would overwrite the weights a restore loads."""
+        self.settle()
         if not self.local_optimizer.state:
             self._init_state()
         names = {id(p): name for name, p in module.named_parameters()}
