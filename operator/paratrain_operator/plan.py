@@ -37,21 +37,6 @@ COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
 # Env from the downward API (name → pod field).
 FIELD_ENV = {contract.ENV_PROGRESS_HOST: "status.podIP", "POD_NAME": "metadata.name"}
-# A broken gang must fail fast (the operator then restarts all of it) rather than hang on a collective.
-COMMS_ENV = {
-    # A failed or timed-out collective aborts its communicator and ends the process, so the pod exits
-    # non-zero instead of leaving every other rank blocked. (Blocking wait, TORCH_NCCL_BLOCKING_WAIT, is
-    # left off: the watchdog enforces runPolicy.collectiveTimeoutSeconds without a busy wait per call.)
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    # The watchdog's heartbeat monitor kills a rank whose watchdog itself is stuck (e.g. in a CUDA call).
-    "TORCH_NCCL_ENABLE_MONITORING": "1",
-    # Flight recorder: on a timeout each rank dumps its last collectives to /tmp, to tell which rank hung. (Its old
-    # name, TORCH_NCCL_TRACE_BUFFER_SIZE, made torch 2.13 log a deprecation warning in every pod, CPU ones too.)
-    "TORCH_FR_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    # NCCL's warnings and errors, without INFO's per-ring lines from every rank.
-    "NCCL_DEBUG": "WARN",
-}
 # Other defaults. A user env var of the same name replaces any default, fabric tuning included.
 OVERRIDABLE_ENV = {
     "PYTHONUNBUFFERED": "1",  # log lines reach `kubectl logs` as they happen
@@ -120,7 +105,7 @@ def node_env(job: ParallelTrainJob, namespace: str, attempt: int, rank: int) -> 
         rules = [r.dump() for r in spec.failure_policy.rules if r.exit_codes]
         env[contract.ENV_EXIT_CODE_RULES] = json.dumps(rules, separators=(",", ":"))
     user = {e.name for e in spec.pod.env}
-    env |= {k: v for k, v in (COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
+    env |= {k: v for k, v in (contract.COMMS_ENV | OVERRIDABLE_ENV).items() if k not in user}
     return (*({"name": k, "valueFrom": {"fieldRef": {"fieldPath": f}}} for k, f in FIELD_ENV.items()),
             *({"name": k, "value": v} for k, v in env.items()), *container_env(spec.pod.env))
 

@@ -12,7 +12,7 @@ import yaml
 
 from paratrain import contract
 from paratrain.api import load_job, parse_job
-from paratrain_operator.plan import COMMS_ENV, plan_gang
+from paratrain_operator.plan import plan_gang
 from paratrain_operator.render import render_job
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -79,7 +79,7 @@ def test_torchrun_env_contract() -> None:
         assert e[contract.ENV_RESTART_ATTEMPT] == "2" and e[contract.ENV_JOB_NAME] == "j"
         assert e[contract.ENV_PROGRESS_PORT] == str(contract.PROGRESS_PORT)
         assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert COMMS_ENV.items() <= e.items() and e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert contract.COMMS_ENV.items() <= e.items() and e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
         assert container(pod)["command"] == contract.train_command()
 
 
@@ -142,7 +142,7 @@ def test_fabric_tuning_replaces_paratrains_nccl_defaults() -> None:
     e = env(pods(render(doc))[0])
     assert e["NCCL_DEBUG"] == "INFO" and e["NCCL_IB_HCA"] == "mlx5_0"
     assert e["TORCH_NCCL_DUMP_ON_TIMEOUT"] == {"configMapKeyRef": {"name": "fabric", "key": "dump", "optional": False}}
-    assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1", "defaults the user left alone stay"
+    assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "defaults the user left alone stay"
 
 
 def test_env_from_secrets_config_maps_and_pod_fields() -> None:

@@ -63,12 +63,36 @@ LABEL_NODE_RANK = "paratrain.dev/node-rank"
 LABEL_PROBE = "paratrain.dev/probe-rank"
 PROBE_COMMAND = ["sleep", "infinity"]
 
+# How NCCL fails, for pods (the operator sets these) and local runs (the trainer sets them where unset): a broken gang
+# must fail fast, with the error in Python, rather than hang on a collective or die without saying why.
+COMMS_ENV = {
+    # A failed or timed-out collective aborts the rank's communicators (their kernels end, so nothing stays blocked)
+    # but not the process (2, CleanUpOnly; 1 and torch's default 3 end it with SIGABRT): the next collective, or
+    # the step's check of its process groups (train.nccl_errors), raises DistBackendError in Python, so the rank
+    # exits 75 and a timeout gets the roll call that names the hung rank. (Blocking wait, TORCH_NCCL_BLOCKING_WAIT,
+    # is left off: the watchdog enforces runPolicy.collectiveTimeoutSeconds without a busy wait per call.)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # The rank that meets the error tells the other ranks of that group through the store, and their watchdogs
+    # abort too: they fail in seconds, not at their own collective timeout.
+    "TORCH_NCCL_PROPAGATE_ERROR": "1",
+    # The watchdog's heartbeat monitor kills a rank whose watchdog itself is stuck (e.g. in a CUDA call): SIGABRT,
+    # still classified (EXIT_ABORTED).
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    # Flight recorder: on a timeout each rank dumps its last collectives to /tmp, to tell which rank hung. (Its old
+    # name, TORCH_NCCL_TRACE_BUFFER_SIZE, made torch 2.13 log a deprecation warning in every pod, CPU ones too.)
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    # NCCL's warnings and errors, without INFO's per-ring lines from every rank.
+    "NCCL_DEBUG": "WARN",
+}
+
 # Exit codes the trainer uses so the operator can classify failures without reading logs.
 EXIT_OK = 0
 EXIT_INVALID_SPEC = 2  # permanent: the spec can never train
 EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a peer vanished, a collective timed out; a gang restart may succeed
-# SIGABRT's exit (128 + 6): NCCL's watchdog aborts a rank whose collective failed or timed out, most often because a
-# peer died (TORCH_NCCL_ASYNC_ERROR_HANDLING): like 75, a consequence where another pod's failure is known.
+# SIGABRT's exit (128 + 6): NCCL's heartbeat monitor ends a rank whose watchdog is stuck, and the watchdog itself ends a
+# rank whose collective failed or timed out where the user set TORCH_NCCL_ASYNC_ERROR_HANDLING to 1 or 3 (most often
+# because a peer died): like 75, a consequence where another pod's failure is known.
 EXIT_ABORTED = 134
 # Exits that say another rank's failure ended this one (a peer died; the watchdog aborted a rank whose peer died).
 CONSEQUENCE_EXITS = frozenset({EXIT_RETRYABLE, EXIT_ABORTED})

@@ -63,7 +63,10 @@ def pick_device(job: ParallelTrainJob, local_rank: int):
     import torch
 
     if device_type(job) == "cuda":
+        from .nccl_errors import comms_defaults
+
         os.environ.update(allocator_defaults(os.environ))  # read when the allocator starts: before any allocation
+        os.environ.update(comms_defaults(os.environ))  # read when the NCCL process groups are made
         torch.cuda.set_device(local_rank)
         torch.set_float32_matmul_precision("high" if job.spec.tf32 else "highest")  # "high": TF32 tensor cores
         torch.backends.cudnn.allow_tf32 = job.spec.tf32
@@ -195,8 +198,9 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
     from .parallel.compile import compile_problem
     from .parallel.dims import ParallelDims
     from .parallel.precision import check_device_supports
-    from .preflight import PREFLIGHT_SECONDS, ROLL_CALL_SECONDS, describe_silent, join, prove_fabric, roll_call, \
-        wait_everywhere
+    from .nccl_errors import timed_out
+    from .preflight import PREFLIGHT_SECONDS, ROLL_CALL_SECONDS, answer_roll_call, describe_silent, join, \
+        prove_fabric, roll_call, wait_everywhere
 
     spec = job.spec
     device, backend = pick_device(job, local_rank)
@@ -215,9 +219,12 @@ def _train(job: ParallelTrainJob, rank: int, world: int, local_rank: int) -> int
         wait_everywhere(timeout)
         return _run(job, rank, world, device, dims, round_)
     except Exception as exc:
-        if is_peer_failure(exc) and _is_timeout(exc):
-            wait = min(ROLL_CALL_SECONDS, spec.run_policy.collective_timeout_seconds)
-            exc.add_note(describe_silent(roll_call(store, rank, world, wait), wait))
+        if is_peer_failure(exc):
+            if _is_timeout(exc) or (backend == "nccl" and timed_out()):
+                wait = min(ROLL_CALL_SECONDS, spec.run_policy.collective_timeout_seconds)
+                exc.add_note(describe_silent(roll_call(store, rank, world, wait), wait))
+            else:  # not hung: said at once to the ranks whose collectives timed out and call the roll
+                answer_roll_call(store, rank)
         raise
     finally:
         dist.destroy_process_group()

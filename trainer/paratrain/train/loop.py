@@ -21,6 +21,7 @@ from .checkpoint import Checkpointer, rank_key, rng_state, set_rng_state
 from .host_memory import HostPhases
 from .data import TRAIN_STREAM, VAL_STREAM, Corpus, global_batch, rank_rows
 from .engine import StepResult
+from .nccl_errors import raise_if_aborted
 from .parallel.dims import ParallelDims
 from .parallel.tensor_parallel import reseeded
 from .perf import SteadyRate
@@ -85,6 +86,8 @@ def train_step(engine, micro_batches: list, lr: float, device: torch.device,
     local_loss = engine.forward_backward(micro_batches)
     square = engine.grad_norm_square()
     loss, raised, norm_square = mean_over_reporters(local_loss, device, flags(), square)
+    if device.type == "cuda":
+        raise_if_aborted()  # an aborted collective's kernels ended early: this step's numbers are not to be used
     t1 = time.perf_counter()
     outcome = engine.optimizer_step(lr, norm_square)
     return TrainedStep(loss, raised, outcome, t1 - t0, time.perf_counter() - t1)

@@ -124,9 +124,8 @@ def roll_call(store: dist.Store, rank: int, world: int, wait: float) -> list[int
     rank blocked behind the hung one times out in turn and answers too). Returns the ranks that did not answer:
     hung, or still blocked. The store is rank 0's; where it is gone too, no rank is named."""
     deadline = time.monotonic() + wait
+    answer_roll_call(store, rank)
     try:
-        store.set_timeout(datetime.timedelta(seconds=wait))  # a store whose host is stopped answers nothing
-        store.set(_roll_call_key(rank), "here")
         while True:
             silent = [r for r in range(world) if not store.check([_roll_call_key(r)])]
             if not silent or time.monotonic() >= deadline:
@@ -134,6 +133,15 @@ def roll_call(store: dist.Store, rank: int, world: int, wait: float) -> list[int
             time.sleep(0.2)
     except (RuntimeError, ValueError):  # the store's host is gone
         return []
+
+
+def answer_roll_call(store: dist.Store, rank: int) -> None:
+    """A rank ended by another's failure, not hung: answers the roll call without waiting for it."""
+    try:
+        store.set_timeout(datetime.timedelta(seconds=5))  # a store whose host is stopped answers nothing
+        store.set(_roll_call_key(rank), "here")
+    except (RuntimeError, ValueError):  # the store's host is gone
+        pass
 
 
 def describe_silent(silent: list[int], wait: float) -> str:
