@@ -21,7 +21,9 @@ a reduce-scatter of n elements in, or an all-gather of n out, n(N-1)/N, a send n
   b x s x h elements each way per step, so a rank sends bsh per neighbour.
 
 bf16 (autocast) should halve what moves in 16 bits: activations (TP, PP: a stage sends its residual stream in
-bf16), and the parameters FSDP2 gathers; the gradients DDP and FSDP2 reduce stay fp32. Writes bench/results/communication.json and communication.png, and the
+bf16), and the parameters FSDP2 gathers; the gradients DDP and FSDP2 reduce stay fp32, unless spec.reducePrecision
+is bf16 (the third set of rows): then every gradient reduction (all-reduce, reduce-scatter) is half fp32's bytes,
+the same elements, and the all-gathers of updated parameters are as before. Writes bench/results/communication.json and communication.png, and the
 `communication` section of docs/benchmarks.md.
 """
 
@@ -59,10 +61,15 @@ KINDS = {  # dispatcher op → (collective, how its volume per rank follows from
 SMALL = 1024  # elements: collectives of scalars and flags (the gradient norm, an overflow check), counted apart
 
 
-def job(parallelism: dict, precision: str) -> dict:
+# (precision, reducePrecision) of each set of rows
+PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]
+
+
+def job(parallelism: dict, precision: str, reduce_precision: str = "fp32") -> dict:
     world = parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
     return {"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "comm"},
             "spec": {"nodes": 1, "procsPerNode": world, "parallelism": parallelism, "precision": precision,
+                     "reducePrecision": reduce_precision,
                      "model": dict(SHAPE), "data": {"source": "synthetic"},
                      "training": {"steps": 10, "warmupSteps": 0, "batchSize": BATCH, "seed": 1337}}}
 
@@ -114,11 +121,11 @@ def parameters_shared_over_dp(module) -> int:
     return total
 
 
-def rank_step(parallelism: dict, precision: str) -> dict:
+def rank_step(parallelism: dict, precision: str, reduce_precision: str = "fp32") -> dict:
     """On one rank: one step, then one more under the recorder; what it issued, by mesh dimension."""
     import torch
 
-    spec, dims, engine = engine_for(job(parallelism, precision), SHAPE["vocabSize"])
+    spec, dims, engine = engine_for(job(parallelism, precision, reduce_precision), SHAPE["vocabSize"])
     rows = BATCH // dims.dp
     x = torch.randint(0, SHAPE["vocabSize"], (rows, SHAPE["blockSize"]), generator=torch.Generator().manual_seed(0))
     engine.forward_backward([(x, x)])
@@ -137,21 +144,26 @@ def rank_step(parallelism: dict, precision: str) -> dict:
             "pp_rank": dims.pp_rank if dims.pp > 1 else 0}
 
 
-def summarize(name: str, parallelism: dict, precision: str, rank0: dict) -> dict:
-    """Counts and volumes per mesh dimension on rank 0, against the formulas."""
+def summarize(name: str, parallelism: dict, precision: str, rank0: dict, reduce_precision: str = "fp32") -> dict:
+    """Counts and volumes per mesh dimension on rank 0, against the formulas; the bytes per element each kind of
+    collective carried (`widths`)."""
     sizes, psi = rank0["sizes"], rank0["psi"]
     dims: dict[str, dict] = {}
     for op in rank0["ops"]:
         kind, volume = KINDS[op["op"]]
         size = sizes.get(op["dim"], 1)
-        entry = dims.setdefault(op["dim"], {"counts": {}, "small": 0, "elements": 0.0, "bytes": 0.0})
+        entry = dims.setdefault(op["dim"], {"counts": {}, "small": 0, "elements": 0.0, "bytes": 0.0, "widths": {}})
         if op["elements"] < SMALL:
             entry["small"] += 1
             continue
         entry["counts"][kind] = entry["counts"].get(kind, 0) + 1
+        widths = entry["widths"].setdefault(kind, [])
+        if op["bytes"] // op["elements"] not in widths:
+            widths.append(op["bytes"] // op["elements"])
         entry["elements"] += volume(op["elements"], size)
         entry["bytes"] += volume(op["elements"], size) * op["bytes"] / op["elements"]
-    return {"layout": name, "precision": precision, "parallelism": parallelism, "psi": psi, "per_dim": dims,
+    return {"layout": name, "precision": precision, "reduce_precision": reduce_precision,
+            "parallelism": parallelism, "psi": psi, "per_dim": dims,
             "formula": formula(parallelism, psi, rank0), "total_bytes": sum(d["bytes"] for d in dims.values())}
 
 
@@ -169,19 +181,26 @@ def formula(parallelism: dict, psi: int, rank0: dict) -> dict:
     return out
 
 
-def measure(name: str, parallelism: dict, precision: str) -> dict:
+def measure(name: str, parallelism: dict, precision: str, reduce_precision: str = "fp32") -> dict:
     world = parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
-    return summarize(name, parallelism, precision, spawn(rank_step, world, parallelism, precision)[0])
+    rank0 = spawn(rank_step, world, parallelism, precision, reduce_precision)[0]
+    return summarize(name, parallelism, precision, rank0, reduce_precision)
+
+
+def label(row: dict) -> str:
+    return row["precision"] + (f", reduce {row['reduce_precision']}" if row["reduce_precision"] != "fp32" else "")
 
 
 def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [r["layout"] for r in rows if r["precision"] == "fp32"]
-    for offset, precision in ((-0.2, "fp32"), (0.2, "bf16")):
-        got = {r["layout"]: r for r in rows if r["precision"] == precision}
-        ax.barh([i + offset for i in range(len(names))], [got[n]["total_bytes"] / 2**20 for n in names], 0.4,
-                label=precision)
+    labels = list(dict.fromkeys(label(r) for r in rows))
+    height = 0.8 / len(labels)
+    for k, name in enumerate(labels):
+        got = {r["layout"]: r for r in rows if label(r) == name}
+        ax.barh([i + (k - (len(labels) - 1) / 2) * height for i in range(len(names))],
+                [got[n]["total_bytes"] / 2**20 if n in got else 0 for n in names], height, label=name)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("MiB each rank sends per step (rank 0)")
@@ -196,11 +215,13 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    for precision in ("fp32", "bf16"):
+    for precision, reduce_precision in PRECISIONS:
         for name, parallelism in LAYOUTS:
-            row = measure(name, parallelism, precision)
+            if reduce_precision != "fp32" and parallelism.get("data", 1) == 1:
+                continue  # nothing to reduce over data parallel
+            row = measure(name, parallelism, precision, reduce_precision)
             rows.append(row)
-            print(f"{name} {precision}: " + "; ".join(
+            print(f"{name} {label(row)}: " + "; ".join(
                 f"{dim}: {entry['counts']} + {entry['small']} small, {entry['elements']:,.0f} elements "
                 f"(formula {row['formula'].get(dim, 0):,.0f})" for dim, entry in row["per_dim"].items()), flush=True)
     result = {"shape": SHAPE, "batch": BATCH, "rows": rows, "machine": machine()}
@@ -218,7 +239,7 @@ def doc_lines(result: dict) -> list[str]:
                 continue
             counts = ", ".join(f"{n} {kind}" for kind, n in entry["counts"].items()) or "none"
             ratio = f"{entry['elements'] / expected:.2f}x" if expected else "(no formula)"
-            table.append(f"| {r['layout']} | {r['precision']} | {dim} | {counts} | {entry['small']} | "
+            table.append(f"| {r['layout']} | {label(r)} | {dim} | {counts} | {entry['small']} | "
                          f"{entry['elements']:,.0f} | {f'{expected:,.0f}' if expected else '-'} | {ratio} | "
                          f"{entry['bytes'] / 2**20:.2f} |")
     return [f"`.venv/bin/python bench/communication.py` ({result['machine']}; rank 0, one step):", "",

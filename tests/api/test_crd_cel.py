@@ -94,6 +94,7 @@ CROSS_FIELD_CASES = [
     ("source-needs-path", {"data": {"source": "tokens"}}, {"spec.data.path"}),  # and text: the random specs
     ("planner-field-under-manual", {"parallelism": {"objective": "minGPUs"}}, {"spec.parallelism.objective"}),
     ("auto-with-entrypoint", {"entrypoint": OWN, "parallelism": {"mode": "auto"}}, {"spec.parallelism.mode"}),
+    ("reduce-precision", {"precision": "bf16", "reducePrecision": "fp16"}, {"spec.reducePrecision"}),
     ("gpus-per-proc", {"resources": {"gpusPerNode": 2}}, {"spec.resources.gpusPerNode"}),
     ("queue-needs-volcano", {"scheduling": {"queue": "q"}}, {"spec.scheduling.queue"}),
     ("topology-holds-whole-pods", {"nodes": 2, "procsPerNode": 2, "parallelism": {"data": 4},

@@ -323,6 +323,20 @@ def test_zero_1_and_2_under_deepspeed_pay_the_all_gather_after_the_step_in_full(
     assert data_seconds(1, tensor=2) < composed_half  # composed ZeRO-1: its gather behind the next forward
 
 
+@pytest.mark.parametrize("zero,ratio", [(0, 2 / 4), (1, 3 / 4), (2, 3 / 4), (3, 5 / 6)])
+def test_gradients_reduced_in_16_bits_halve_the_reduce_not_the_gathers(zero, ratio):
+    """spec.reducePrecision bf16: the gradient reduce's bytes at 2 an element, the all-gathers of updated fp32
+    shards unchanged. In units of one fp32 reduce-scatter: ZeRO-0's all-reduce 2 → 1, ZeRO-1/2's reduce-scatter and
+    gather 1 + 1 → 0.5 + 1, ZeRO-3's reduce-scatter and two gathers 3 → 2.5. (Compute made negligible: nothing
+    hides the reduce.)"""
+    fast = dataclasses.replace(H100, compute_efficiency=1e9)
+    for tensor in (1, 2):
+        spec = spec_of(nodes=2, parallelism={"data": 16 // tensor, "tensor": tensor, "zeroStage": zero})
+        fp32, bf16 = (step_time(spec.model_copy(update={"reduce_precision": reduce}), 128256, fast, 8)["data"]
+                      for reduce in ("fp32", "bf16"))
+        assert bf16 == pytest.approx(fp32 * ratio, rel=1e-4), tensor
+
+
 def test_the_rank_order_decides_whether_the_data_parallel_reduce_or_the_pipeline_sends_cross_domains():
     """data 4 x pipeline 8 on 4 nodes of 8, racks of 8 ranks: tp-dp-pp keeps each stage's 4 replicas in a rack (their
     reduce inside it) and the pipeline's sends cross racks; tp-pp-dp keeps each replica's 8 stages in a rack (their

@@ -68,6 +68,10 @@ LAYOUTS = {
     "llama-tp2-ac-selective-bf16": ({"tensor": 2}, {"activationCheckpointing": "selective"},
                                     {"precision": "bf16", "model": {"family": "llama", "kvHeads": 2}}),
     "dp2xtp2": ({"data": 2, "tensor": 2}, {}, {}),
+    # Gradients reduced in bf16 (spec.reducePrecision): DDP's compress hook copies each bucket to 16 bits while it
+    # is in flight; the composed reducer flattens into 16-bit buckets.
+    "dp2-ddp-bf16-reduce16": ({"data": 2}, {}, {"precision": "bf16", "reducePrecision": "bf16"}),
+    "dp2xtp2-bf16-reduce16": ({"data": 2, "tensor": 2}, {}, {"precision": "bf16", "reducePrecision": "bf16"}),
     "dp2xpp2-1f1b": ({"data": 2, "pipeline": 2, "microbatches": 2, "pipelineSchedule": "1F1B"}, {}, {}),
     # Under DeepSpeed's accumulation ZeRO-1 and ZeRO-2 hold whole gradients through the micro-steps (found by
     # bench/planner.py: each 17% under before it was modelled).

@@ -336,6 +336,9 @@ SPEC_RULES: dict[str, list[dict[str, Any]]] = {
                              ("memoryHeadroom", "double"))),
         _rule(f"{P}.mode == 'manual' || !{_ENTRYPOINT}", "mode auto plans the built-in trainer's model: a program "
               "of its own (spec.entrypoint) gives its layout (mode manual)", ".parallelism.mode"),
+        _rule("self.reducePrecision in ['fp32', self.precision]",
+              "reducePrecision({self.reducePrecision}) must be fp32 or the job's precision({self.precision}): "
+              "gradients are summed in fp32 or in the 16-bit type they are computed in", ".reducePrecision"),
         _rule(f"{R}.gpusPerNode == 0 || {R}.gpusPerNode == self.procsPerNode",
               f"gpusPerNode({{{R}.gpusPerNode}}) must equal procsPerNode({{self.procsPerNode}}) (one process per "
               "GPU), or be 0 for CPU", ".resources.gpusPerNode"),

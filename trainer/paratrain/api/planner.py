@@ -167,17 +167,22 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     data = 0.0
     if p.data > 1:
         shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
-        volume = 4 * shard * 2 * (p.data - 1) / p.data * (1.5 if p.zero_stage == 3 else 1.0)
-        seconds = volume / link(data_span)
-        # ZeRO-1/2 halves it into a reduce-scatter in backward and an all-gather of the updated shards after the
-        # step: DeepSpeed (data-parallel-only layouts) gathers in its step, exposed; composed ZeRO-1 overlaps the
-        # gather with the next forward (zero1.ZeroOneOptimizer.gather_in_forward); FSDP2 gathers within the passes.
+        # one reduce-scatter or all-gather of the shard's elements, per byte of each: n(N-1)/N on a ring
+        ring = shard * (p.data - 1) / p.data / link(data_span)
+        grads = 4 if spec.reduce_precision == "fp32" else 2  # spec.reducePrecision
+        # An all-reduce (DDP, the composed reducer) is a reduce-scatter and an all-gather of the gradients. ZeRO-1/2
+        # reduce-scatter them in backward and all-gather the updated fp32 shards after the step: DeepSpeed
+        # (data-parallel-only layouts) gathers in its step, exposed; composed ZeRO-1 overlaps the gather with the
+        # next forward (zero1.ZeroOneOptimizer.gather_in_forward); FSDP2 gathers within the passes (ZeRO-3: its
+        # parameters twice, for forward and again for backward).
         if p.zero_stage in (1, 2) and p.tensor == 1 and p.pipeline == 1:
-            reduce, gather = seconds / 2, seconds / 2
+            reduce, gather = grads * ring, 4 * ring
         elif p.zero_stage == 1:
-            reduce, gather = seconds / 2, max(0.0, seconds / 2 - compute / 3)
+            reduce, gather = grads * ring, max(0.0, 4 * ring - compute / 3)
+        elif p.zero_stage == 0:
+            reduce, gather = 2 * grads * ring, 0.0
         else:
-            reduce, gather = seconds, 0.0
+            reduce, gather = (grads + 4 * (p.zero_stage - 1)) * ring, 0.0
         data = max(0.2 * reduce, reduce - compute * 2 / 3) + gather  # backward hides all but its last bucket
     # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
     # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.

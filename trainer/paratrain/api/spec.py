@@ -664,6 +664,12 @@ class Spec(_Model):
         "stage and the pipeline schedule."))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "Mixed precision: bf16 or fp16 autocast with fp32 master weights (fp16 with dynamic loss scaling)."))
+    reduce_precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
+        "The type gradients are summed in across data-parallel ranks (DDP, the composed layouts' reducer, ZeRO's "
+        "reduce-scatters, FSDP2, DeepSpeed): fp32 (the default, torchtitan's and Megatron-LM's), or the job's "
+        "16-bit precision, which halves the gradient traffic and rounds each gradient and each partial sum to 8 "
+        "(bf16) or 11 (fp16) mantissa bits (each rank's share is divided before the sum, so fp16 does not "
+        "overflow where fp32 would not). Gradients still accumulate and the optimizer still steps in fp32."))
     tf32: bool = Field(False, description=(
         "On GPUs of Ampere or newer, fp32 matmuls run on TF32 tensor cores (a 10-bit mantissa; several times "
         "faster): what fp32 jobs usually want for speed. Off by default, as in PyTorch: fp32 means fp32. No effect "
@@ -839,6 +845,10 @@ def cross_field_problems(spec: Spec) -> list[tuple[str, str]]:
     elif spec.entrypoint:
         out.append(("spec.parallelism.mode", "mode auto plans the built-in trainer's model: a program of its own "
                     "(spec.entrypoint) gives its layout (mode manual)"))
+    if spec.reduce_precision not in ("fp32", spec.precision):
+        out.append(("spec.reducePrecision", f"reducePrecision({spec.reduce_precision}) must be fp32 or the job's "
+                    f"precision({spec.precision}): gradients are summed in fp32 or in the 16-bit type they are "
+                    "computed in"))
     if spec.resources.gpus_per_node and spec.resources.gpus_per_node != spec.procs_per_node:
         out.append(("spec.resources.gpusPerNode", f"gpusPerNode({spec.resources.gpus_per_node}) must equal "
                     f"procsPerNode({spec.procs_per_node}) (one process per GPU), or be 0 for CPU"))

@@ -42,7 +42,7 @@ def build_torch_engine(spec: Spec, dims: ParallelDims, device: torch.device, cfg
     if dims.tp_enabled:
         heads_rng = RNGStream(dims.dropout_seed(t.seed) + HEADS_SEED_OFFSET + dims.coordinate("tp"), device)
     wrapped, dp_reducer = parallelize(model, dims, device, heads_rng, t.activation_checkpointing, spec.precision,
-                                      t.compile)
+                                      spec.reduce_precision, t.compile)
     initialize(model, t.seed, spec.model.init)
     optimizer = build_optimizer(model, dims, t, dp_reducer)
     if isinstance(optimizer, ZeroOneOptimizer) and not t.compile:

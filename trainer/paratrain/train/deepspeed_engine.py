@@ -97,10 +97,11 @@ def deepspeed_config(spec: Spec, dp: int, device: torch.device, embed_dim: int) 
         "gradient_accumulation_steps": t.gradient_accumulation,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
-        # Gradients are reduced across data-parallel ranks in fp32, as the torch-native layouts reduce them:
-        # DeepSpeed's default (the model's dtype) would sum bf16/fp16 gradients of N ranks in 8/11-bit mantissas,
-        # and the same spec would train with other numerics in another layout.
-        "communication_data_type": "fp32",
+        # Gradients are reduced across data-parallel ranks in spec.reducePrecision (fp32 unless the spec asks for
+        # 16 bits), as the torch-native layouts reduce them: DeepSpeed's default (the model's dtype) would sum
+        # bf16/fp16 gradients of N ranks in 8/11-bit mantissas whatever the spec, and the same spec would train with
+        # other numerics in another layout.
+        "communication_data_type": spec.reduce_precision,
         # ... and accumulated over micro-steps in fp32, as torch-native layouts accumulate into fp32 gradients.
         "data_types": {"grad_accum_dtype": "fp32"},
         "bf16": {"enabled": spec.precision == "bf16"},

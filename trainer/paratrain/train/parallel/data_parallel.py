@@ -1,5 +1,9 @@
 """Data parallel: model replicas over the mesh's "dp" dimension, gradients averaged, bucketed and overlapped with
-backward: by DDP where it can wrap the model, else by OverlappedGradReducer."""
+backward: by DDP where it can wrap the model, else by OverlappedGradReducer.
+
+Gradients are summed in fp32, or in 16 bits where spec.reducePrecision asks (`reduce_dtype`): each rank's share is
+then divided by the group's size before the sum, as torch's fp16/bf16 compress hooks do, so a sum of N values near
+fp16's largest does not overflow where their mean would not."""
 
 from __future__ import annotations
 
@@ -7,15 +11,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .tensors import local
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """DDP for layouts without tensor or pipeline parallel: bucketed all-reduce overlapped with backward."""
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """DDP for layouts without tensor or pipeline parallel: bucketed all-reduce overlapped with backward; in 16 bits
+    through torch's compress hook where `reduce_dtype` says (its buckets stay fp32)."""
     device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
-    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+    ddp = DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+    if reduce_dtype is not None:
+        ddp.register_comm_hook(dp_mesh.get_group(), COMPRESS_HOOKS[reduce_dtype])
+    return ddp
+
+
+COMPRESS_HOOKS = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
 
 
 class Bucket:
@@ -30,9 +42,10 @@ class Bucket:
         self.shard_numel = -(-sum(self.sizes) // shards)
         self.numel = self.shard_numel * shards
 
-    def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        """One flat buffer of `tensors` (one per parameter, None read as zeros), padded with zeros."""
-        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+    def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One flat buffer of `tensors` (one per parameter, None read as zeros), padded with zeros; in `dtype`
+        (default: the parameters')."""
+        flat = torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
         for view, t in zip(self.unflatten(flat), tensors, strict=True):
             if t is not None:
                 view.copy_(local(t))
@@ -69,13 +82,16 @@ class OverlappedGradReducer:
     zero1.ZeroOneOptimizer) a reduce-scatter: this rank keeps only its shard of the bucket's average
     (`grad_shards[i]`, its Bucket.pieces) and drops the parameters' whole gradients as soon as they are sent.
 
+    `reduce_dtype` (16-bit, spec.reducePrecision): buckets are flattened in it and divided before the sum; the
+    averages are written back in the gradients' own dtype.
+
     Gradients are final in the optimizer step's last micro-step only (`expect(passes)`: the backward passes each
     parameter gets there — a pipeline stage runs one per microbatch); earlier micro-steps just accumulate."""
 
     def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh, bucket_bytes: int = 25 * 2**20,
-                 shard: bool = False):
+                 shard: bool = False, reduce_dtype: torch.dtype | None = None):
         self.group, self.size, self.rank = dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()
-        self.shard = shard
+        self.shard, self.reduce_dtype = shard, reduce_dtype
         grouped: list[list[nn.Parameter]] = [[]]
         filled = 0
         for p in reversed(params):
@@ -111,7 +127,7 @@ class OverlappedGradReducer:
     def _launch(self, i: int) -> None:
         bucket = self.buckets[i]
         if self.shard:
-            flat = bucket.flatten([p.grad for p in bucket.params])
+            flat = self._predivided(bucket.flatten([p.grad for p in bucket.params], self.reduce_dtype))
             for p in bucket.params:
                 p.grad = None  # sent: this rank keeps only its shard of the mean
             out = flat.new_empty(bucket.shard_numel)
@@ -120,8 +136,12 @@ class OverlappedGradReducer:
             return
         grads = [local(p.grad) for p in bucket.params if p.grad is not None]
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self._predivided(torch.cat([g.reshape(-1) for g in grads]))
             self.pending[i] = flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True), flat
+
+    def _predivided(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` in the reduce dtype, divided by the group's size where that is 16-bit (else after the sum)."""
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype).div_(self.size)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -133,9 +153,10 @@ class OverlappedGradReducer:
         self.grad_shards = []
         for i, (out, work, _) in sorted(self.pending.items()):
             work.wait()
-            out /= self.size
+            if self.reduce_dtype is None:
+                out /= self.size
             if self.shard:
-                self.grad_shards.append(out)
+                self.grad_shards.append(out.to(self.buckets[i].dtype))
                 continue
             offset = 0
             for g in (local(p.grad) for p in self.buckets[i].params if p.grad is not None):

@@ -10,7 +10,6 @@ reduce-scattered once, after the last microbatch's backward, not once per microb
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -18,22 +17,24 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .precision import DTYPES
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision_policy(precision: str, reduce_precision: str = "fp32") -> MixedPrecisionPolicy:
     """Under bf16/fp16, parameters are all-gathered and computed in the 16-bit type (half the traffic and memory of
-    fp32) over the fp32 shards the optimizer steps; gradients are reduce-scattered in fp32, because summing many
-    ranks' 16-bit gradients loses the small ones (torchtitan's default too)."""
+    fp32) over the fp32 shards the optimizer steps; gradients are reduce-scattered in fp32 by default, because
+    summing many ranks' 16-bit gradients loses the small ones (torchtitan's default too), or in the 16-bit type
+    where spec.reducePrecision asks (half the traffic)."""
     if precision == "fp32":
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=DTYPES[reduce_precision])
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str,
+               reduce_precision: str = "fp32") -> None:
     """Shard each block, then the root (embeddings, final norm, head), over the dp mesh. Under ZeRO-3 a block's
     weights are freed after its forward and gathered again for its backward, except the last block's and the
     root's: backward starts with them, so freeing them would only gather them again at once (torchtitan's default;
     FSDP2 spares the root by itself only where reshard_after_forward is left unset)."""
     reshard = zero_stage == 3
-    policy = mixed_precision_policy(precision)
+    policy = mixed_precision_policy(precision, reduce_precision)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=policy)
