@@ -23,8 +23,8 @@ a reduce-scatter of n elements in, or an all-gather of n out, n(N-1)/N, a send n
 bf16 (autocast) should halve what moves in 16 bits: activations (TP, PP: a stage sends its residual stream in
 bf16), and the parameters FSDP2 gathers; the gradients DDP and FSDP2 reduce stay fp32, unless spec.reducePrecision
 is bf16 (the third set of rows): then every gradient reduction (all-reduce, reduce-scatter) is half fp32's bytes,
-the same elements, and the all-gathers of updated parameters are as before. Writes bench/results/communication.json and communication.png, and the
-`communication` section of docs/benchmarks.md.
+the same elements, and the all-gathers of updated parameters are as before. Writes
+bench/results/communication.json and communication.png, and the `communication` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
