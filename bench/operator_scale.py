@@ -197,16 +197,21 @@ def history(rig: ScaleRig, count: int, template_namespace: str) -> dict[str, Any
     rss_cached = proc_kib(pid, "VmRSS")
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM from here: the relist's peak
     mark = len(rig.proxy.log)
-    rig.proxy.drop_watches("v1/pods", expire_history=True)
+    # The drop must find the operator's pods watch open: between a stream's end and its reconnect there is none to
+    # drop, and the reconnect, from the newest resourceVersion, is not expired (the full run once waited out the
+    # operator's 300 s watch timeout so).
+    dropped = wait_for(lambda: rig.proxy.drop_watches("v1/pods", expire_history=True), 30,
+                       "an open pods watch to drop", interval=0.2)
     lists = wait_for(lambda: _relist(rig.proxy.log[mark:]), 300, "the relist", interval=0.2)
     began = time.monotonic()
     unpaged = rig.api.must(rig.api.get("/api/v1/pods", labelSelector=contract.LABEL_JOB))
     unpaged_seconds = time.monotonic() - began
-    return {"pods": count, "cached_pods": _cached(rig), "pages": len(lists),
+    return {"pods": count, "cached_pods": _cached(rig), "watches_dropped": dropped, "pages": len(lists),
             "relist_seconds": round(lists[-1][5] - lists[0][4], 2),
             "largest_request_seconds": round(max(r[5] - r[4] for r in lists), 2),
             "largest_request_bytes": max(r[3] for r in lists), "relist_bytes": sum(r[3] for r in lists),
-            "unpaged_list_seconds": round(unpaged_seconds, 2), "unpaged_list_bytes": len(json.dumps(unpaged, separators=(",", ":"))),
+            "unpaged_list_seconds": round(unpaged_seconds, 2),
+            "unpaged_list_bytes": len(json.dumps(unpaged, separators=(",", ":"))),
             "rss_mib_before": round(rss_before / 1024, 1), "rss_mib_cached": round(rss_cached / 1024, 1),
             "relist_peak_rss_mib": round(proc_kib(pid, "VmHWM") / 1024, 1)}
 
