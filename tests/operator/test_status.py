@@ -235,13 +235,17 @@ def test_platform_defaults_are_removed_once_the_platform_fills_nothing():
 
 @pytest.mark.parametrize("parallelism, precision, words", [
     ({"data": 2}, "fp32", "data 2 × tensor 1 × pipeline 1, fp32"),
-    ({"data": 2, "tensor": 2, "pipeline": 2, "zeroStage": 1, "microbatches": 2}, "bf16", "data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16"),
+    ({"data": 2, "tensor": 2, "pipeline": 2, "zeroStage": 1, "microbatches": 2}, "bf16",
+     "data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16"),
+    ({"data": 2}, {"precision": "bf16", "reducePrecision": "bf16"},
+     "data 2 × tensor 1 × pipeline 1, bf16, reduced in bf16"),
 ])
 def test_the_layout_column_is_spelled_out(parallelism, precision, words):
     from paratrain.api import describe_layout, parse_job
 
     nodes = parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
     job = parse_job({"apiVersion": "paratrain.dev/v1alpha1", "kind": "ParallelTrainJob", "metadata": {"name": "j"},
-                     "spec": {"nodes": nodes, "parallelism": parallelism, "precision": precision,
+                     "spec": {"nodes": nodes, "parallelism": parallelism,
+                              **(precision if isinstance(precision, dict) else {"precision": precision}),
                               "model": {"layers": 2}, "data": {"source": "synthetic"}}})
     assert describe_layout(job.spec) == words

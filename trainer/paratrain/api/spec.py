@@ -1000,13 +1000,15 @@ def layout_label(spec: Spec) -> str:
 
 def describe_layout(spec: Spec) -> str:
     """The layout in words, for `kubectl get ptj` and first lines: `data 2 × tensor 2 × pipeline 2, ZeRO-1, bf16`
-    (no ZeRO named where its stage is 0); `planned (mode auto), bf16` until the planner has chosen it."""
+    (no ZeRO named where its stage is 0; `bf16, reduced in bf16` where spec.reducePrecision is); `planned (mode
+    auto), bf16` until the planner has chosen it."""
     p = spec.parallelism
+    precision = spec.precision + (f", reduced in {spec.reduce_precision}" if spec.reduce_precision != "fp32" else "")
     if p.mode == "auto":
-        return f"planned (mode auto), {spec.precision}"
+        return f"planned (mode auto), {precision}"
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
     order = ", ranks tp-pp-dp" if p.replicas_outermost else ""
-    return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}{order}, {spec.precision}"
+    return f"data {p.data} × tensor {p.tensor} × pipeline {p.pipeline}{zero}{order}, {precision}"
 
 
 def is_reserved_env(name: str) -> bool:
