@@ -80,7 +80,7 @@ def gang_labels(job_name: str) -> dict[str, str]:
 
 def owner_reference(job: ParallelTrainJob) -> dict[str, Any] | None:
     """Deleting the job deletes the gang (garbage collection follows the controller reference)."""
-    uid = (job.metadata.model_extra or {}).get("uid")
+    uid = job.metadata.uid
     if not uid:
         return None
     return {"apiVersion": API_GROUP_VERSION, "kind": KIND, "name": job.metadata.name, "uid": str(uid),

@@ -39,6 +39,9 @@ CASES = [
      "spec.pod.volumes[0].mountPath", "absolute path"),
     ({"metadata": {"name": "Has_Caps"}}, "metadata.name", "DNS label"),
     ({"metadata": {"name": "x" * 51}}, "metadata.name", "at most 50 characters"),
+    # kubectl's strict field validation refuses a key ObjectMeta does not have: so does `paratrain validate`
+    ({"metadata": {"name": "t", "lables": {"a": "b"}}}, "metadata.lables", "did you mean 'labels'?"),
+    ({"metadata": {"name": "t", "labels": {"a": 5}}}, "metadata.labels.a", "string"),
     ({"spec": {"pod": {"env": [{"name": "1BAD"}]}}}, "spec.pod.env[0].name", "environment variable name"),
     ({"spec": {"pod": {"env": [{"name": "RANK", "value": "3"}]}}}, "spec.pod.env[0].name", "RANK is reserved"),
     ({"spec": {"pod": {"labels": {"bad key!": "x"}}}}, "spec.pod.labels['bad key!']", "invalid key: must be a label key"),
@@ -95,3 +98,14 @@ def test_a_layout_that_does_not_fit_the_gang_names_values_that_would(spec: dict[
         parse_job({**BASE, "spec": {**BASE.get("spec", {}), **spec}})
     (problem,) = refused.value.problems
     assert problem.path == "spec.parallelism" and fix in problem.fix and fix in str(refused.value)
+
+
+def test_a_job_read_back_from_the_cluster_keeps_its_metadata() -> None:
+    meta = {"name": "t", "namespace": "ns", "uid": "1d2c", "resourceVersion": "42", "generation": 3,
+            "creationTimestamp": "2026-12-06T00:00:00Z", "labels": {"a": "b"}, "annotations": {"c": "d"},
+            "finalizers": ["paratrain.dev/x"], "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "o",
+                                                                   "uid": "9"}],
+            "managedFields": [{"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {}}}]}
+    job = parse_job({**BASE, "metadata": meta, "spec": {}})
+    assert job.metadata.uid == "1d2c" and job.metadata.labels == {"a": "b"}
+    assert job.dump()["metadata"] == meta

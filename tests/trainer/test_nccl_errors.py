@@ -37,8 +37,9 @@ def test_the_watchdog_aborts_communicators_not_the_process_and_tells_the_other_r
 
 
 def test_a_cuda_rank_sets_them_before_its_process_groups_exist(monkeypatch):
-    for name in contract.COMMS_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in contract.COMMS_ENV:  # set first, so that monkeypatch restores their absence after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.delenv(contract.ENV_DEVICE, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -35,12 +35,12 @@ if MUTANT:
     from paratrain.train import engine
 
     if MUTANT == "ddp_skips_allreduce":
-        parallelize.apply_ddp = lambda model, dp_mesh: model
+        parallelize.apply_ddp = lambda model, dp_mesh, reduce_dtype=None: model
 
     elif MUTANT == "ddp_sums_instead_of_averaging":
         original = parallelize.apply_ddp
 
-        def _summing_ddp(model, dp_mesh):
+        def _summing_ddp(model, dp_mesh, reduce_dtype=None):
             ddp = original(model, dp_mesh)
 
             def _sum_hook(state, bucket):

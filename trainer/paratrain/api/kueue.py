@@ -36,7 +36,7 @@ CARRIED_LABELS = (QUEUE_LABEL, PRIORITY_CLASS_LABEL)
 
 
 def _job_labels(job: ParallelTrainJob) -> dict[str, Any]:
-    return (job.metadata.model_extra or {}).get("labels") or {}
+    return job.metadata.labels or {}
 
 
 def queue_name(job: ParallelTrainJob) -> str | None:

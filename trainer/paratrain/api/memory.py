@@ -222,7 +222,7 @@ def _stage(spec, shape: Shape, stage: int, device: str) -> dict[str, int]:
     dp, tp, pp, zero = p.data, p.tensor, p.pipeline, p.zero_stage
     first, last = stage == 0, stage == pp - 1
     half = spec.precision in ("bf16", "fp16")
-    deepspeed = zero > 0 and tp == 1 and pp == 1
+    deepspeed = p.on_deepspeed
     fsdp = zero >= 2 and not deepspeed
     layers = _stage_layers(shape.layers, pp, stage)
     split, replicated = shape.block_params()

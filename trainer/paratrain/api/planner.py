@@ -170,19 +170,22 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         # one reduce-scatter or all-gather of the shard's elements, per byte of each: n(N-1)/N on a ring
         ring = shard * (p.data - 1) / p.data / link(data_span)
         grads = 4 if spec.reduce_precision == "fp32" else 2  # spec.reducePrecision
-        # An all-reduce (DDP, the composed reducer) is a reduce-scatter and an all-gather of the gradients. ZeRO-1/2
-        # reduce-scatter them in backward and all-gather the updated fp32 shards after the step: DeepSpeed
-        # (data-parallel-only layouts) gathers in its step, exposed; composed ZeRO-1 overlaps the gather with the
-        # next forward (zero1.ZeroOneOptimizer.gather_in_forward); FSDP2 gathers within the passes (ZeRO-3: its
-        # parameters twice, for forward and again for backward).
-        if p.zero_stage in (1, 2) and p.tensor == 1 and p.pipeline == 1:
-            reduce, gather = grads * ring, 4 * ring
+        # the weights ZeRO gathers: DeepSpeed's and FSDP2's in the training dtype, composed ZeRO-1's fp32 masters
+        weights = 4 if spec.precision == "fp32" or p.zero_stage == 1 and not p.on_deepspeed else 2
+        # An all-reduce (DDP, the composed reducer) is a reduce-scatter and an all-gather of the gradients.
+        # DeepSpeed's ZeRO-1/2 all-reduce each bucket whole and keep their partition (use_multi_rank_bucket_allreduce,
+        # bench/communication.py's 1.5x), then gather the updated weights in its step, exposed. Composed ZeRO-1
+        # reduce-scatters in backward and overlaps its gather with the next forward
+        # (zero1.ZeroOneOptimizer.gather_in_forward); FSDP2 gathers within the passes (ZeRO-3: its parameters twice,
+        # for forward and again for backward; DeepSpeed's ZeRO-3 is priced alike).
+        if p.zero_stage in (1, 2) and p.on_deepspeed:
+            reduce, gather = 2 * grads * ring, weights * ring
         elif p.zero_stage == 1:
-            reduce, gather = grads * ring, max(0.0, 4 * ring - compute / 3)
+            reduce, gather = grads * ring, max(0.0, weights * ring - compute / 3)
         elif p.zero_stage == 0:
             reduce, gather = 2 * grads * ring, 0.0
         else:
-            reduce, gather = (grads + 4 * (p.zero_stage - 1)) * ring, 0.0
+            reduce, gather = (grads + weights * (p.zero_stage - 1)) * ring, 0.0
         data = max(0.2 * reduce, reduce - compute * 2 / 3) + gather  # backward hides all but its last bucket
     # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
     # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.

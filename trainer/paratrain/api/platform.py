@@ -188,8 +188,7 @@ def with_job_defaults(job: ParallelTrainJob, platform: Platform) -> tuple[Parall
     if not filled:
         return job, []
     try:
-        return parse_job({**job.dump(), "metadata": job.metadata.model_dump(mode="json", exclude_none=True),
-                          "spec": spec}), filled
+        return parse_job({**job.dump(), "spec": spec}), filled
     except SpecError as exc:
         why = f" (after the platform's jobDefaults filled {', '.join(filled)})"
         raise SpecError([Problem(p.path, p.message + why) for p in exc.problems]) from None

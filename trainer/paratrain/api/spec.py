@@ -167,6 +167,12 @@ class Parallelism(_Model):
         """Whether the layout runs tp-pp-dp where it differs from tp-dp-pp (data and pipeline both above 1)."""
         return self.rank_order == "tp-pp-dp" and self.data > 1 and self.pipeline > 1
 
+    @property
+    def on_deepspeed(self) -> bool:
+        """ZeRO without tensor or pipeline parallel: the trainer runs it on DeepSpeed (ParallelDims.uses_deepspeed),
+        every other layout on torch's own modes."""
+        return self.zero_stage > 0 and self.tensor == 1 and self.pipeline == 1
+
 
 class ModelSpec(_Model):
     # Shape fields (shapes.SHAPE_FIELDS) default to None in the schema: `_resolve_shape` fills them from the preset,
@@ -668,8 +674,10 @@ class Spec(_Model):
         "The type gradients are summed in across data-parallel ranks (DDP, the composed layouts' reducer, ZeRO's "
         "reduce-scatters, FSDP2, DeepSpeed): fp32 (the default, torchtitan's and Megatron-LM's), or the job's "
         "16-bit precision, which halves the gradient traffic and rounds each gradient and each partial sum to 8 "
-        "(bf16) or 11 (fp16) mantissa bits (each rank's share is divided before the sum, so fp16 does not "
-        "overflow where fp32 would not). Gradients still accumulate and the optimizer still steps in fp32."))
+        "(bf16) or 11 (fp16) mantissa bits (under fp16 a scaled gradient past 65,504 overflows, and the loss "
+        "scaler skips the step and halves the scale). The optimizer still steps in fp32; micro-steps still "
+        "accumulate in fp32 except under FSDP2 (ZeRO-2/3 with tensor or pipeline parallel), which then "
+        "accumulates them in the 16-bit type, as Megatron-LM's --grad-reduce-in-bf16 does."))
     tf32: bool = Field(False, description=(
         "On GPUs of Ampere or newer, fp32 matmuls run on TF32 tensor cores (a 10-bit mantissa; several times "
         "faster): what fp32 jobs usually want for speed. Off by default, as in PyTorch: fp32 means fp32. No effect "
@@ -972,9 +980,25 @@ def _repeated(items: Iterable[str]) -> list[str]:
 
 
 class ObjectMeta(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Kubernetes' ObjectMeta: name and namespace checked as the operator needs them; its other fields typed only as
+    the API server decodes them, and any other key refused, as `kubectl apply` (strict field validation) refuses
+    it."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(pattern=JOB_NAME, max_length=MAX_NAME_LENGTH)
     namespace: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
+    generate_name: str | None = Field(None, alias="generateName")
+    uid: str | None = None
+    resource_version: str | None = Field(None, alias="resourceVersion")
+    generation: int | None = None
+    self_link: str | None = Field(None, alias="selfLink")
+    creation_timestamp: str | None = Field(None, alias="creationTimestamp")
+    deletion_timestamp: str | None = Field(None, alias="deletionTimestamp")
+    deletion_grace_period_seconds: int | None = Field(None, alias="deletionGracePeriodSeconds")
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+    owner_references: list[dict[str, Any]] | None = Field(None, alias="ownerReferences")
+    finalizers: list[str] | None = None
+    managed_fields: list[dict[str, Any]] | None = Field(None, alias="managedFields")
 
 
 class ParallelTrainJob(BaseModel):
@@ -987,7 +1011,8 @@ class ParallelTrainJob(BaseModel):
 
     def dump(self) -> dict[str, Any]:
         return {"apiVersion": self.api_version, "kind": self.kind,
-                "metadata": self.metadata.model_dump(mode="json", exclude_none=True), "spec": self.spec.dump()}
+                "metadata": self.metadata.model_dump(mode="json", by_alias=True, exclude_none=True),
+                "spec": self.spec.dump()}
 
 
 def layout_label(spec: Spec) -> str:

@@ -201,6 +201,8 @@ class Trainer:
 
     def save(self, step: int) -> None:
         r = self.result
+        if self.device.type == "cuda":
+            raise_if_aborted()  # the optimizer's collectives ran after the step's check: an aborted step is not saved
         self._beat(step)
         with self.host.phase("save"):  # an async save's: the copy to host memory, before the writer takes it
             state = {"engine": self.engine.state_dict(),

@@ -25,15 +25,17 @@ def comms_defaults(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def nccl_backends() -> list[tuple[str, object]]:
-    """(group name, its NCCL backend) for every process group this rank belongs to that runs on NCCL."""
+    """(group name, its NCCL backend) for every process group this rank belongs to that runs on NCCL (a gloo group
+    answers for CUDA tensors too: the checkpoints' link on GPU runs)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from builds without NCCL
     world = dist.distributed_c10d._world
     found = []
     for group in list(world.pg_map):
         try:
             backend = group._get_backend(torch.device("cuda"))
-        except RuntimeError:  # a group with no CUDA backend (gloo only)
+        except RuntimeError:  # a group with no CUDA backend
             continue
-        if hasattr(backend, "get_error"):
+        if nccl is not None and isinstance(backend, nccl):
             found.append((world.pg_names.get(group, "?"), backend))
     return found
 
@@ -50,7 +52,7 @@ _WHAT = {"TIMEOUT": "a collective timed out", "COMM_ERROR": "a collective failed
 
 def raise_if_aborted(backends: Iterable[tuple[str, object]] | None = None) -> None:
     """Raise DistBackendError when a watchdog aborted one of this rank's NCCL groups: the step's results are not
-    to be used."""
+    to be used (after the step's host read, and before a checkpoint is written)."""
     found = errors(nccl_backends() if backends is None else backends)
     if found:
         said = "; ".join(f"group {name}: {_WHAT.get(kind, kind)}" for name, kind in found)

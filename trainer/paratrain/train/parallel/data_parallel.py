@@ -2,8 +2,9 @@
 backward: by DDP where it can wrap the model, else by OverlappedGradReducer.
 
 Gradients are summed in fp32, or in 16 bits where spec.reducePrecision asks (`reduce_dtype`): each rank's share is
-then divided by the group's size before the sum, as torch's fp16/bf16 compress hooks do, so a sum of N values near
-fp16's largest does not overflow where their mean would not."""
+then cast and divided by the group's size before the sum, as torch's fp16/bf16 compress hooks do, so the sum cannot
+overflow where the mean would not (a share past fp16's 65,504 is inf at the cast: fp16's loss scaler skips that step
+and halves the scale, as for any overflow)."""
 
 from __future__ import annotations
 
