@@ -40,9 +40,10 @@ def nccl_backends() -> list[tuple[str, object]]:
     return found
 
 
-def errors(backends: Iterable[tuple[str, object]]) -> list[tuple[str, str]]:
-    """(group name, what its watchdog saw: TIMEOUT, COMM_ERROR or REMOTE_ERROR) for each group not in SUCCESS."""
-    seen = [(name, backend.get_error().name) for name, backend in backends]
+def errors(backends: Iterable[tuple[str, object]] | None = None) -> list[tuple[str, str]]:
+    """(group name, what its watchdog saw: TIMEOUT, COMM_ERROR or REMOTE_ERROR) for each group of `backends`
+    (default: this rank's NCCL groups) not in SUCCESS."""
+    seen = [(name, backend.get_error().name) for name, backend in (nccl_backends() if backends is None else backends)]
     return [(name, kind) for name, kind in seen if kind != "SUCCESS"]
 
 
@@ -53,7 +54,7 @@ _WHAT = {"TIMEOUT": "a collective timed out", "COMM_ERROR": "a collective failed
 def raise_if_aborted(backends: Iterable[tuple[str, object]] | None = None) -> None:
     """Raise DistBackendError when a watchdog aborted one of this rank's NCCL groups: the step's results are not
     to be used (after the step's host read, and before a checkpoint is written)."""
-    found = errors(nccl_backends() if backends is None else backends)
+    found = errors(backends)
     if found:
         said = "; ".join(f"group {name}: {_WHAT.get(kind, kind)}" for name, kind in found)
         raise dist.DistBackendError(f"NCCL's watchdog aborted this rank's communicators ({said}); this step's "
@@ -62,4 +63,4 @@ def raise_if_aborted(backends: Iterable[tuple[str, object]] | None = None) -> No
 
 def timed_out(backends: Iterable[tuple[str, object]] | None = None) -> bool:
     """Whether one of this rank's NCCL groups timed out (the exception Python got may only say 'aborted')."""
-    return any(kind == "TIMEOUT" for _, kind in errors(nccl_backends() if backends is None else backends))
+    return any(kind == "TIMEOUT" for _, kind in errors(backends))
