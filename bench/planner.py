@@ -63,8 +63,15 @@ NOTES = (
     "overlapped with backward (now exposed). Read the ranking with its noise: the same 9 layouts at 2 ranks measured "
     "ρ 0.37, −0.53 and 0.08 in three runs, and at 4 ranks one layout's tokens/s moved up to 40% between runs (pp4 "
     "GPipe 8,675 and 12,384; data 4 9,234 to 10,695), so the 4-rank first choice, plain data 4 each time since, "
-    "measured 9% and 22% behind the fastest. CPU only: the GPU constants (40% of peak, 70% of link bandwidth) wait "
-    "for a lent GPU's bench/gpu.sh.")
+    "measured 9% and 22% behind the fastest. On 2026-12-07 the first run with repeats chose DeepSpeed ZeRO-3 at data "
+    "4, 129% slower than the fastest: bytes alone had it 6% faster than plain data 4 (its update sharded), while "
+    "its gather of every module, forward and backward, and tensor parallel's 4 all-reduces a layer each pay a fixed "
+    "cost (a 4 KiB all-reduce: 0.45 ms at 2 ranks here, 6 ms at 4 ranks on 2 cores): now counted, by engine. The "
+    "next run chose pp4 (1F1B, 4 microbatches), 13% slower: the model gave an idle stage's core to the others in "
+    "every slot of the pipeline, where filling and draining leave cores idle (now `pipeline_slots`). Still not "
+    "modelled: a fixed host cost a layer and pass (the predicted steps are 20-35% under the measured at both world "
+    "sizes, and more microbatches measured slower, not faster). CPU only: the GPU constants (40% of peak, 70% of link "
+    "bandwidth, NCCL's fixed costs) wait for a lent GPU's bench/gpu.sh.")
 
 
 def job_document(name: str, model: dict, world: int, memory: str | None = None) -> dict:
@@ -164,9 +171,35 @@ def _all_reduce_bytes_per_second() -> float:
     return x.numel() * 4 * 2 * (world - 1) / world / seconds  # ring bus bytes a rank sends
 
 
+def _fixed_costs() -> tuple[float, float]:
+    """Seconds of a 4 KiB all-reduce over every rank, and of a 4 KiB send between pairs of them: what a collective
+    and a pipeline's send cost whatever their size (gloo's latency, the ranks' turns on shared cores)."""
+    import torch
+    import torch.distributed as dist
+
+    x, rank = torch.ones(1024), dist.get_rank()
+    for _ in range(10):
+        dist.all_reduce(x)
+    n, started = 200, time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x)
+    collective = (time.perf_counter() - started) / n
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    started = time.perf_counter()
+    for _ in range(n):  # ping-pong: two sends a round
+        if rank % 2 == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+    return collective, (time.perf_counter() - started) / n / 2
+
+
 def calibrated_cpu(world: int):
     """hardware.CPU with this machine's measured matmul FLOP/s (a rank, at the threads `paratrain run` gives each
-    of `world` ranks) and gloo's all-reduce bytes/s."""
+    of `world` ranks), gloo's all-reduce bytes/s, and the fixed cost of a collective and a send at `world` ranks
+    (divided by the ranks' sharing of cores, which step_time multiplies communication by)."""
     import subprocess
 
     from paratrain.api import hardware
@@ -181,8 +214,12 @@ def calibrated_cpu(world: int):
 
     flops, memory = measured("_matmul_flops"), measured("_adamw_bytes_per_second")
     link = spawn(_all_reduce_bytes_per_second, 2)[0]
+    collective, send = spawn(_fixed_costs, world)[0]
+    shared = world * threads / (os.cpu_count() or 1)
     return dataclasses.replace(hardware.CPU, peak_flops=flops, fp32_flops=flops, node_bytes_per_second=link,
-                               network_bytes_per_second=link, memory_bytes_per_second=memory), threads
+                               network_bytes_per_second=link, memory_bytes_per_second=memory,
+                               collective_seconds=collective / max(1.0, shared),
+                               send_seconds=send / max(1.0, shared)), threads
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -236,7 +273,9 @@ def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
         out.append({"world": world, "threads_per_rank": threads, "oversubscription": shared,
                     "cpu_flops": cpu.peak_flops,
                     "adamw_bytes_per_second": cpu.memory_bytes_per_second,
-                    "all_reduce_bytes_per_second": cpu.node_bytes_per_second, "layouts": rows,
+                    "all_reduce_bytes_per_second": cpu.node_bytes_per_second,
+                    "collective_seconds": cpu.collective_seconds * max(1.0, shared),
+                    "send_seconds": cpu.send_seconds * max(1.0, shared), "layouts": rows,
                     "spearman": spearman([r["predicted_seconds"] for r in rows], measured_seconds),
                     "chosen": rows[chosen]["layout"], "chosen_vs_fastest": measured_seconds[chosen] / fastest - 1,
                     "contenders_spread": max(rows[i]["spread"] for i in contenders),
@@ -286,7 +325,8 @@ def main() -> None:
         return
     table = [f"| {r['model']} | {r['world']} | {r['limit']} | {r['layout']} | {r['predicted'] / 2**20:.2f} | "
              f"{r['measured'] / 2**20:.2f} | {r['error']:+.1%} |" for r in memory]
-    ranks = [f"| {r['world']} | {len(r['layouts'])} | {r['spearman']:.2f} | {r['chosen']} | {r['fastest']} | "
+    ranks = [f"| {r['world']} | {r['collective_seconds'] * 1e3:.2f} / {r['send_seconds'] * 1e3:.2f} | "
+             f"{len(r['layouts'])} | {r['spearman']:.2f} | {r['chosen']} | {r['fastest']} | "
              f"{r['chosen_vs_fastest']:+.1%} | {r['contenders_spread']:.0%} |" for r in ranked]
     write_section("planner", [
         f"`.venv/bin/python bench/planner.py` ({result['machine']}; CPU only: gloo, every rank sharing the cores). "
@@ -297,11 +337,11 @@ def main() -> None:
         f"Ranking: every legal layout of {RANKED_MODEL} (no activation checkpointing), {STEPS} steps each (the "
         f"planner's choice and the {CONTENDERS} fastest of that pass {REPEATS} times, interleaved, at their "
         "median), the "
-        "predicted step time (on this CPU's measured matmul FLOP/s, AdamW step rate and gloo all-reduce bytes/s; "
-        "ranks sharing cores compute and communicate in turn) against the "
-        "measured tokens/s:", "",
-        "| ranks | layouts | Spearman ρ | planner's choice | fastest measured | choice vs fastest | "
-        "largest spread of a repeated layout |", "|---|---|---|---|---|---|---|", *ranks, "",
+        "predicted step time (on this CPU's measured matmul FLOP/s, AdamW step rate, gloo all-reduce bytes/s and "
+        "the fixed cost of a collective and a send at that many ranks; ranks sharing cores compute and communicate "
+        "in turn) against the measured tokens/s:", "",
+        "| ranks | collective / send, ms | layouts | Spearman ρ | planner's choice | fastest measured | "
+        "choice vs fastest | largest spread of a repeated layout |", "|---|---|---|---|---|---|---|---|", *ranks, "",
         NOTES, "", "![planner](../bench/results/planner.png)"])
 
 

@@ -38,6 +38,11 @@ class Accelerator:
     # the most ranks one domain of the job's spec.scheduling.topology.level holds, from the nodes' labels (the
     # operator counts them); 0: unknown. What a group spanning more crosses domains at, where ranksPerDomain is unset.
     domain_gpus: int = 0
+    # What a collective (all-reduce, all-gather, reduce-scatter) and a pipeline's send cost whatever their size: the
+    # launch, the ranks' synchronisation and the protocol's latency (the α of an α-β model; the bandwidths above are
+    # the β). Priors for NCCL's small messages within a node; bench/planner.py measures gloo's on a CPU.
+    collective_seconds: float = 20e-6
+    send_seconds: float = 10e-6
 
     @property
     def cross_domain(self) -> float:
@@ -74,7 +79,10 @@ ACCELERATORS = (
 )
 BY_NAME = {a.name: a for a in ACCELERATORS}
 # A CPU rank, for planning local runs: an order of magnitude, not a datasheet (gloo over shared memory).
-CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, 10 * GB, gpus_per_node=1)
+# Its collective and send costs: a 4 KiB all-reduce and a send between two gloo ranks on this 2-core machine; where
+# local ranks share cores, a collective waits for each one's turn (4 ranks on 2 cores: 6 ms, not 0.45).
+CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, 10 * GB, gpus_per_node=1, collective_seconds=0.45e-3,
+                  send_seconds=0.12e-3)
 
 
 def accelerator(name: str) -> Accelerator:

@@ -23,17 +23,19 @@ tensor parallel's 4 all-reduces a layer and microbatch of its activations (6 wit
 2(d-1)/d of the stage's shard; ZeRO-3 1.5x), exposed where it outlasts backward, and ZeRO-1/2's all-gather half
 after DeepSpeed's step (composed ZeRO-1: where it outlasts the next forward); links at COMMUNICATION_EFFICIENCY;
 AdamW's update, OPTIMIZER_BYTES_PER_PARAMETER of the parameters the rank steps (ZeRO: its 1/d) at the memory's
-bandwidth.
+bandwidth; and each collective and pipeline send a fixed cost (Accelerator.collective_seconds, send_seconds: the α
+of an α-β model) times how many a rank launches (`data_collectives`; tensor parallel's a layer and pass).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .hardware import CPU, NVLINK_DOMAIN_LABELS, Accelerator
-from .memory import Headroom, human, largest_peak, parse_bytes
-from .shapes import parameter_count
+from .memory import DDP_BUCKET_BYTES, Headroom, deepspeed_buckets, human, largest_peak, parse_bytes
+from .shapes import parameter_count, parameter_modules
 from .spec import (DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, RANK_ORDERS, Spec, cross_field_problems,
                    stated_vocab_size)
 
@@ -129,7 +131,8 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
               oversubscription: float = 1.0) -> dict[str, float]:
     """Seconds per step, by part, for the spec's layout (see the module docstring). `oversubscription`: the threads
     the ranks run per core they share, where over 1 (more local ranks than cores): the ranks then compute in turn,
-    their busy time stretched by it, and a rank idle in a pipeline bubble lends its core to the others."""
+    their busy time stretched by it, and a rank idle in a pipeline bubble lends its core to the others where some
+    are busy."""
     p, t, m = spec.parallelism, spec.training, spec.model
     world, tokens = spec.world_size, t.batch_size * m.block_size
     act = 2 if spec.precision in ("bf16", "fp16") else 4
@@ -141,10 +144,9 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     elif t.activation_checkpointing == "selective":
         flops *= 1 + SELECTIVE_RECOMPUTE
     compute = flops / (world * gpu.flops(spec.precision, spec.tf32) * (gpu.compute_efficiency or COMPUTE_EFFICIENCY))
-    bubble = compute * (p.pipeline - 1) / p.microbatches if p.pipeline > 1 else 0.0
-    if oversubscription > 1:
-        busy = compute * oversubscription
-        compute, bubble = busy, max(0.0, compute + bubble - busy)
+    shared = max(1.0, oversubscription)
+    slots = pipeline_slots(p.microbatches, p.pipeline, shared)
+    compute, bubble = compute * shared, compute * (slots / p.microbatches - shared)
 
     nvlink, domain = nvlink_ranks(spec, gpu, gpus_per_node), domain_ranks(spec, gpu)
 
@@ -155,15 +157,17 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
 
     rank_tokens = tokens / p.data
     stage_layers = m.layers / p.pipeline
+    passes = p.microbatches * t.gradient_accumulation  # forwards and backwards a rank runs a step
     tensor = 0.0
     if p.tensor > 1:
         all_reduces = 6 if t.activation_checkpointing == "full" else 4
         volume = all_reduces * stage_layers * rank_tokens * m.embed_dim * act * 2 * (p.tensor - 1) / p.tensor
-        tensor = volume / link(p.tensor)
+        tensor = volume / link(p.tensor) + all_reduces * stage_layers * passes * gpu.collective_seconds
     # consecutive ranks a group spans: under tp-pp-dp a replica's stages are adjacent and replicas farthest apart
     pipeline_span, data_span = (p.pipeline * p.tensor, world) if p.replicas_outermost else \
         (world, p.data * p.tensor)
-    pipeline = 2 * rank_tokens * m.embed_dim * act / link(pipeline_span) if p.pipeline > 1 else 0.0
+    pipeline = 2 * rank_tokens * m.embed_dim * act / link(pipeline_span) + 2 * passes * gpu.send_seconds \
+        if p.pipeline > 1 else 0.0
     data = 0.0
     if p.data > 1:
         shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
@@ -187,6 +191,7 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         else:
             reduce, gather = (grads + weights * (p.zero_stage - 1)) * ring, 0.0
         data = max(0.2 * reduce, reduce - compute * 2 / 3) + gather  # backward hides all but its last bucket
+        data += data_collectives(spec, vocab_size, passes) * gpu.collective_seconds
     # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
     # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.
     updated = parameter_count(m, vocab_size) / (p.tensor * p.pipeline) / (p.data if p.zero_stage else 1)
@@ -196,6 +201,42 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     total = compute + bubble + tensor + pipeline + data + optimizer
     return {"compute": compute, "bubble": bubble, "tensor": tensor, "pipeline": pipeline, "data": data,
             "optimizer": optimizer, "total": total}
+
+
+def pipeline_slots(m: int, p: int, shared: float) -> float:
+    """A step's length in one microbatch's time on one stage: m microbatches pass p stages in m + p - 1 slots, a(s)
+    stages busy in slot s (1, 2, .. up to min(m, p), held, and down again). Where ranks share cores (`shared` threads
+    a core when all are busy) a slot stretches as its busy ranks, a(s)/p of them, outnumber the cores: m + p - 1
+    where nothing is shared (the bubble (p-1)/m), m x shared where nothing is pipelined (every rank's turn), and
+    between the two the filling and draining slots that leave cores idle."""
+    k, q = shared / p, min(m, p)
+
+    def stretched(a: int) -> float:  # the sum of max(1, a' k) over a' = 1..a
+        below = min(a, int(1 / k))  # these fit the cores
+        return below + k * (a * (a + 1) - below * (below + 1)) / 2
+    return 2 * stretched(q - 1) + (m + p - 2 * q + 1) * max(1.0, q * k)
+
+
+def data_collectives(spec: Spec, vocab_size: int, passes: int) -> int:
+    """The data-parallel collectives a rank launches a step, each paying Accelerator.collective_seconds: a reduction
+    a bucket (DDP's and the composed reducer's 25 MiB, DeepSpeed's reduce bucket), ZeRO-1/2's gather of the updated
+    weights; ZeRO-3 gathers each unit in every forward and again in its backward, and reduces once a pass (FSDP2's
+    unit: a block, and the root; DeepSpeed's: each module holding parameters). ZeRO-2 on FSDP2 gathers in forward
+    only."""
+    p, m = spec.parallelism, spec.model
+    shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
+    stage_layers = m.layers / p.pipeline
+    if p.on_deepspeed:
+        buckets = math.ceil(shard / deepspeed_buckets(m.embed_dim)[0])
+        if p.zero_stage < 3:
+            return 2 * buckets
+        per_block, outside = parameter_modules(m)
+        return round((per_block * stage_layers + outside) * 2 * passes) + buckets
+    buckets = math.ceil(shard * 4 / DDP_BUCKET_BYTES)
+    if p.zero_stage < 2:
+        return buckets * (2 if p.zero_stage == 1 else 1)
+    units = math.ceil(stage_layers) + 1
+    return units * passes * (2 if p.zero_stage == 3 else 1) + units * passes
 
 
 def nvlink_ranks(spec: Spec, gpu: Accelerator, gpus_per_node: int) -> int:
