@@ -24,6 +24,7 @@ Writes bench/results/planner.json and .png, and the `planner` section of docs/be
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -66,9 +67,14 @@ NOTES = (
     "measured 9% and 22% behind the fastest. On 2026-12-07 the first run with repeats chose DeepSpeed ZeRO-3 at data "
     "4, 129% slower than the fastest: bytes alone had it 6% faster than plain data 4 (its update sharded), while "
     "its gather of every module, forward and backward, and tensor parallel's 4 all-reduces a layer each pay a fixed "
-    "cost (a 4 KiB all-reduce: 0.45 ms at 2 ranks here, 6 ms at 4 ranks on 2 cores): now counted, by engine. The "
-    "next run chose pp4 (1F1B, 4 microbatches), 13% slower: the model gave an idle stage's core to the others in "
-    "every slot of the pipeline, where filling and draining leave cores idle (now `pipeline_slots`). Still not "
+    "cost (a 4 KiB all-reduce: 0.45-1.4 ms at 2 ranks here, 5-6 ms at 4 ranks on 2 cores): now counted, by engine. "
+    "The next run chose pp4 (1F1B, 4 microbatches), 13% slower: the model gave an idle stage's core to the others in "
+    "every slot of the pipeline, where filling and draining leave cores idle (now `pipeline_slots`). The table is "
+    "the run after that, its predictions made again (--repredict) once a review had the counts follow "
+    "bench/communication.py's recorder (DeepSpeed's ZeRO-3 gathers a prefetch bucket at once, not a module at a "
+    "time; FSDP2 reduce-scatters once a step): ρ at 4 ranks 0.83 → 0.89, at 2 ranks 0.50 → 0.33, the same choices. "
+    "DeepSpeed ZeRO-3's hooks around every module are not priced (measured 2.3x plain data 4's step, predicted "
+    "1.7x). Still not "
     "modelled: a fixed host cost a layer and pass (the predicted steps are 20-35% under the measured at both world "
     "sizes, and more microbatches measured slower, not faster). CPU only: the GPU constants (40% of peak, 70% of link "
     "bandwidth, NCCL's fixed costs) wait for a lent GPU's bench/gpu.sh.")
@@ -234,20 +240,37 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1)) if n > 1 else 1.0
 
 
-def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
+def ranked_plan(world: int, cpu, shared: float):
+    """The planner's every layout of RANKED_MODEL at `world` ranks (microbatches p and 2p), on `cpu` with ranks
+    sharing its cores `shared` threads a core: (the plan, the layouts ranked)."""
     from paratrain.api import planner
     from paratrain.api.load import parse_job
 
+    spec = parse_job(job_document(RANKED_MODEL, MODELS[RANKED_MODEL], world)).spec
+    result = planner.plan(spec, VOCAB, cpu, None, "cpu", [1], allow=("data", "tensor", "pipeline", "zero"),
+                          oversubscription=shared)
+    return result, [c for c in result.feasible if c.spec.parallelism.microbatches <= 2 * c.spec.parallelism.pipeline]
+
+
+def verdict(rows: list[dict]) -> dict:
+    """Spearman's ρ of predicted against measured step times, the choice against the fastest measured."""
+    tokens = BATCH * MODELS[RANKED_MODEL]["blockSize"]
+    measured_seconds = [tokens / r["measured_tokens_per_second"] for r in rows]
+    fastest = min(measured_seconds)
+    chosen = next(i for i, r in enumerate(rows) if r["chosen"])
+    return {"spearman": spearman([r["predicted_seconds"] for r in rows], measured_seconds),
+            "chosen": rows[chosen]["layout"], "chosen_vs_fastest": measured_seconds[chosen] / fastest - 1,
+            "fastest": rows[measured_seconds.index(fastest)]["layout"]}
+
+
+def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
     out = []
     for world in worlds:
         if world == 1:
             continue  # one layout
         cpu, threads = calibrated_cpu(world)
-        spec = parse_job(job_document(RANKED_MODEL, MODELS[RANKED_MODEL], world)).spec
         shared = world * threads / (os.cpu_count() or 1)  # as launch.local_target: ranks' threads per core
-        result = planner.plan(spec, VOCAB, cpu, None, "cpu", [1], allow=("data", "tensor", "pipeline", "zero"),
-                              oversubscription=shared)
-        layouts = [c for c in result.feasible if c.spec.parallelism.microbatches <= 2 * c.spec.parallelism.pipeline]
+        result, layouts = ranked_plan(world, cpu, shared)
         rows = []
 
         def measure(i: int, c) -> float:
@@ -266,20 +289,38 @@ def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
         for r in rows:
             r["measured_tokens_per_second"] = statistics.median(r["runs"])
             r["spread"] = max(r["runs"]) / min(r["runs"]) - 1
-        tokens = BATCH * MODELS[RANKED_MODEL]["blockSize"]
-        measured_seconds = [tokens / r["measured_tokens_per_second"] for r in rows]
-        fastest = min(measured_seconds)
-        chosen = next(i for i, r in enumerate(rows) if r["chosen"])
         out.append({"world": world, "threads_per_rank": threads, "oversubscription": shared,
                     "cpu_flops": cpu.peak_flops,
                     "adamw_bytes_per_second": cpu.memory_bytes_per_second,
                     "all_reduce_bytes_per_second": cpu.node_bytes_per_second,
                     "collective_seconds": cpu.collective_seconds * max(1.0, shared),
                     "send_seconds": cpu.send_seconds * max(1.0, shared), "layouts": rows,
-                    "spearman": spearman([r["predicted_seconds"] for r in rows], measured_seconds),
-                    "chosen": rows[chosen]["layout"], "chosen_vs_fastest": measured_seconds[chosen] / fastest - 1,
-                    "contenders_spread": max(rows[i]["spread"] for i in contenders),
-                    "fastest": rows[measured_seconds.index(fastest)]["layout"]})
+                    "contenders_spread": max(rows[i]["spread"] for i in contenders), **verdict(rows)})
+    return out
+
+
+def repredicted(ranked: list[dict]) -> list[dict]:
+    """A stored run's measurements ranked again by the time model as it is now, on the CPU that run calibrated: for
+    a change of the model that leaves the measurements standing (every layout is run; only the predictions move).
+    The new choice must be among the layouts the run measured."""
+    from paratrain.api import hardware
+
+    out = []
+    for r in ranked:
+        shared = max(1.0, r["oversubscription"])
+        cpu = dataclasses.replace(
+            hardware.CPU, peak_flops=r["cpu_flops"], fp32_flops=r["cpu_flops"],
+            node_bytes_per_second=r["all_reduce_bytes_per_second"],
+            network_bytes_per_second=r["all_reduce_bytes_per_second"],
+            memory_bytes_per_second=r["adamw_bytes_per_second"], collective_seconds=r["collective_seconds"] / shared,
+            send_seconds=r["send_seconds"] / shared)
+        result, layouts = ranked_plan(r["world"], cpu, r["oversubscription"])
+        predicted = {c.describe(): c for c in layouts}
+        if {x["layout"] for x in r["layouts"]} != set(predicted):
+            raise SystemExit(f"{r['world']} ranks: the model's layouts differ from the run's; run the bench again")
+        rows = [{**x, "predicted_seconds": predicted[x["layout"]].step_seconds,
+                 "chosen": predicted[x["layout"]] is result.chosen} for x in r["layouts"]]
+        out.append({**r, "layouts": rows, **verdict(rows)})
     return out
 
 
@@ -308,14 +349,22 @@ def plot(memory: list[dict], ranked: list[dict], path: Path) -> None:
 def main() -> None:
     parser = arguments(__doc__, "planner")
     parser.add_argument("--quick", action="store_true", help="one model, 2 ranks (no docs update)")
+    parser.add_argument("--repredict", action="store_true",
+                        help="rank the stored run's measurements (--out) again by the time model as it is now")
     args = parser.parse_args()
     models = {RANKED_MODEL: MODELS[RANKED_MODEL]} if args.quick else MODELS
     worlds = (2,) if args.quick else WORLDS
-    with tempfile.TemporaryDirectory() as tmp:
-        memory = memory_rows(Path(tmp), models, worlds)
-        ranked = ranking(Path(tmp), worlds)
+    if args.repredict:
+        stored = json.loads(args.out.read_text())
+        memory, ranked, measured_on = stored["memory"], repredicted(stored["ranking"]), stored["machine"]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            memory = memory_rows(Path(tmp), models, worlds)
+            ranked = ranking(Path(tmp), worlds)
+        measured_on = machine()
     worst = max(memory, key=lambda r: abs(r["error"]))
-    result = {"memory": memory, "ranking": ranked, "worst_memory_error": worst["error"], "machine": machine()}
+    result = {"memory": memory, "ranking": ranked, "worst_memory_error": worst["error"], "machine": measured_on,
+              "repredicted": args.repredict}
     save_results(result, args.out, lambda png: plot(memory, ranked, png))
     print(f"memory: worst {worst['model']} x{worst['world']} {worst['error']:+.1%}")
     for r in ranked:
@@ -328,8 +377,10 @@ def main() -> None:
     ranks = [f"| {r['world']} | {r['collective_seconds'] * 1e3:.2f} / {r['send_seconds'] * 1e3:.2f} | "
              f"{len(r['layouts'])} | {r['spearman']:.2f} | {r['chosen']} | {r['fastest']} | "
              f"{r['chosen_vs_fastest']:+.1%} | {r['contenders_spread']:.0%} |" for r in ranked]
+    again = ("; the ranking's step times predicted again from that stored run by the time model as changed since "
+             "(`--repredict`)") if args.repredict else ""
     write_section("planner", [
-        f"`.venv/bin/python bench/planner.py` ({result['machine']}; CPU only: gloo, every rank sharing the cores). "
+        f"`.venv/bin/python bench/planner.py` ({measured_on}; CPU only: gloo, every rank sharing the cores{again}). "
         "Memory: the layout `parallelism: auto` chooses per model and world size, with no limit and with a rank "
         f"allowed {TIGHT:.0%} of that choice's peak, run 3 steps (MiB of live tensors, the largest rank):", "",
         "| model | ranks | limit | chosen layout | predicted | measured | error |", "|---|---|---|---|---|---|---|",

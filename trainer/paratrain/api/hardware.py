@@ -80,7 +80,7 @@ ACCELERATORS = (
 BY_NAME = {a.name: a for a in ACCELERATORS}
 # A CPU rank, for planning local runs: an order of magnitude, not a datasheet (gloo over shared memory).
 # Its collective and send costs: a 4 KiB all-reduce and a send between two gloo ranks on this 2-core machine; where
-# local ranks share cores, a collective waits for each one's turn (4 ranks on 2 cores: 6 ms, not 0.45).
+# local ranks share cores, a collective waits for each one's turn (4 ranks on 2 cores: 5-6 ms, not 0.45).
 CPU = Accelerator("cpu", "cpu", 0, 1e11, 1e11, 5 * GB, 1 * GB, 10 * GB, gpus_per_node=1, collective_seconds=0.45e-3,
                   send_seconds=0.12e-3)
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .hardware import CPU, NVLINK_DOMAIN_LABELS, Accelerator
-from .memory import DDP_BUCKET_BYTES, Headroom, deepspeed_buckets, human, largest_peak, parse_bytes
-from .shapes import parameter_count, parameter_modules
+from .memory import (CE_CHUNK_TOKENS, DDP_BUCKET_BYTES, DEEPSPEED_MAX_LIVE_PARAMETERS, Headroom, deepspeed_buckets,
+                     human, largest_peak, parse_bytes)
+from .shapes import parameter_count
 from .spec import (DEFAULT_MEMORY_HEADROOM, PINNABLE, PLANNER_MODES, RANK_ORDERS, Spec, cross_field_problems,
                    stated_vocab_size)
 
@@ -162,7 +163,9 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
     if p.tensor > 1:
         all_reduces = 6 if t.activation_checkpointing == "full" else 4
         volume = all_reduces * stage_layers * rank_tokens * m.embed_dim * act * 2 * (p.tensor - 1) / p.tensor
-        tensor = volume / link(p.tensor) + all_reduces * stage_layers * passes * gpu.collective_seconds
+        # and each all-reduce's fixed cost, with the vocabulary-parallel loss's two a piece (on the last stage)
+        loss = 2 * math.ceil(rank_tokens / passes / CE_CHUNK_TOKENS)
+        tensor = volume / link(p.tensor) + (all_reduces * stage_layers + loss) * passes * gpu.collective_seconds
     # consecutive ranks a group spans: under tp-pp-dp a replica's stages are adjacent and replicas farthest apart
     pipeline_span, data_span = (p.pipeline * p.tensor, world) if p.replicas_outermost else \
         (world, p.data * p.tensor)
@@ -191,7 +194,8 @@ def step_time(spec: Spec, vocab_size: int, gpu: Accelerator, gpus_per_node: int,
         else:
             reduce, gather = (grads + weights * (p.zero_stage - 1)) * ring, 0.0
         data = max(0.2 * reduce, reduce - compute * 2 / 3) + gather  # backward hides all but its last bucket
-        data += data_collectives(spec, vocab_size, passes) * gpu.collective_seconds
+        # their fixed costs exposed: microseconds each on a GPU; on shared CPU cores measured not hidden
+        data += data_collectives(spec, shard, passes) * gpu.collective_seconds
     # AdamW's update streams each parameter it steps (weights, gradient, two moments read; three written; the
     # gradient again for the norm): ZeRO shards the update over the data-parallel ranks.
     updated = parameter_count(m, vocab_size) / (p.tensor * p.pipeline) / (p.data if p.zero_stage else 1)
@@ -217,26 +221,34 @@ def pipeline_slots(m: int, p: int, shared: float) -> float:
     return 2 * stretched(q - 1) + (m + p - 2 * q + 1) * max(1.0, q * k)
 
 
-def data_collectives(spec: Spec, vocab_size: int, passes: int) -> int:
-    """The data-parallel collectives a rank launches a step, each paying Accelerator.collective_seconds: a reduction
-    a bucket (DDP's and the composed reducer's 25 MiB, DeepSpeed's reduce bucket), ZeRO-1/2's gather of the updated
-    weights; ZeRO-3 gathers each unit in every forward and again in its backward, and reduces once a pass (FSDP2's
-    unit: a block, and the root; DeepSpeed's: each module holding parameters). ZeRO-2 on FSDP2 gathers in forward
-    only."""
-    p, m = spec.parallelism, spec.model
-    shard = parameter_count(m, vocab_size) / (p.tensor * p.pipeline)
+def data_collectives(spec: Spec, shard: float, passes: int) -> int:
+    """The data-parallel collectives a rank launches a step, each paying Accelerator.collective_seconds, as
+    bench/communication.py's recorder counts them (llama 4 x 128, 2026-12-07). Torch's engines reduce once a schedule
+    run (no_sync over the micro-steps; a pipeline's stage once a run): DDP and the composed reducer a 25 MiB bucket,
+    composed ZeRO-1 a reduce-scatter a bucket and a gather of the updated shards, FSDP2 a reduce-scatter a unit (a
+    block, and the root); FSDP2's ZeRO-3 gathers 2 units short of twice the units in every pass (the root and the
+    last block stay whole for backward), its ZeRO-2 each unit once a pass (under a pipeline once a run: kept
+    gathered for backward). DeepSpeed reduces a reduce bucket (ZeRO-1 at the accumulation boundary, ZeRO-2 and 3
+    every micro-step) and ZeRO-1/2 gather a parameter group (two: decayed and not) in the step; ZeRO-3 gathers its
+    prefetch bucket's worth of parameters together in forward (again in backward only past its reuse distance) and
+    each norm's weight on its own, every pass."""
+    p, t, m = spec.parallelism, spec.training, spec.model
     stage_layers = m.layers / p.pipeline
+    runs = t.gradient_accumulation if p.pipeline > 1 else 1
     if p.on_deepspeed:
-        buckets = math.ceil(shard / deepspeed_buckets(m.embed_dim)[0])
+        reduce_bucket, prefetch_bucket = deepspeed_buckets(m.embed_dim)
+        reductions = math.ceil(shard / reduce_bucket) * (1 if p.zero_stage == 1 else t.gradient_accumulation)
         if p.zero_stage < 3:
-            return 2 * buckets
-        per_block, outside = parameter_modules(m)
-        return round((per_block * stage_layers + outside) * 2 * passes) + buckets
-    buckets = math.ceil(shard * 4 / DDP_BUCKET_BYTES)
-    if p.zero_stage < 2:
-        return buckets * (2 if p.zero_stage == 1 else 1)
+            return reductions + 2
+        coalesced = math.ceil(shard / prefetch_bucket) * (2 if shard > DEEPSPEED_MAX_LIVE_PARAMETERS else 1)
+        return reductions + (coalesced + round(2 * stage_layers) + 1) * passes
     units = math.ceil(stage_layers) + 1
-    return units * passes * (2 if p.zero_stage == 3 else 1) + units * passes
+    if p.zero_stage == 3:
+        return units * runs + 2 * math.ceil(stage_layers) * passes
+    if p.zero_stage == 2:
+        return units * runs + units * (runs if p.pipeline > 1 else passes)
+    buckets = math.ceil(shard * 4 / DDP_BUCKET_BYTES)
+    return buckets * runs + (buckets if p.zero_stage == 1 else 0)
 
 
 def nvlink_ranks(spec: Spec, gpu: Accelerator, gpus_per_node: int) -> int:

@@ -123,10 +123,3 @@ def parameter_count(model: ModelShape, vocab_size: int) -> int:
     kv = model.kv_heads * (c // model.heads)
     per_layer = c + 2 * c * c + 2 * c * kv + c + 3 * c * f  # attn norm, q/o, k/v, mlp norm, gate/up/down
     return vocab_size * c + layers * per_layer + c + c * vocab_size
-
-
-def parameter_modules(model: ModelShape) -> tuple[int, int]:
-    """Modules holding parameters directly, per transformer block and outside the blocks, in the model paratrain
-    builds: what DeepSpeed's ZeRO-3 gathers one at a time (GPT: ln1, qkv, o, ln2, fc, proj; the token and position
-    embeddings, final norm, head. Llama: two norms, qkv, o, gate, up, down; embedding, final norm, head)."""
-    return (6, 4) if model.family == "gpt" else (7, 3)
