@@ -9,11 +9,13 @@
    largest measured. The bound is the planner's MEMORY_BAND (±15%).
 2. Ranking. For each world size, every legal layout of RANKED_MODEL (no activation checkpointing; microbatches p
    and 2p) run for STEPS steps as `paratrain run` runs it, its steady tokens/s measured; the planner's predicted
-   step times, on a CPU calibrated by three measurements made first (a rank's matmul FLOP/s and AdamW's step rate
-   at the threads a rank gets; gloo's all-reduce bytes/s between two ranks), ranked against the measured ones:
-   Spearman's rank correlation, and whether the planner's first choice is within 10% of the fastest measured layout. Runs on shared
-   cores are noisy (one layout's tokens/s moved up to 40% between runs), so the choice and the CONTENDERS fastest
-   of the first pass run REPEATS times in all, interleaved, and each is taken at its median.
+   step times, on a CPU calibrated by measurements made first (a rank's matmul FLOP/s and AdamW's step rate at the
+   threads a rank gets; gloo's all-reduce bytes/s between two ranks; a small collective's and a send's time at the
+   world size), ranked against the measured ones: Spearman's rank correlation, and whether the planner's first
+   choice is within 10% of the fastest measured layout. Runs on shared cores are noisy (one layout's tokens/s moved
+   up to 40% between runs), so the choice and the CONTENDERS fastest of the first pass run REPEATS times in all,
+   interleaved, and each is taken at its median. `--repredict` ranks the stored run's measurements again by the time
+   model as it is now (the layouts must be the same), for a change of the model that leaves them standing.
 
 Everything here is CPU-only: gloo, not NCCL; a few cores shared by every rank, so more ranks do not add compute.
 The time model's GPU constants (COMPUTE_EFFICIENCY, COMMUNICATION_EFFICIENCY) are not calibrated by this; a lent
