@@ -71,14 +71,15 @@ NOTES = (
     "its gather of every module, forward and backward, and tensor parallel's 4 all-reduces a layer each pay a fixed "
     "cost (a 4 KiB all-reduce: 0.45-1.4 ms at 2 ranks here, 5-6 ms at 4 ranks on 2 cores): now counted, by engine. "
     "The next run chose pp4 (1F1B, 4 microbatches), 13% slower: the model gave an idle stage's core to the others in "
-    "every slot of the pipeline, where filling and draining leave cores idle (now `pipeline_slots`). The table is "
-    "the run after that, its predictions made again (--repredict) once a review had the counts follow "
-    "bench/communication.py's recorder (DeepSpeed's ZeRO-3 gathers a prefetch bucket at once, not a module at a "
-    "time; FSDP2 reduce-scatters once a step): ρ at 4 ranks 0.83 → 0.89, at 2 ranks 0.50 → 0.33, the same choices. "
+    "every slot of the pipeline, where filling and draining leave cores idle (now `pipeline_slots`). The run after "
+    "that chose data 4, +5.5% of the fastest (ρ 0.83); a review then had the counts follow bench/communication.py's "
+    "recorder (DeepSpeed's ZeRO-3 gathers a prefetch bucket at once, not a module at a time; FSDP2 reduce-scatters "
+    "once a step), which ranked that run's measurements again (--repredict) at ρ 0.89 (2 ranks: 0.50 → 0.33), the "
+    "same choices; the table is a fresh run of that model. "
     "DeepSpeed ZeRO-3's hooks around every module are not priced (measured 2.3x plain data 4's step, predicted "
     "1.7x). Still not "
-    "modelled: a fixed host cost a layer and pass (the predicted steps are 20-35% under the measured at both world "
-    "sizes, and more microbatches measured slower, not faster). CPU only: the GPU constants (40% of peak, 70% of link "
+    "modelled: a fixed host cost a layer and pass (the predicted steps are 0-35% under the measured, by run and "
+    "world size, and more microbatches measured slower, not faster). CPU only: the GPU constants (40% of peak, 70% of link "
     "bandwidth, NCCL's fixed costs) wait for a lent GPU's bench/gpu.sh.")
 
 
