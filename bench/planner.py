@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -77,10 +76,9 @@ NOTES = (
     "once a step), which ranked that run's measurements again (--repredict) at ρ 0.89 (2 ranks: 0.50 → 0.33), the "
     "same choices; the table is a fresh run of that model. "
     "DeepSpeed ZeRO-3's hooks around every module are not priced (measured 2.3x plain data 4's step, predicted "
-    "1.7x). Still not "
-    "modelled: a fixed host cost a layer and pass (the predicted steps are 0-35% under the measured, by run and "
-    "world size, and more microbatches measured slower, not faster). CPU only: the GPU constants (40% of peak, 70% of link "
-    "bandwidth, NCCL's fixed costs) wait for a lent GPU's bench/gpu.sh.")
+    "1.7x). Still not modelled: a fixed host cost a layer and pass (the predicted steps are 0-35% under the "
+    "measured, by run and world size, and more microbatches measured slower, not faster). CPU only: the GPU "
+    "constants (40% of peak, 70% of link bandwidth, NCCL's fixed costs) wait for a lent GPU's bench/gpu.sh.")
 
 
 def job_document(name: str, model: dict, world: int, memory: str | None = None) -> dict:
@@ -205,14 +203,14 @@ def _fixed_costs() -> tuple[float, float]:
     return collective, (time.perf_counter() - started) / n / 2
 
 
-def calibrated_cpu(world: int):
-    """hardware.CPU with this machine's measured matmul FLOP/s (a rank, at the threads `paratrain run` gives each
-    of `world` ranks), gloo's all-reduce bytes/s, and the fixed cost of a collective and a send at `world` ranks
-    (divided by the ranks' sharing of cores, which step_time multiplies communication by)."""
+def calibration(world: int) -> dict:
+    """This machine measured for `world` local ranks: a rank's matmul FLOP/s and AdamW's rate at the threads `paratrain
+    run` gives it, gloo's all-reduce bytes/s between two ranks, a small collective's and a send's seconds at `world`
+    ranks; and the ranks' threads per core, as `paratrain run` plans for them (launch.local_target)."""
     import subprocess
 
-    from paratrain.api import hardware
-    from paratrain.launch import _threads_per_rank
+    from paratrain.api.load import parse_job
+    from paratrain.launch import _threads_per_rank, local_target
 
     threads = int(_threads_per_rank(world))
 
@@ -221,14 +219,25 @@ def calibrated_cpu(world: int):
                                      f"from planner import {function}; print({function}({threads}))"],
                                     capture_output=True, text=True, check=True).stdout)
 
-    flops, memory = measured("_matmul_flops"), measured("_adamw_bytes_per_second")
-    link = spawn(_all_reduce_bytes_per_second, 2)[0]
     collective, send = spawn(_fixed_costs, world)[0]
-    shared = world * threads / (os.cpu_count() or 1)
-    return dataclasses.replace(hardware.CPU, peak_flops=flops, fp32_flops=flops, node_bytes_per_second=link,
-                               network_bytes_per_second=link, memory_bytes_per_second=memory,
-                               collective_seconds=collective / max(1.0, shared),
-                               send_seconds=send / max(1.0, shared)), threads
+    job = parse_job(job_document(RANKED_MODEL, MODELS[RANKED_MODEL], world))
+    return {"threads_per_rank": threads, "oversubscription": local_target(job).oversubscription,
+            "cpu_flops": measured("_matmul_flops"), "adamw_bytes_per_second": measured("_adamw_bytes_per_second"),
+            "all_reduce_bytes_per_second": spawn(_all_reduce_bytes_per_second, 2)[0],
+            "collective_seconds": collective, "send_seconds": send}
+
+
+def calibrated_cpu(measured: dict):
+    """hardware.CPU as `calibration` measured it (the fixed costs divided by the ranks' sharing of cores, which
+    step_time multiplies communication by)."""
+    from paratrain.api import hardware
+
+    shared, link = max(1.0, measured["oversubscription"]), measured["all_reduce_bytes_per_second"]
+    return dataclasses.replace(hardware.CPU, peak_flops=measured["cpu_flops"], fp32_flops=measured["cpu_flops"],
+                               node_bytes_per_second=link, network_bytes_per_second=link,
+                               memory_bytes_per_second=measured["adamw_bytes_per_second"],
+                               collective_seconds=measured["collective_seconds"] / shared,
+                               send_seconds=measured["send_seconds"] / shared)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -271,9 +280,8 @@ def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
     for world in worlds:
         if world == 1:
             continue  # one layout
-        cpu, threads = calibrated_cpu(world)
-        shared = world * threads / (os.cpu_count() or 1)  # as launch.local_target: ranks' threads per core
-        result, layouts = ranked_plan(world, cpu, shared)
+        measured = calibration(world)
+        result, layouts = ranked_plan(world, calibrated_cpu(measured), measured["oversubscription"])
         rows = []
 
         def measure(i: int, c) -> float:
@@ -292,12 +300,7 @@ def ranking(tmp: Path, worlds: tuple[int, ...]) -> list[dict]:
         for r in rows:
             r["measured_tokens_per_second"] = statistics.median(r["runs"])
             r["spread"] = max(r["runs"]) / min(r["runs"]) - 1
-        out.append({"world": world, "threads_per_rank": threads, "oversubscription": shared,
-                    "cpu_flops": cpu.peak_flops,
-                    "adamw_bytes_per_second": cpu.memory_bytes_per_second,
-                    "all_reduce_bytes_per_second": cpu.node_bytes_per_second,
-                    "collective_seconds": cpu.collective_seconds * max(1.0, shared),
-                    "send_seconds": cpu.send_seconds * max(1.0, shared), "layouts": rows,
+        out.append({"world": world, **measured, "layouts": rows,
                     "contenders_spread": max(rows[i]["spread"] for i in contenders), **verdict(rows)})
     return out
 
@@ -306,18 +309,9 @@ def repredicted(ranked: list[dict]) -> list[dict]:
     """A stored run's measurements ranked again by the time model as it is now, on the CPU that run calibrated: for
     a change of the model that leaves the measurements standing (every layout is run; only the predictions move).
     The new choice must be among the layouts the run measured."""
-    from paratrain.api import hardware
-
     out = []
     for r in ranked:
-        shared = max(1.0, r["oversubscription"])
-        cpu = dataclasses.replace(
-            hardware.CPU, peak_flops=r["cpu_flops"], fp32_flops=r["cpu_flops"],
-            node_bytes_per_second=r["all_reduce_bytes_per_second"],
-            network_bytes_per_second=r["all_reduce_bytes_per_second"],
-            memory_bytes_per_second=r["adamw_bytes_per_second"], collective_seconds=r["collective_seconds"] / shared,
-            send_seconds=r["send_seconds"] / shared)
-        result, layouts = ranked_plan(r["world"], cpu, r["oversubscription"])
+        result, layouts = ranked_plan(r["world"], calibrated_cpu(r), r["oversubscription"])
         predicted = {c.describe(): c for c in layouts}
         if {x["layout"] for x in r["layouts"]} != set(predicted):
             raise SystemExit(f"{r['world']} ranks: the model's layouts differ from the run's; run the bench again")

@@ -371,9 +371,10 @@ def test_each_collective_and_send_pays_a_fixed_cost_counted_by_engine():
 
 
 def test_on_a_cpu_zero_3_and_tensor_parallel_pay_for_their_many_collectives():
-    """bench/planner.py at 4 ranks on 2 cores: DeepSpeed ZeRO-3 (a gather a module) and tensor parallel (4 all-reduces
-    a layer) measured 2.3x and 2.2x plain data parallel's step; the model, pricing bytes alone, had ZeRO-3 6% faster
-    (its update sharded), so the planner chose it. With each collective's fixed cost as the bench measured it there
+    """bench/planner.py at 4 ranks on 2 cores: DeepSpeed ZeRO-3 (13 collectives a pass here: its prefetch buckets,
+    each norm, its reductions) and tensor parallel (4 all-reduces a layer) measured 2.3x and 2.2x plain data
+    parallel's step; the model, pricing bytes alone, had ZeRO-3 6% faster (its update sharded), so the planner chose
+    it. With each collective's fixed cost as the bench measured it there
     (a 4 KiB all-reduce 5.14 ms, a send 0.54 ms; step_time stretches them by the ranks' sharing of the cores, 2)
     both are predicted slower."""
     cpu = dataclasses.replace(hardware.CPU, collective_seconds=5.14e-3 / 2, send_seconds=0.54e-3 / 2)
